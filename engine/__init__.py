@@ -1,0 +1,25 @@
+"""The engine: offline `LLM`, engine core loop, model runner, KV cache and
+block manager, prefix cache, TP workers, trainer forward.
+
+Public names are imported lazily so that light modules (the forward
+context) can be imported without pulling in the whole engine.
+"""
+from __future__ import annotations
+
+_LAZY = {
+    "LLM": "detent.engine.llm",
+    "SamplingParams": "detent.sampling.params",
+    "RequestOutput": "detent.engine.outputs",
+    "CompletionOutput": "detent.engine.outputs",
+    "Logprob": "detent.engine.outputs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'detent.engine' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

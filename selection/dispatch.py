@@ -1,0 +1,98 @@
+"""The active dispatcher: turns (family, call site, runtime values) into a
+selection dict by running that family's selector, memoized per forward step.
+
+A *provider* builds one selector per (family, site facts); the SelIR
+compiler provides them (`detent.selection.build_provider`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Protocol
+
+from detent.engine.forward_context import get_forward_context
+
+Site = tuple[tuple[str, Any], ...]
+Selector = Callable[..., dict]
+
+
+class Provider(Protocol):
+    mode: str
+
+    def selector(self, family: str, site: dict[str, Any]) -> Selector: ...
+
+
+class Dispatcher:
+    def __init__(self, provider: Provider):
+        self.provider = provider
+        self._selectors: dict[tuple[str, Site], Selector] = {}
+        # every distinct (family, site, runtime) seen, with counts: the tuner's profile
+        self.calls: dict[tuple[str, Site, tuple], int] = {}
+        self.record_calls = False
+
+    @property
+    def mode(self) -> str:
+        return self.provider.mode
+
+    def select(self, family: str, site: Site, runtime: dict[str, int]) -> dict:
+        ctx = get_forward_context()
+        key = (family, site, tuple(sorted(runtime.items())))
+        if ctx is not None:
+            hit = ctx.memo.get(key)
+            if hit is not None:
+                return hit
+        sel_fn = self._selectors.get((family, site))
+        if sel_fn is None:
+            sel_fn = self.provider.selector(family, dict(site))
+            self._selectors[(family, site)] = sel_fn
+        sel = sel_fn(**runtime)
+        if self.record_calls:
+            self.calls[key] = self.calls.get(key, 0) + 1
+        if ctx is not None:
+            ctx.memo[key] = sel
+        return sel
+
+    def resolve(self, family: str, site: Site, runtime: dict[str, int]) -> tuple[Callable, dict]:
+        """The selected candidate's function and its keyword parameters."""
+        ctx = get_forward_context()
+        rkey = ("resolved", family, site, tuple(sorted(runtime.items())))
+        if ctx is not None:
+            hit = ctx.memo.get(rkey)
+            if hit is not None:
+                return hit
+        sel = self.select(family, site, runtime)
+        from detent.selection import registry
+        cand = registry.get(family, sel["impl"])
+        kwargs = {k: v for k, v in sel.items() if k != "impl"}
+        unknown = set(kwargs) - set(cand.params)
+        if unknown:
+            raise TypeError(f"selection for {family}/{sel['impl']} sets {sorted(unknown)}, "
+                            f"which the candidate does not accept (accepts {list(cand.params)})")
+        out = (cand.fn, kwargs)
+        if ctx is not None:
+            ctx.memo[rkey] = out
+        return out
+
+
+_ACTIVE: Dispatcher | None = None
+
+
+def set_dispatcher(d: Dispatcher | None) -> None:
+    global _ACTIVE
+    _ACTIVE = d
+
+
+def get_dispatcher() -> Dispatcher:
+    if _ACTIVE is None:
+        raise RuntimeError("no kernel dispatcher is active: the engine installs one at startup "
+                           "(detent.selection.dispatch.set_dispatcher / use_dispatcher)")
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def use_dispatcher(d: Dispatcher) -> Iterator[Dispatcher]:
+    global _ACTIVE
+    prev, _ACTIVE = _ACTIVE, d
+    try:
+        yield d
+    finally:
+        _ACTIVE = prev

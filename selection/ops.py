@@ -1,0 +1,118 @@
+"""The `ops` façade: the only way models/ and engine/ reach kernels.
+
+Each function names its kernel family, the call site's facts (shapes that
+do not depend on the batch) and the step's runtime values; the active
+dispatcher runs the family's compiled selector and returns the candidate to
+call. Selections are memoized per forward step, so a 32-layer model selects
+once per family and shape, not once per layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from detent.engine.forward_context import get_forward_context
+from detent.selection.dispatch import get_dispatcher
+
+
+def _runtime(num_tokens: int) -> dict[str, int]:
+    ctx = get_forward_context()
+    if ctx is None:
+        return {"num_tokens": num_tokens, "num_seqs": 1, "max_seqlen_q": num_tokens,
+                "max_seqlen_k": num_tokens, "total_kv": num_tokens}
+    return ctx.runtime(num_tokens)
+
+
+def _dt(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias); weight is [N, K] as in torch.nn.Linear."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    n, k = weight.shape
+    site = (("n", n), ("k", k), ("dtype", _dt(x)))
+    fn, kw = get_dispatcher().resolve("gemm", site, _runtime(x2.shape[0]))
+    y = fn(x2, weight, bias, **kw)
+    return y.reshape(*lead, n)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: int,
+              scale: float) -> torch.Tensor:
+    """Write this step's k, v into the paged cache, then attend.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; returns [T, H, D]. Causal within each
+    sequence; positions and block tables come from the forward context.
+    """
+    ctx = get_forward_context()
+    if ctx is None or ctx.attn is None:
+        raise RuntimeError("ops.attention needs a forward context with attention metadata")
+    kv_cache = ctx.kv_caches[layer_idx]
+    _, h, d = q.shape
+    site = (("num_heads", h), ("num_kv_heads", k.shape[1]), ("head_dim", d),
+            ("block_size", ctx.attn.block_size), ("dtype", _dt(q)))
+    fn, kw = get_dispatcher().resolve("attention", site, _runtime(q.shape[0]))
+    return fn(q, k, v, kv_cache, ctx.attn, scale, **kw)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """RMSNorm; with `residual`, first x = x + residual and also return the new residual."""
+    site = (("hidden", x.shape[-1]), ("dtype", _dt(x)), ("fused_residual", residual is not None))
+    fn, kw = get_dispatcher().resolve("norm", site, _runtime(x.shape[0]))
+    return fn(x, weight, eps, residual, **kw)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding (rotate-half / NeoX layout). q: [T, H, D], k: [T, KVH, D];
+    cos_sin: [max_pos, D] fp32 with cos in [:, :D/2] and sin in [:, D/2:]."""
+    site = (("head_dim", q.shape[-1]), ("dtype", _dt(q)))
+    fn, kw = get_dispatcher().resolve("rope", site, _runtime(q.shape[0]))
+    return fn(q, k, positions, cos_sin, **kw)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [M, 2I] laid out [gate | up]; returns silu(gate) * up, [M, I]."""
+    site = (("width", x.shape[-1]), ("dtype", _dt(x)))
+    fn, kw = get_dispatcher().resolve("act", site, _runtime(x.shape[0]))
+    return fn(x, **kw)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    site = (("hidden", weight.shape[1]), ("dtype", _dt(weight)))
+    fn, kw = get_dispatcher().resolve("embedding", site, _runtime(ids.shape[0]))
+    return fn(ids, weight, **kw)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-softmax in float32. logits: [R, V]."""
+    site = (("vocab", logits.shape[-1]), ("dtype", _dt(logits)))
+    fn, kw = get_dispatcher().resolve("logsoftmax", site, _runtime(logits.shape[0]))
+    return fn(logits, **kw)
+
+
+def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+        top_k: int, renormalize: bool) -> torch.Tensor:
+    """Mixture of experts with softmax top-k routing.
+
+    x: [M, H]; router_logits: [M, E]; w13: [E, 2I, H] ([gate | up]);
+    w2: [E, H, I]. Returns [M, H]."""
+    e, two_i, hdim = w13.shape
+    site = (("num_experts", e), ("top_k", top_k), ("hidden", hdim), ("intermediate", two_i // 2),
+            ("dtype", _dt(x)))
+    fn, kw = get_dispatcher().resolve("moe", site, _runtime(x.shape[0]))
+    return fn(x, router_logits, w13, w2, top_k, renormalize, **kw)
+
+
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum x over the tensor-parallel group; returns the reduced tensor."""
+    import torch.distributed as dist
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return x
+    site = (("world_size", world), ("dtype", _dt(x)))
+    rt = _runtime(x.shape[0] if x.dim() else 1)
+    rt["message_bytes"] = x.numel() * x.element_size()
+    fn, kw = get_dispatcher().resolve("allreduce", site, rt)
+    return fn(x, group, **kw)

@@ -1,0 +1,64 @@
+"""Kernel candidate registry (STYLE.md item 6).
+
+A candidate is a function registered under (family, name). A selection is a
+dict ``{"impl": name, **params}``; the dispatcher looks the candidate up and
+calls it with the call's tensors plus the selection's parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Candidate:
+    family: str
+    name: str
+    fn: Callable
+    params: tuple[str, ...]  # the selection parameters it accepts
+    devices: tuple[str, ...]  # device types it runs on ("cpu", "cuda")
+
+
+_REGISTRY: dict[str, dict[str, Candidate]] = {}
+
+
+def register(family: str, name: str, *, params: tuple[str, ...] = (),
+             devices: tuple[str, ...] = ("cpu", "cuda")) -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        fam = _REGISTRY.setdefault(family, {})
+        if name in fam and fam[name].fn is not fn:
+            raise ValueError(f"candidate {family}/{name} registered twice")
+        fam[name] = Candidate(family, name, fn, tuple(params), tuple(devices))
+        return fn
+    return deco
+
+
+def get(family: str, name: str) -> Candidate:
+    _ensure_loaded()
+    try:
+        return _REGISTRY[family][name]
+    except KeyError:
+        known = sorted(_REGISTRY.get(family, {}))
+        raise KeyError(f"no kernel candidate {name!r} in family {family!r}; registered: {known}") from None
+
+
+def candidates(family: str) -> dict[str, Candidate]:
+    _ensure_loaded()
+    return dict(_REGISTRY.get(family, {}))
+
+
+def families() -> list[str]:
+    _ensure_loaded()
+    return sorted(_REGISTRY)
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    # kernels/ registers its candidates on import; selection/ is the only
+    # layer that imports it (models/ and engine/ never do).
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import detent.kernels  # noqa: F401
