@@ -1,0 +1,143 @@
+"""Filling a model's parameters: strict safetensors loading and dummy weights.
+
+Strict: every checkpoint tensor the model needs must be present with its
+full shape, and every tensor in the files must be used (or explicitly
+ignored); otherwise one error names all missing, unexpected and misshapen
+tensors. Pickled checkpoints (`.bin`, `.pt`) are never opened.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from detent.models.blocks import CausalLM
+from detent.models.layers import Source
+
+INDEX_FILE = "model.safetensors.index.json"
+DUMMY_STD = 0.02
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model (names the tensors) or is unreadable."""
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The .safetensors files of a checkpoint directory (sharded via the
+    index file, or all *.safetensors) or a single file."""
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise CheckpointError(f"{path} is not a .safetensors file")
+        return [path]
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that are missing: {missing}")
+        return [os.path.join(path, f) for f in files]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        pickled = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+        hint = (f" It has pickled weights ({', '.join(pickled[:3])}), which Detent never unpickles"
+                f" (arbitrary code execution); convert them to safetensors first." if pickled else "")
+        raise CheckpointError(f"no .safetensors files in {path}.{hint}")
+    return [os.path.join(path, f) for f in files]
+
+
+def _open(file: str, device: str):
+    try:
+        return safe_open(file, framework="pt", device=device)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {file}: not a valid safetensors file "
+                              f"(truncated or corrupt?): {e}") from None
+
+
+def iter_checkpoint(files: list[str], device: str = "cpu") -> Iterator[tuple[str, str, tuple, object]]:
+    """(file, name, shape, handle) for every tensor, without reading data."""
+    for file in files:
+        f = _open(file, device)
+        for name in f.keys():
+            yield file, name, tuple(f.get_slice(name).get_shape()), f
+
+
+def load_safetensors(model: CausalLM, path: str, *, device: str = "cpu", progress: bool = True) -> None:
+    files = safetensors_files(path)
+    sources = model.weight_sources()
+    entries = list(iter_checkpoint(files, "cpu" if device == "meta" else str(device)))
+    seen: set[str] = set()
+    unexpected, bad_shape = [], []
+    for file, name, shape, _ in entries:
+        if name in sources:
+            seen.add(name)
+            if shape != sources[name].shape:
+                bad_shape.append(f"{name}: checkpoint {list(shape)}, model expects "
+                                 f"{list(sources[name].shape)} ({os.path.basename(file)})")
+        elif not model.is_ignored(name):
+            unexpected.append(name)
+    missing = sorted(set(sources) - seen)
+    if missing or unexpected or bad_shape:
+        raise CheckpointError(_mismatch_message(path, model, missing, sorted(unexpected), bad_shape))
+    bar = _progress(len(entries), progress)
+    for file, name, _, handle in entries:
+        if name in sources:
+            try:
+                t = handle.get_tensor(name)
+            except Exception as e:  # noqa: BLE001 - report which file and tensor
+                raise CheckpointError(f"cannot read tensor {name} from {file} (truncated?): {e}") from None
+            sources[name].load(t)
+        bar.update(1)
+    bar.close()
+
+
+def _mismatch_message(path, model, missing, unexpected, bad_shape) -> str:
+    def some(xs):
+        return ", ".join(xs[:8]) + (f", ... ({len(xs)} in all)" if len(xs) > 8 else "")
+    parts = [f"checkpoint {path} does not match {type(model).__name__}:"]
+    if missing:
+        parts.append(f"missing tensors: {some(missing)}")
+    if unexpected:
+        parts.append(f"unexpected tensors: {some(unexpected)}")
+    if bad_shape:
+        parts.append(f"wrong shapes: {some(bad_shape)}")
+    return "\n  ".join(parts)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Loading weights", unit="tensor", disable=not enabled or total == 0,
+                leave=False)
+
+
+def init_dummy(model: CausalLM, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    """Random weights at the real shapes: norms 1, biases 0, matrices N(0, 0.02).
+
+    Each checkpoint tensor is drawn whole on the target device from a
+    generator keyed by (seed, tensor name), then sharded by the same loaders
+    as real weights: so a rank's shard equals the slice of the tp=1 tensor,
+    and the values do not depend on load order."""
+    device = torch.device(device)
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator(device=device)
+    for name, src in model.weight_sources().items():
+        if src.init == "ones":
+            t = torch.ones(src.shape, device=device, dtype=dtype)
+        elif src.init == "zeros":
+            t = torch.zeros(src.shape, device=device, dtype=dtype)
+        else:
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+            t = torch.randn(src.shape, generator=gen, device=device, dtype=dtype)
+            t.mul_(DUMMY_STD)
+        src.load(t)
+        del t
+
+
+__all__ = ["CheckpointError", "init_dummy", "load_safetensors", "safetensors_files", "Source"]

@@ -1,0 +1,72 @@
+"""Run one sequence's prefill through a Detent model with a fresh paged KV
+cache (layout of engine/forward_context.py and the attention candidates:
+per layer [2, num_blocks, block_size, KVH, D], slot = block * bs + offset)."""
+from __future__ import annotations
+
+import torch
+
+from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from detent.selection import make_dispatcher, use_dispatcher
+
+BLOCK = 16
+
+
+def cpu_dispatcher(mode: str = "pinned"):
+    return make_dispatcher({"device": "cpu"}, mode)
+
+
+def _meta(start: int, n: int, seq_len: int, num_blocks: int, device) -> AttentionMetadata:
+    blocks = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]  # seq owns blocks 0..
+    pos = torch.arange(start, start + n, device=device)
+    slots = (blocks[0].long()[pos // BLOCK] * BLOCK + pos % BLOCK)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+        block_tables=blocks, slot_mapping=slots, num_seqs=1, num_tokens=n,
+        max_seqlen_q=n, max_seqlen_k=seq_len, block_size=BLOCK,
+        query_start_loc_cpu=(0, n), seq_lens_cpu=(seq_len,))
+
+
+class Session:
+    """One sequence: prefill, then decode steps, each a real paged-KV step."""
+
+    def __init__(self, model, max_len: int = 256, mode: str = "pinned"):
+        cfg = model.config
+        p = next(model.parameters())
+        self.model, self.device = model, p.device
+        nb = -(-max_len // BLOCK)
+        kvh = model.model.layers[0].self_attn.qkv_proj.num_kv_heads
+        self.kv = [torch.zeros(2, nb, BLOCK, kvh, cfg.head_dim, dtype=p.dtype, device=p.device)
+                   for _ in range(cfg.num_layers)]
+        self.num_blocks, self.len, self.mode = nb, 0, mode
+
+    @torch.no_grad()
+    def step(self, ids: list[int]) -> torch.Tensor:
+        """Feed `ids` (after what came before); returns their logits [n, V] fp32."""
+        n = len(ids)
+        meta = _meta(self.len, n, self.len + n, self.num_blocks, self.device)
+        ctx = ForwardContext(attn=meta, kv_caches=self.kv)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.arange(self.len, self.len + n, device=self.device)
+        with use_dispatcher(cpu_dispatcher(self.mode)), forward_context(ctx):
+            hidden = self.model(ids_t, pos)
+            logits = self.model.compute_logits(hidden)
+        self.len += n
+        return logits
+
+
+def prefill_logits(model, ids: list[int], mode: str = "pinned") -> torch.Tensor:
+    return Session(model, max_len=len(ids) + BLOCK, mode=mode).step(ids)
+
+
+def greedy(model, prompt: list[int], n: int, stop: tuple[int, ...] = ()) -> list[int]:
+    s = Session(model, max_len=len(prompt) + n + BLOCK)
+    logits = s.step(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(torch.argmax(logits[-1]))
+        out.append(tok)
+        if tok in stop:
+            break
+        logits = s.step([tok])
+    return out
