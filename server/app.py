@@ -1,0 +1,138 @@
+"""The FastAPI application: routes, auth, verifiability headers, error handlers."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from detent.server import chat, completions
+from detent.server.errors import APIError, request_validation_handler, unhandled_handler
+from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest)
+from detent.server.serving import ServerState, read_body
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class DetentASGIMiddleware:
+    """Adds the tuple and deployment hashes to every response; checks the API key on /v1/*.
+
+    A plain ASGI middleware (not BaseHTTPMiddleware) so streaming responses
+    and disconnect detection pass through untouched.
+    """
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+        self.headers = [(b"x-detent-tuple-hash", state.tuple_hash.encode()),
+                        (b"x-detent-deployment-hash", state.deployment_hash.encode())]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(msg):
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": list(msg.get("headers", [])) + self.headers}
+            await send(msg)
+
+        key = self.state.api_key
+        path = scope.get("path", "")
+        if key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            auth = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
+            scheme, _, given = auth.partition(" ")
+            if not auth:
+                err = APIError(401, "missing API key: send the header `Authorization: Bearer <key>`",
+                               code="invalid_api_key")
+            elif scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+                err = APIError(401, "incorrect API key provided", code="invalid_api_key")
+            else:
+                err = None
+            if err is not None:
+                return await err.response()(scope, receive, send_with_headers)
+        await self.app(scope, receive, send_with_headers)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if state.engine._thread is None:
+            state.engine.start(asyncio.get_running_loop())
+        yield
+        state.engine.shutdown()
+
+    app = FastAPI(title="Detent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.detent = state
+
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path in GENERATION_PATHS:
+            state.metrics.outcome("rejected")
+        return exc.response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, request_validation_handler)
+    app.add_exception_handler(Exception, unhandled_handler)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "reason": state.engine.dead or "engine not running"},
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = state.metrics.render(state.engine.stats(), state.engine.running)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> Response:
+        from detent import __version__
+        return JSONResponse({"version": __version__, **state.fingerprint()})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [{"id": n, "object": "model", "created": state.created, "owned_by": "detent",
+                 "root": state.model_root, "parent": None, "max_model_len": state.max_model_len}
+                for n in state.served_model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        req = await read_body(request, state, CompletionRequest)
+        return await completions.create_completion(req, request, state)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        req = await read_body(request, state, ChatCompletionRequest)
+        return await chat.create_chat_completion(req, request, state)
+
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await read_body(request, state, TokenizeRequest)
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids = chat.chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+        else:
+            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
+    @app.post("/v1/detokenize")
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await read_body(request, state, DetokenizeRequest)
+        state.check_model(req.model)
+        from detent.server.params import check_prompt_ids
+        if req.tokens:
+            check_prompt_ids(req.tokens, state.vocab_size, "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    wrapped = DetentASGIMiddleware(app, state)
+    wrapped.fastapi = app  # type: ignore[attr-defined]
+    return wrapped  # type: ignore[return-value]

@@ -1,0 +1,192 @@
+"""The engine's step loop in its own thread, fanned out to asyncio streams.
+
+HTTP handlers run on the event loop; `LLMEngine.step()` runs here, in one
+background thread that alone touches the engine. Handlers talk to it
+through a command deque (add, abort) and a wake event; the thread hands
+each step's outputs to the request's `asyncio.Queue` with
+`loop.call_soon_threadsafe`, so no HTTP work (JSON, SSE writes, slow
+clients) ever delays a step, and no step blocks the event loop.
+
+Outputs are cumulative (the engine's contract), so a consumer that falls
+behind only needs the newest one: `generate` coalesces its queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import traceback
+from typing import Any, AsyncIterator
+
+from detent.server.errors import APIError, EngineDead, Overloaded
+
+log = logging.getLogger("detent.server")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, *, max_queue_len: int | None = None):
+        self.engine = engine
+        self.max_queue_len = max_queue_len
+        self._cmds: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self.dead: str | None = None
+        self.steps = 0
+        self._stats: dict[str, Any] = self._read_stats()
+
+    # ---- lifecycle (event loop side) ----
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="detent-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot taken by the engine thread after its latest step."""
+        out = dict(self._stats)
+        out["num_pending"] = self._pending_adds
+        out["num_streams"] = len(self._streams)
+        return out
+
+    def queued(self) -> int:
+        return int(self._stats.get("num_waiting", 0)) + self._pending_adds
+
+    # ---- requests (event loop side) ----
+    def check_admission(self) -> None:
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        if not self.running:
+            raise EngineDead("the engine thread is not running")
+        if self.max_queue_len is not None and self.queued() >= self.max_queue_len:
+            raise Overloaded(self.queued(), self.max_queue_len)
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """Admits the request (raising its 400/503 here, before any response
+        starts) and returns the stream of its cumulative outputs."""
+        self.check_admission()
+        if request_id in self._streams:
+            raise APIError(400, f"request id {request_id!r} is already in use", param="request_id")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        admitted = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._pending_adds += 1
+        self._cmds.append(("add", request_id, list(prompt_token_ids), params, admitted))
+        self._wake.set()
+        try:
+            await admitted
+        except BaseException:  # refused, or the caller was cancelled while waiting
+            self._streams.pop(request_id, None)
+            self.abort(request_id)  # harmless if it never reached the engine
+            raise
+        return self._outputs(request_id, q)
+
+    async def _outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[Any]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                while not q.empty() and not isinstance(item, BaseException):
+                    item = q.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine died: nothing left to abort
+                    raise item
+                finished = bool(item.finished)
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Stops delivering to a request's stream and aborts it in the engine (idempotent)."""
+        if self._streams.pop(request_id, None) is not None:
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.append(("abort", request_id))
+        self._wake.set()
+
+    # ---- the engine thread ----
+    def _deliver(self, request_id: str, item: Any) -> None:
+        q = self._streams.get(request_id)
+        if q is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
+        def set_() -> None:
+            if fut.done():
+                return
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(set_)
+
+    def _apply_commands(self) -> None:
+        while self._cmds:
+            cmd = self._cmds.popleft()
+            if cmd[0] == "add":
+                _, rid, ids, params, admitted = cmd
+                with self._lock:
+                    self._pending_adds -= 1
+                if rid not in self._streams:  # the client left before admission
+                    continue
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except (ValueError, TypeError, NotImplementedError) as e:
+                    self._resolve(admitted, APIError(400, str(e)))
+                else:
+                    self._resolve(admitted, None)
+            else:
+                try:
+                    self.engine.abort_request(cmd[1])
+                except (KeyError, ValueError):
+                    pass  # finished or never admitted
+
+    def _read_stats(self) -> dict[str, Any]:
+        try:
+            return dict(self.engine.stats())
+        except Exception as e:  # stats must never take the server down
+            return {"stats_error": repr(e)}
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._apply_commands()
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self.steps += 1
+                    for out in outputs:
+                        self._deliver(out.request_id, out)
+                else:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                self._stats = self._read_stats()
+        except BaseException as e:  # the engine is broken: fail every request, report unhealthy
+            self.dead = f"{type(e).__name__}: {e}"
+            log.error("engine step loop died:\n%s", traceback.format_exc())
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDead(self.dead))
+            while self._cmds:
+                cmd = self._cmds.popleft()
+                if cmd[0] == "add":
+                    self._resolve(cmd[4], EngineDead(self.dead))

@@ -1,0 +1,131 @@
+"""/v1/chat/completions: messages through the model's chat template."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from detent.server.errors import APIError, bad_request
+from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
+from detent.server.generation import Generation, output_error, seeds
+from detent.server.params import check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs
+from detent.server.protocol import ChatCompletionRequest, ChatMessage
+from detent.server.serving import ClientGone, ServerState, SSEResponse, sse, unless_disconnected
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported "
+                                      f"(type 'text' with a string 'text')", f"messages[{i}].content")
+                parts.append(part["text"])
+            d["content"] = "".join(parts)
+        out.append(d)
+    return out
+
+
+def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
+    try:
+        text = state.tokenizer.apply_chat_template(
+            messages_to_dicts(messages), add_generation_prompt=add_generation_prompt and not continue_final_message,
+            **(kwargs or {}))
+    except APIError:
+        raise
+    except Exception as e:  # a template that raises on these messages is the request's fault
+        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+    if continue_final_message:
+        last = messages[-1].content if isinstance(messages[-1].content, str) else None
+        if last and last in text:
+            text = text[: text.rindex(last) + len(last)]
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+    model = state.check_model(req.model)
+    if req.tools:
+        raise bad_request("tools are not supported by this server", "tools")
+    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
+                          req.chat_template_kwargs)
+    check_prompt_ids(ids, None, "messages")
+    structured = structured_outputs(req)
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    mt = resolve_max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+                            len(ids), state.max_model_len, param)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
+                             structured=structured)
+    rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    gen = await Generation(state, rid, [ids], [params]).start()
+    tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
+    ctx = dict(id=rid, created=int(time.time()), model=model, system_fingerprint=state.system_fingerprint)
+    if req.stream:
+        return SSEResponse(_stream(req, state, gen, tok, k, ctx), on_close=gen.close)
+    try:
+        (out,) = await unless_disconnected(request, gen.run())
+    except ClientGone:
+        return Response(status_code=499)
+    err = output_error(out)
+    if err is not None:
+        raise err
+    choices = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        choices.append({
+            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None,
+            "finish_reason": c.finish_reason, "stop_reason": getattr(c, "stop_reason", None)})
+    body = {**ctx, "object": "chat.completion", "choices": choices,
+            "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+            "detent": {**state.fingerprint(), "seeds": seeds([out])}}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, tok)
+    return JSONResponse(body)
+
+
+async def _stream(req: ChatCompletionRequest, state: ServerState, gen: Generation, tok: TokenText,
+                  k: int | None, ctx: dict) -> AsyncIterator[str]:
+    ctx = {**ctx, "object": "chat.completion.chunk"}
+    deltas: dict[int, ChoiceDelta] = {}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    stop = list([req.stop] if isinstance(req.stop, str) else (req.stop or []))
+    try:
+        for j in range(req.n):
+            deltas[j] = ChoiceDelta(stop, req.include_stop_str_in_output)
+            yield sse({**ctx, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}], "usage": None})
+        async for _, out in gen:
+            err = output_error(out)
+            if err is not None:
+                raise err
+            for c in out.outputs:
+                d, done = deltas[c.index], c.finish_reason is not None
+                text, t0, t1 = d.next(c.text, len(c.token_ids), done)
+                if not text and t0 == t1 and not done:
+                    continue
+                lps = None
+                if k is not None:
+                    lps = chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], k, tok)
+                yield sse({**ctx, "choices": [{
+                    "index": c.index, "delta": {"content": text} if text or not done else {},
+                    "logprobs": lps, "finish_reason": c.finish_reason if done else None,
+                    "stop_reason": getattr(c, "stop_reason", None) if done else None}], "usage": None})
+        if include_usage:
+            yield sse({**ctx, "choices": [], "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+                       "detent": {**state.fingerprint(), "seeds": seeds(gen.final)}})
+    except APIError as e:
+        yield sse(e.body())
+    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+        yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+    yield "data: [DONE]\n\n"

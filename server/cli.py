@@ -1,0 +1,114 @@
+"""`detent-serve`: build the engine, then serve it with uvicorn on uvloop.
+
+The engine (model load, tuple validation) is built before the socket is
+bound, so an illegal or mismatched commitment tuple refuses startup with
+its validation message and exit status 2. uvicorn handles SIGTERM/SIGINT:
+it stops accepting, lets requests finish (up to `--graceful-timeout`),
+then the lifespan stops the engine thread and the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser("detent-serve", description="OpenAI-compatible server for the Detent engine")
+    p.add_argument("--model", default=None, help="model directory, HF cache name or preset (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--tuple", default=None, help="commitment tuple t.json (default: the default tuple)")
+    p.add_argument("--selection", choices=("pinned", "stock", "conservative"), default="pinned")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--api-key", default=os.environ.get("DETENT_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $DETENT_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API accepts in `model` (default: the --model argument)")
+    p.add_argument("--max-queue-len", type=int, default=256,
+                   help="refuse new requests with 503 while this many are waiting")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="refuse larger request bodies with 413")
+    p.add_argument("--graceful-timeout", type=float, default=5.0)
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    a = p.parse_args(argv)
+    for name in ("tp", "max_queue_len", "max_request_bytes", "port"):
+        if getattr(a, name) < (0 if name == "max_queue_len" else 1):
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    return a
+
+
+def build_state(a: argparse.Namespace):
+    from detent.engine import LLM
+    from detent.server.async_engine import AsyncEngine
+    from detent.server.fingerprint import fingerprint
+    from detent.server.serving import ServerState
+
+    kw = dict(model=a.model, tensor_parallel_size=a.tp, tuple=a.tuple, selection=a.selection, dtype=a.dtype,
+              device=a.device, enable_prefix_caching=a.enable_prefix_caching, load_format=a.load_format,
+              seed=a.seed, max_model_len=a.max_model_len)
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(a, name) is not None:
+            kw[name] = getattr(a, name)
+    llm = LLM(**kw)
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    tuple_hash, deployment_hash = fingerprint(engine, model=a.model, tuple_path=a.tuple, selection=a.selection)
+    names = a.served_model_name or [a.model or "smollm2-135m-instruct"]
+    return ServerState(
+        engine=AsyncEngine(engine, max_queue_len=a.max_queue_len), tokenizer=tok, served_model_names=names,
+        model_root=a.model or "embedded:SmolLM2-135M-Instruct",
+        max_model_len=int(engine.state.max_model_len), vocab_size=int(engine.model_config.vocab_size),
+        tuple_hash=tuple_hash, deployment_hash=deployment_hash,
+        selection=a.selection, api_key=a.api_key or None, max_request_bytes=a.max_request_bytes)
+
+
+def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:
+    import uvicorn
+
+    from detent.server.app import build_app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after its graceful shutdown, so the
+            # process would die by it; a clean SIGTERM shutdown exits 0 instead
+            self._captured_signals.clear()
+
+    config = uvicorn.Config(build_app(state), host=host, port=port, loop="uvloop", lifespan="on",
+                            log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=graceful_timeout)
+    server = Server(config)
+    print(f"detent-serve: serving {state.model_name!r} on http://{host}:{port} "
+          f"(tuple {state.tuple_hash[:16]}, deployment {state.deployment_hash[:16]}, {state.selection})",
+          file=sys.stderr, flush=True)
+    server.run()
+    if not server.started:
+        sys.exit(1)  # e.g. the port is taken; uvicorn logged why
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        state = build_state(a)
+    except Exception as e:  # a bad tuple, model or flag: say why and refuse to start
+        print(f"detent-serve: refusing to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    serve(state, a.host, a.port, a.log_level, a.graceful_timeout)
+    print("detent-serve: stopped", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

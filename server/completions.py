@@ -1,0 +1,146 @@
+"""/v1/completions: prompt as text, texts, token ids or lists of token ids."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from detent.server.errors import APIError, bad_request
+from detent.server.formatting import ChoiceDelta, TokenText, completion_logprobs, prompt_logprobs_json, usage
+from detent.server.generation import Generation, output_error, seeds
+from detent.server.params import check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs
+from detent.server.protocol import CompletionRequest
+from detent.server.serving import ClientGone, ServerState, SSEResponse, sse, unless_disconnected
+
+
+def _prompts(req: CompletionRequest, state: ServerState) -> list[tuple[str | None, list[int]]]:
+    p = req.prompt
+    if isinstance(p, str):
+        texts, ids_list = [p], None
+    elif not p:
+        raise bad_request("prompt is empty", "prompt")
+    elif isinstance(p[0], str):
+        texts, ids_list = p, None
+    elif isinstance(p[0], int):
+        texts, ids_list = None, [p]
+    else:
+        texts, ids_list = None, p
+    out = []
+    if texts is not None:
+        for i, t in enumerate(texts):
+            ids = state.tokenizer.encode(t, add_special_tokens=True)
+            check_prompt_ids(ids, None, f"prompt[{i}]" if len(texts) > 1 else "prompt")
+            out.append((t, ids))
+    else:
+        for i, ids in enumerate(ids_list):
+            check_prompt_ids(list(ids), state.vocab_size, f"prompt[{i}]" if len(ids_list) > 1 else "prompt")
+            out.append((None, list(ids)))
+    return out
+
+
+async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
+    model = state.check_model(req.model)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of must equal n ({req.n}) when given, got {req.best_of}", "best_of")
+    prompts = _prompts(req, state)
+    structured = structured_outputs(req)
+    prompt_lp = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_lp = max(prompt_lp or 0, req.logprobs)
+    params = []
+    for _, ids in prompts:
+        mt = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, "max_tokens")
+        params.append(sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
+                                      structured=structured))
+    rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+    gen = await Generation(state, rid, [ids for _, ids in prompts], params).start()
+    tok = TokenText(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=False),
+                    req.return_tokens_as_token_ids)
+    ctx = dict(id=rid, object="text_completion", created=int(time.time()), model=model,
+               system_fingerprint=state.system_fingerprint)
+    if req.stream:
+        return SSEResponse(_stream(req, state, gen, prompts, tok, ctx), on_close=gen.close)
+    try:
+        finals = await unless_disconnected(request, gen.run())
+    except ClientGone:
+        return Response(status_code=499)
+    choices = []
+    for i, out in enumerate(finals):
+        err = output_error(out)
+        if err is not None:
+            raise err
+        text0, ids = prompts[i]
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            choices.append(_choice(req, state, tok, i * req.n + c.index, text0, ids, out, c))
+    body = {**ctx, "choices": choices, "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+            "detent": {**state.fingerprint(), "seeds": seeds(finals)}}
+    return JSONResponse(body)
+
+
+def _prompt_text(state: ServerState, text0: str | None, ids: list[int]) -> str:
+    return text0 if text0 is not None else state.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _choice(req, state, tok, index, text0, ids, out, c) -> dict[str, Any]:
+    text, lps = c.text, None
+    prefix = _prompt_text(state, text0, ids) if req.echo else ""
+    if req.logprobs is not None:
+        tids, tlps = list(c.token_ids), list(c.logprobs or [])
+        if req.echo:
+            tids, tlps = list(ids) + tids, list(out.prompt_logprobs or [None] * len(ids)) + tlps
+        lps = completion_logprobs(tids, tlps, tok)
+    ch = {"index": index, "text": prefix + text, "logprobs": lps, "finish_reason": c.finish_reason,
+          "stop_reason": getattr(c, "stop_reason", None)}
+    if req.prompt_logprobs is not None:
+        ch["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, tok)
+    return ch
+
+
+async def _stream(req: CompletionRequest, state: ServerState, gen: Generation,
+                  prompts: list[tuple[str | None, list[int]]], tok: TokenText, ctx: dict) -> AsyncIterator[str]:
+    deltas: dict[int, ChoiceDelta] = {}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    stop = list([req.stop] if isinstance(req.stop, str) else (req.stop or []))
+    try:
+        async for i, out in gen:
+            err = output_error(out)
+            if err is not None:
+                raise err
+            text0, ids = prompts[i]
+            for c in out.outputs:
+                index = i * req.n + c.index
+                d = deltas.get(index)
+                first = d is None
+                if first:
+                    d = deltas[index] = ChoiceDelta(stop, req.include_stop_str_in_output)
+                done = c.finish_reason is not None
+                text, t0, t1 = d.next(c.text, len(c.token_ids), done)
+                if not text and t0 == t1 and not done and not (first and req.echo):
+                    continue
+                lps = None
+                if req.logprobs is not None:
+                    tids, tlps = list(c.token_ids[t0:t1]), list((c.logprobs or [])[t0:t1])
+                    if first and req.echo:
+                        tids, tlps = list(ids) + tids, list(out.prompt_logprobs or [None] * len(ids)) + tlps
+                    lps = completion_logprobs(tids, tlps, tok)
+                if first and req.echo:
+                    text = _prompt_text(state, text0, ids) + text
+                ch = {"index": index, "text": text, "logprobs": lps,
+                      "finish_reason": c.finish_reason if done else None,
+                      "stop_reason": getattr(c, "stop_reason", None) if done else None}
+                if first and req.prompt_logprobs is not None:
+                    ch["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, tok)
+                yield sse({**ctx, "choices": [ch], "usage": None})
+        if include_usage:
+            yield sse({**ctx, "choices": [], "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+                       "detent": {**state.fingerprint(), "seeds": seeds(gen.final)}})
+    except APIError as e:
+        yield sse(e.body())
+    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+        yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+    yield "data: [DONE]\n\n"

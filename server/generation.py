@@ -1,0 +1,108 @@
+"""One HTTP request's engine requests, merged, timed and reported.
+
+A completion with several prompts is several engine requests (ids
+`<id>-0`, `<id>-1`, ...); each may carry `n` samples. `Generation` runs them
+through the `AsyncEngine`, feeds the metrics, and records the outcome
+(`stop`, `length`, `error`, or `abort` when the consumer stops early).
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from detent.server.errors import APIError
+from detent.server.metrics import RequestTimer
+from detent.server.serving import ServerState, merge
+
+
+def _generated(out: Any) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
+
+
+def _outcome(out: Any) -> str:
+    reasons = {c.finish_reason for c in out.outputs}
+    for r in ("error", "abort", "length", "stop"):
+        if r in reasons:
+            return r
+    return "stop"
+
+
+def seeds(finals: list[Any]) -> list[int | None]:
+    """Per choice, the seed it sampled with (drawn at admission if the request gave none)."""
+    return [getattr(c, "seed", None) for o in finals if o is not None
+            for c in sorted(o.outputs, key=lambda c: c.index)]
+
+
+def output_error(out: Any) -> APIError | None:
+    """A request the engine failed on its own (e.g. a grammar that did not compile): a 400."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            why = getattr(c, "error", None) or getattr(out, "error", None) or getattr(c, "stop_reason", None)
+            return APIError(400, f"the request failed in the engine: {why or 'unknown error'}",
+                            param="structured_outputs" if why and "grammar" in str(why).lower() else None)
+    return None
+
+
+class Generation:
+    def __init__(self, state: ServerState, base_id: str, prompts: list[list[int]], params: list[Any]):
+        self.state, self.base_id = state, base_id
+        self.prompts, self.params = prompts, params
+        self.timers = [RequestTimer(state.metrics) for _ in prompts]
+        self._streams: list[AsyncIterator[Any]] = []
+        self.final: list[Any] = [None] * len(prompts)
+
+    async def start(self) -> "Generation":
+        """Admits every engine request (a refusal is raised here, before any response starts)."""
+        self.state.engine.check_admission()
+        try:
+            for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
+                self._streams.append(await self.state.engine.add(self.rid(i), ids, p))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def rid(self, i: int) -> str:
+        return f"{self.base_id}-{i}"
+
+    def close(self) -> None:
+        """Aborts whatever has not finished (the client left, or the response never started)."""
+        for i in range(len(self.prompts)):
+            if self.final[i] is None:
+                self.state.engine.cancel(self.rid(i))
+            self.timers[i].finish("abort", len(self.prompts[i]))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(_generated(o) for o in self.final if o is not None)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
+        it = merge(self._streams)
+        try:
+            async for i, out in it:
+                self.timers[i].tokens(_generated(out))
+                if out.finished:
+                    self.final[i] = out
+                    self.timers[i].finish(_outcome(out), len(self.prompts[i]))
+                yield i, out
+        except BaseException as e:
+            outcome = "error" if isinstance(e, (APIError, Exception)) else "abort"
+            for i, t in enumerate(self.timers):
+                t.finish(outcome, len(self.prompts[i]))
+            raise
+        finally:
+            await it.aclose()
+            for i, t in enumerate(self.timers):
+                t.finish("abort", len(self.prompts[i]))
+
+    async def run(self) -> list[Any]:
+        """Until every engine request finished: the final cumulative outputs."""
+        try:
+            async for _ in self:
+                pass
+        finally:
+            self.close()
+        return self.final

@@ -1,0 +1,186 @@
+"""What every endpoint shares: the server state, reading a body, model
+checks, running engine requests while watching for the client to leave,
+and the SSE response that aborts its requests when the client goes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.responses import StreamingResponse
+
+from detent.server.async_engine import AsyncEngine
+from detent.server.errors import APIError, bad_request, validation_error
+from detent.server.metrics import Metrics
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any  # detent.server.tokens.TokenizerAdapter
+    served_model_names: list[str]
+    model_root: str
+    max_model_len: int
+    tuple_hash: str
+    deployment_hash: str
+    selection: str = "pinned"
+    vocab_size: int | None = None
+    api_key: str | None = None
+    max_request_bytes: int = 16 << 20
+    metrics: Metrics | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = Metrics(self.served_model_names[0])
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.served_model_names:
+            return self.model_name if model is None else model
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in self.served_model_names)}.",
+                       param="model", code="model_not_found")
+
+    def fingerprint(self) -> dict[str, str]:
+        """The verifiability record every response carries."""
+        return {"tuple_hash": self.tuple_hash, "deployment_hash": self.deployment_hash,
+                "selection": self.selection}
+
+    @property
+    def system_fingerprint(self) -> str:
+        return f"detent-{self.deployment_hash[:16]}-{self.tuple_hash[:16]}"
+
+
+async def read_body(request: Request, state: ServerState, cls: type[M]) -> M:
+    """The JSON body as `cls`: 413 over the size limit, 400 if malformed or mistyped."""
+    limit = state.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit} bytes "
+                            f"(--max-request-bytes)", code="request_too_large")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes (--max-request-bytes)",
+                           code="request_too_large")
+    try:
+        obj = json.loads(bytes(buf))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work`; if the client disconnects first, cancels it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleaves several async iterators as (index, item); closing it closes them all."""
+    q: asyncio.Queue = asyncio.Queue()
+    _END = object()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await q.put((i, item))
+            await q.put((i, _END))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the consumer side
+            await q.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    live = len(tasks)
+    try:
+        while live:
+            i, item = await q.get()
+            if item is _END:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that stop (and so abort their requests) when the client leaves.
+
+    Whatever the ASGI spec version, a task listens for `http.disconnect`
+    while the stream runs; either ending cancels the other, and the body
+    generator is closed so its `finally` aborts the engine requests.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **(headers or {})})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(watch())
+        done: set = set()
+        try:
+            done, _ = await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (streamer, watcher):
+                t.cancel()
+            await asyncio.gather(streamer, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            if self.on_close is not None:
+                self.on_close()
+        if streamer in done and streamer.exception() is not None and not isinstance(streamer.exception(), OSError):
+            raise streamer.exception()

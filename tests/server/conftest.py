@@ -1,0 +1,119 @@
+"""Real server processes on 127.0.0.1, on free ports.
+
+`launch(args)` starts `python -m detent.server.cli ARGS` (what `detent-serve`
+runs), waits for /health and stops it with SIGTERM at the end, checking
+that it exits cleanly. The fake-engine launcher (fake_server.py, a test
+double) serves the same app for the plumbing-only tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+API_KEY = "sk-detent-test"
+STARTUP_TIMEOUT_S = float(os.environ.get("DETENT_TEST_SERVER_STARTUP_S", "300"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, argv: list[str], env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="detent-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(argv + ["--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "DETENT_TEST_THREADS": "2", **(env or {})})
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()[-4000:]}")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"server ignored SIGTERM for {timeout}s:\n{self.output()[-3000:]}")
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, prefix: str) -> float:
+        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == prefix)
+
+
+def real_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "detent.server.cli", "--log-level", "warning", *args]
+
+
+def fake_argv(*args: str) -> list[str]:
+    return [sys.executable, os.path.join(HERE, "fake_server.py"), "--log-level", "warning", *args]
+
+
+@contextlib.contextmanager
+def launch(argv: list[str], env: dict | None = None):
+    s = Server(argv, env).wait_ready()
+    try:
+        yield s
+    finally:
+        rc = s.stop()
+        assert rc == 0, f"server exited with {rc} after SIGTERM:\n{s.output()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The embedded SmolLM2 model behind `detent-serve`, with an API key."""
+    extra = os.environ.get("DETENT_TEST_SERVER_ARGS", "").split()
+    with launch(real_argv("--api-key", API_KEY, "--max-model-len", "1024", "--max-num-seqs", "32",
+                          "--served-model-name", "smollm2", "detent-smollm2", *extra)) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def aclient_factory(server):
+    import openai
+    return lambda: openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
