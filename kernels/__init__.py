@@ -5,3 +5,10 @@ torch candidates always, the Triton ones when triton and a CUDA device (or
 TRITON_INTERPRET=1) are available. Only selection/ imports kernels/.
 """
 from detent.kernels import act, allreduce, attention, embedding, gemm, logsoftmax, moe, norm, rope  # noqa: F401
+
+try:  # Triton candidates: registered whenever triton imports (run on CUDA, or CPU under TRITON_INTERPRET=1)
+    import triton as _triton  # noqa: F401
+except ImportError:
+    _triton = None
+if _triton is not None:
+    from detent.kernels import attention_triton, gemm_triton, rowwise_triton  # noqa: F401

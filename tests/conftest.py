@@ -3,6 +3,12 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU only under Triton's interpreter, and it must be
+    # on before triton is first imported (its standard-library helpers are
+    # jitted at import): tests/kernels runs the Triton candidates this way.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

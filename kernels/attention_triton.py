@@ -1,0 +1,297 @@
+"""Paged attention in Triton: one kernel for prefill, chunked prefill and decode.
+
+Queries are varlen (`query_start_loc`), KV is paged
+(`kv_cache [2, num_blocks, block_size, KVH, D]`, `block_tables`,
+`seq_lens`); causal by absolute position. GQA packing: a tile's BLOCK_M rows
+are BLOCK_M // G query tokens of one sequence times the G query heads that
+share one KV head.
+
+Split-KV with a FIXED split size in KV tokens: split s covers absolute KV
+positions [s*S, (s+1)*S), walked in BLOCK_N tiles from s*S upwards with an
+online softmax from a fresh state. Splits merge in ascending s with one
+formula (explicit fma, so the compiler cannot contract it differently in
+different kernels):
+    M' = max(M, m_s);  a = exp(M - M');  b = exp(m_s - M')
+    L' = fma(L, a, l_s * b);  ACC' = fma(ACC, a, acc_s * b);  out = ACC / L
+The merge runs either inside the attention program (`sequential`: one
+program walks its splits in order) or in a second small kernel over fp32
+partials (`parallel`: one program per split, for batches too small to fill
+the GPU). Both perform the same operations on the same values, so the
+choice is a launch detail (tests/gpu checks the bits agree).
+
+Why a row's bits do not depend on the batch: its tile shape is fixed
+(BLOCK_M, BLOCK_N, num_warps), a row's dot products reduce over D inside one
+MMA per tile, its softmax reductions run along its own tile row, and the
+KV positions it visits are fixed by S and BLOCK_N. Rows sharing its tile may
+make the program visit later KV tiles that are fully masked for this row:
+those add exact zeros (p = 0, alpha = 1). Splits with no visible key merge
+with weight exactly 0.
+
+Stock attention on GPU is this same kernel with `split_tokens` derived from
+an FA3-style split count (the SelIR program computes it from the batch).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from detent.kernels.common_triton import (check_device, check_dtype, check_last_contiguous, empty,
+                                          empty_like, lazy_jit, sms_for)
+from detent.kernels.rowwise_triton import store_kv_triton
+from detent.selection.registry import register
+
+
+@lazy_jit(do_not_specialize=["num_seqs"])
+def _paged_attn_kernel(
+        q_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr, pacc_ptr,
+        qsl_ptr, seqlen_ptr, bt_ptr, scale, num_seqs,
+        sq_t, sq_h, sc_blk, sc_off, sc_h, so_t, so_h, sbt,
+        sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
+        PARALLEL: tl.constexpr, IEEE: tl.constexpr):
+    qtile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # the sequence owning this q tile: the last b with qsl[b] // BLOCK_Q + b <= qtile
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= qtile:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    q_blk = qtile - (q_start // BLOCK_Q + b)
+    if q_blk * BLOCK_Q < q_len:
+        ctx = tl.load(seqlen_ptr + b) - q_len  # absolute position of the first query
+        rows = tl.arange(0, BLOCK_M)
+        qi = q_blk * BLOCK_Q + rows // G
+        head = kvh * G + rows % G
+        row_ok = (qi < q_len) & (rows < BLOCK_Q * G)
+        pos = ctx + qi  # [BLOCK_M] absolute positions
+        d = tl.arange(0, D)
+        tok = (q_start + qi).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
+                    mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        max_pos = ctx + tl.minimum(q_blk * BLOCK_Q + BLOCK_Q, q_len) - 1
+        n_split = max_pos // SPLIT + 1
+        cols = tl.arange(0, BLOCK_N)
+        bt_row = bt_ptr + b.to(tl.int64) * sbt
+        if PARALLEL:
+            s_first = tl.program_id(2)
+            s_last = tl.minimum(s_first + 1, n_split)
+        else:
+            s_first = 0
+            s_last = n_split
+        M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        L = tl.zeros((BLOCK_M,), tl.float32)
+        ACC = tl.zeros((BLOCK_M, D), tl.float32)
+        for s in range(s_first, s_last):
+            m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l = tl.zeros((BLOCK_M,), tl.float32)
+            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            kv_hi = tl.minimum((s + 1) * SPLIT, max_pos + 1)
+            for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
+                kpos = j0 + cols
+                k_ok = kpos < kv_hi
+                blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+                off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
+                k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
+                v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
+                if IEEE:
+                    sc = tl.dot(q, k, input_precision="ieee")
+                else:
+                    sc = tl.dot(q, k)
+                sc = sc * scale
+                sc = tl.where(kpos[None, :] <= pos[:, None], sc, float("-inf"))
+                m_new = tl.maximum(m, tl.max(sc, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(sc - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                l = l * alpha + tl.sum(p, axis=1)
+                if IEEE:
+                    pv = tl.dot(p, v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m = m_new
+            if PARALLEL:
+                ps = tl.cast(s, tl.int64)
+                tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
+                tl.store(pl_ptr + ps * sp_s + tok * sp_t + head * sp_h, l, mask=row_ok)
+                tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :],
+                         acc, mask=row_ok[:, None])
+            else:
+                M_new = tl.maximum(M, m)
+                M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
+                a = tl.exp(M - M_safe)
+                bw = tl.exp(m - M_safe)
+                L = tl.fma(L, a, l * bw)
+                ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
+                M = M_new
+        if not PARALLEL:
+            out = ACC / L[:, None]
+            tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@lazy_jit(do_not_specialize=["num_seqs"])
+def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_seqs,
+                    so_t, so_h, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
+                    D: tl.constexpr, SPLIT: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:  # the last b with qsl[b] <= t
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) <= t:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    pos = tl.load(seqlen_ptr + b) - q_len + (t - q_start)
+    d = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    M = tl.full((1,), float("-inf"), tl.float32)
+    L = tl.zeros((1,), tl.float32)
+    ACC = tl.zeros((1, D), tl.float32)
+    one = tl.arange(0, 1)
+    for s in range(0, pos // SPLIT + 1):
+        ps = tl.cast(s, tl.int64)
+        m = tl.load(pm_ptr + ps * sp_s + t64 * sp_t + h * sp_h + one)
+        l = tl.load(pl_ptr + ps * sp_s + t64 * sp_t + h * sp_h + one)
+        acc = tl.load(pacc_ptr + ps * spa_s + t64 * spa_t + h * spa_h + d[None, :])
+        M_new = tl.maximum(M, m)
+        M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
+        a = tl.exp(M - M_safe)
+        bw = tl.exp(m - M_safe)
+        L = tl.fma(L, a, l * bw)
+        ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
+        M = M_new
+    out = ACC / L[:, None]
+    tl.store(o_ptr + t64 * so_t + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty))
+
+
+def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
+    check_device(name, q, k, v, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                 meta.slot_mapping)
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"{name}: q must be [T, H, D], k and v [T, KVH, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (kvh, d):
+        raise ValueError(f"{name}: kv_cache must be [2, num_blocks, block_size, {kvh}, {d}], "
+                         f"got {tuple(kv_cache.shape)}")
+    if kv_cache.shape[2] != meta.block_size:
+        raise ValueError(f"{name}: kv_cache block_size {kv_cache.shape[2]} != meta.block_size {meta.block_size}")
+    if h % kvh:
+        raise ValueError(f"{name}: num_heads {h} is not a multiple of num_kv_heads {kvh}")
+    if d not in (64, 128, 256) and not (d >= 16 and d & (d - 1) == 0):
+        raise ValueError(f"{name}: head_dim {d} must be a power of two >= 16 (64 and 128 are tested)")
+    check_dtype(name, "q", q)
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"{name}: kv_cache dtype {kv_cache.dtype} != q dtype {q.dtype}")
+    for f, x in (("q", q), ("kv_cache", kv_cache)):
+        check_last_contiguous(name, f, x)
+    g = h // kvh
+    if block_m < 16 or block_m & (block_m - 1) or block_m < g:
+        raise ValueError(f"{name}: block_m={block_m} must be a power of two >= 16 and >= "
+                         f"heads per KV head ({g})")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{name}: block_n={block_n} must be a power of two >= 16")
+    if split_tokens <= 0 or split_tokens % block_n:
+        raise ValueError(f"{name}: split_tokens={split_tokens} must be a positive multiple of "
+                         f"block_n={block_n}")
+    if meta.query_start_loc.dtype != torch.int32 or meta.seq_lens.dtype != torch.int32 or \
+            meta.block_tables.dtype != torch.int32:
+        raise TypeError(f"{name}: query_start_loc, seq_lens and block_tables must be int32")
+
+
+@register("attention", "triton_paged",
+          params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine"),
+          devices=("cuda",))
+def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
+                           block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                           num_stages: int = 2, combine: str = "auto") -> torch.Tensor:
+    """combine: "sequential" | "parallel" | "auto" (parallel when the
+    sequential grid would leave most SMs idle). Same bits either way."""
+    name = "attention/triton_paged"
+    _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
+    store_kv_triton(k, v, kv_cache, meta.slot_mapping)
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    out = empty_like(q)
+    if t == 0 or meta.num_seqs == 0:
+        return out
+    block_q = block_m // g
+    n_qtiles = t // block_q + meta.num_seqs
+    max_splits = triton.cdiv(max(meta.max_seqlen_k, 1), split_tokens)
+    if combine == "auto":
+        parallel = max_splits > 1 and n_qtiles * kvh < sms_for(q)
+    elif combine in ("parallel", "sequential"):
+        parallel = combine == "parallel"
+    else:
+        raise ValueError(f"{name}: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
+    kc, vc = kv_cache[0], kv_cache[1]
+    ieee = q.dtype == torch.float32
+    if parallel:
+        pm = empty((max_splits, t, h), torch.float32, q.device)
+        pl = empty_like(pm)
+        pacc = empty((max_splits, t, h, d), torch.float32, q.device)
+        ps, pas = (pm.stride(0), pm.stride(1), pm.stride(2)), (pacc.stride(0), pacc.stride(1), pacc.stride(2))
+    else:
+        pm = pl = pacc = out  # unused
+        ps = pas = (0, 0, 0)
+    _paged_attn_kernel[(n_qtiles, kvh, max_splits if parallel else 1)](
+        q, kc, vc, out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        float(scale), meta.num_seqs,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), *ps, *pas,
+        G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, SPLIT=split_tokens,
+        PAGE=meta.block_size, PARALLEL=parallel, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+    if parallel:
+        _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs,
+                                out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens,
+                                num_warps=1 if d <= 64 else 2)
+    return out
+
+
+def attention_reference(q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
+    """Pure-torch reference in float64: write k, v to the cache, then causal
+    attention of each query over its sequence's paged KV."""
+    store_kv_reference_ = __import__("detent.kernels.rowwise_triton", fromlist=["x"]).store_kv_reference
+    store_kv_reference_(k, v, kv_cache, meta.slot_mapping)
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    out = empty_like(q)
+    qsl = meta.query_start_loc.tolist()
+    lens = meta.seq_lens.tolist()
+    bs = meta.block_size
+    for b in range(meta.num_seqs):
+        qs, qe, L = qsl[b], qsl[b + 1], lens[b]
+        if qe == qs:
+            continue
+        nblk = -(-L // bs)
+        blocks = meta.block_tables[b, :nblk].long()
+        K = kv_cache[0].index_select(0, blocks).reshape(nblk * bs, kvh, d)[:L].double()
+        V = kv_cache[1].index_select(0, blocks).reshape(nblk * bs, kvh, d)[:L].double()
+        K = K.repeat_interleave(h // kvh, dim=1).transpose(0, 1)  # [H, L, D]
+        V = V.repeat_interleave(h // kvh, dim=1).transpose(0, 1)
+        qb = q[qs:qe].double().transpose(0, 1)  # [H, lq, D]
+        sc = qb @ K.transpose(1, 2) * scale  # [H, lq, L]
+        pos = torch.arange(L - (qe - qs), L, device=q.device)
+        sc = sc.masked_fill(torch.arange(L, device=q.device)[None, :] > pos[:, None], float("-inf"))
+        out[qs:qe] = (torch.softmax(sc, -1) @ V).transpose(0, 1).to(q.dtype)
+    return out
+
+
+__all__ = ["attention_triton_paged", "attention_reference"]

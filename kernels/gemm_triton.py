@@ -1,0 +1,110 @@
+"""GEMM in Triton: a persistent matmul with one fixed tile config.
+
+y[M, N] = x[M, K] @ w[N, K].T (+ bias), fp32 accumulator, K walked in
+ascending BLOCK_K steps by one program (no split-K), no TF32 for fp32
+inputs. A row's result depends only on that row of x, w, and the config:
+the grid, the tile a row lands in and the other rows never enter its
+arithmetic. The config is a selection parameter (pinned per (N, K)); whether
+it is numerics-neutral on a device is a question for tests/gpu, not an
+assumption here.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from detent.kernels.common_triton import (check_device, check_dtype, check_last_contiguous, empty,
+                                          lazy_jit, sms_for)
+from detent.selection.registry import register
+
+
+@lazy_jit(do_not_specialize=["M", "NUM_PROGS"])
+def _persistent_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+                              sxm, sxk, swn, swk, sym, syn,
+                              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_M: tl.constexpr, NUM_PROGS):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    rk = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_tiles, NUM_PROGS):
+        # grouped order over M so neighbouring programs share w tiles in L2
+        group = tile // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % size_m)
+        pid_n = (tile % (GROUP_M * num_pid_n)) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = rm < M
+        mask_n = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            mask_k = kk < K
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
+            b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BK, BN]
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn, mask=mask_n, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _check(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_device(name, x, w, bias)
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"{name}: x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: x has K={x.shape[1]} but w has K={w.shape[1]}")
+    check_dtype(name, "x", x)
+    if w.dtype != x.dtype:
+        raise TypeError(f"{name}: w has dtype {w.dtype}, x has {x.dtype}; they must match")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"{name}: bias must be [{w.shape[0]}] {x.dtype}, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+
+
+@register("gemm", "triton_persistent", params=("block_m", "block_n", "block_k", "num_warps", "num_stages"),
+          devices=("cuda",))
+def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                           block_m: int = 64, block_n: int = 128, block_k: int = 64,
+                           num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    _check("gemm/triton_persistent", x, w, bias)
+    for f, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"gemm/triton_persistent: {f}={v} must be a power of two >= 16")
+    m, k = x.shape
+    n = w.shape[0]
+    y = empty((m, n), x.dtype, x.device)
+    if m == 0:
+        return y
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    progs = min(tiles, sms_for(x))
+    _persistent_matmul_kernel[(progs,)](
+        x, w, bias if bias is not None else x, y, m, n, k,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGS=progs,
+        num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Pure-torch reference: fp64 products and sums, rounded once to x.dtype."""
+    y = x.double() @ w.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+__all__ = ["gemm_triton_persistent", "gemm_reference"]

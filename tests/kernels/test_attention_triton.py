@@ -1,0 +1,85 @@
+"""Paged attention (Triton, under the interpreter, fp32).
+
+Numpy's matmul, which the interpreter uses for tl.dot, gives a row different
+bits at different row offsets inside a tile (BLAS micro-kernel edges), which
+the GPU's MMA does not (tests/gpu checks arbitrary chunking there). So the
+invariance cells here keep a token's row offset fixed: one token per tile
+(G = BLOCK_M) with arbitrary chunking, or chunk starts on BLOCK_Q multiples.
+"""
+import pytest
+import torch
+
+from detent.kernels.attention_triton import attention_reference, attention_triton_paged
+from paged_cases import PagedCase
+
+SCALE = 0.3
+
+
+def _run(case, chunks_upto, order=None, **kw):
+    """Cache positions [0, start_b), then run the step for [start_b, end_b)."""
+    cache = case.fresh_cache()
+    case.prefill_prefix(cache, [s for s, _ in chunks_upto])
+    q, k, v, meta = case.step(cache, chunks_upto, order)
+    return attention_triton_paged(q, k, v, cache, meta, SCALE, **kw), (q, k, v, meta)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("combine", ["sequential", "parallel"])
+def test_matches_reference_mixed_batch(combine):
+    # prefill from 0, chunked prefill from 20, decode at 44; G = 2, head_dim 64
+    case = PagedCase([30, 33, 45], h=4, kvh=2, d=64, block_size=8, seed=1)
+    chunks = [(0, 30), (20, 33), (44, 45)]
+    y, (q, k, v, meta) = _run(case, chunks, split_tokens=16, block_m=16, block_n=16, combine=combine)
+    assert not y.isnan().any()  # outputs and split partials are NaN-poisoned
+    ref_cache = case.fresh_cache()
+    case.prefill_prefix(ref_cache, [s for s, _ in chunks])
+    assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
+
+
+def test_parallel_and_sequential_combine_agree_bitwise():
+    case = PagedCase([40, 9], h=4, kvh=1, d=16, block_size=8, seed=2)
+    kw = dict(split_tokens=16, block_m=16, block_n=16)
+    a, _ = _run(case, [(0, 40), (8, 9)], combine="sequential", **kw)
+    b, _ = _run(case, [(0, 40), (8, 9)], combine="parallel", **kw)
+    assert torch.equal(a, b)
+
+
+def test_one_token_per_tile_any_chunking_and_neighbours():
+    # G = 16 = BLOCK_M: each tile holds one token, so chunking cannot move its row
+    case = PagedCase([50, 21], h=16, kvh=1, d=16, block_size=16, seed=3)
+    kw = dict(split_tokens=16, block_m=16, block_n=16, combine="sequential")
+    full, _ = _run(case, [(0, 50), (0, 21)], **kw)
+    alone, _ = _run(case, [(0, 50), (0, 0)], order=[0], **kw)
+    assert torch.equal(alone, full[:50])
+    for start in (49, 37, 17):  # decode at 49, chunked prefills of the rest
+        y, _ = _run(case, [(start, 50), (0, 21)], order=[1, 0], **kw)
+        assert torch.equal(y[21:], full[start:50]), start
+    # a different split size (what stock attention does as the batch changes) moves bits
+    other, _ = _run(case, [(0, 50), (0, 21)], split_tokens=32, block_m=16, block_n=16)
+    assert not torch.equal(other, full)
+
+
+def test_packed_tiles_chunk_on_block_q():
+    # G = 2, BLOCK_Q = 8: rows of a chunked prefill visit masked KV tiles their
+    # neighbours need; those must add exact zeros
+    case = PagedCase([45], h=4, kvh=2, d=16, block_size=8, seed=4)
+    kw = dict(split_tokens=32, block_m=16, block_n=16, combine="sequential")
+    full, _ = _run(case, [(0, 45)], **kw)
+    for start in (40, 24, 8):
+        y, _ = _run(case, [(start, 45)], **kw)
+        assert torch.equal(y, full[start:]), start
+
+
+def test_errors():
+    case = PagedCase([8], h=4, kvh=2, d=16, block_size=8)
+    cache = case.fresh_cache()
+    q, k, v, meta = case.step(cache, [(0, 8)])
+    with pytest.raises(ValueError, match="split_tokens=40"):
+        attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=40, block_n=16)
+    with pytest.raises(ValueError, match="kv_cache"):
+        attention_triton_paged(q, k, v, cache[:, :, :, :1], meta, SCALE)
+    with pytest.raises(ValueError, match="combine"):
+        attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=16, block_n=16, combine="x")
