@@ -103,7 +103,7 @@ def server():
     """The embedded SmolLM2 model behind `detent-serve`, with an API key."""
     extra = os.environ.get("DETENT_TEST_SERVER_ARGS", "").split()
     with launch(real_argv("--api-key", API_KEY, "--max-model-len", "1024", "--max-num-seqs", "32",
-                          "--served-model-name", "smollm2", "detent-smollm2", *extra)) as s:
+                          "--max-request-bytes", "1000000", "--served-model-name", "smollm2", "detent-smollm2", *extra)) as s:
         yield s
 
 

@@ -1,0 +1,187 @@
+"""The real `detent-serve` (embedded SmolLM2) through the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from conftest import API_KEY
+
+MODEL = "smollm2"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = "The capital of France is"
+SAMPLED = dict(temperature=0.8, top_p=0.95, seed=1234)
+
+
+def _sse(server, path, body):
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                if line == "data: [DONE]":
+                    break
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2", "detent-smollm2"]
+
+
+def test_completion_usage_and_verifiability(client, server):
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    r = raw.parse()
+    det = r.model_extra["detent"]
+    assert raw.headers["x-detent-tuple-hash"] == det["tuple_hash"] and len(det["tuple_hash"]) == 64
+    assert raw.headers["x-detent-deployment-hash"] == det["deployment_hash"] and len(det["deployment_hash"]) == 64
+    assert r.system_fingerprint == f"detent-{det['deployment_hash'][:16]}-{det['tuple_hash'][:16]}"
+    tok = httpx.post(server.url + "/v1/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
+    assert r.usage.prompt_tokens == tok["count"] == len(tok["tokens"])
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+    # the same prompt as token ids gives the same bits
+    r2 = client.completions.create(model=MODEL, prompt=tok["tokens"], max_tokens=8, temperature=0)
+    assert r2.choices[0].text == r.choices[0].text
+    detok = httpx.post(server.url + "/v1/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH).json()
+    assert detok["prompt"].endswith(PROMPT)
+
+
+def test_chat_answers_and_counts(client):
+    r = client.chat.completions.create(model="detent-smollm2", temperature=0, max_tokens=24,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 24
+    assert r.model_extra["detent"]["tuple_hash"]
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_stream_chunks_concatenate_to_nonstreamed(client, server, kind):
+    if kind == "completions":
+        body = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, logprobs=2, stop=["\n\n"], **SAMPLED)
+        full = client.completions.create(**body)
+        events = _sse(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        lps = [x for e in events for c in e["choices"] for x in c["logprobs"]["token_logprobs"]]
+        assert lps == full.choices[0].logprobs.token_logprobs
+        assert text == full.choices[0].text
+    else:
+        body = dict(model=MODEL, max_tokens=24, logprobs=True, top_logprobs=2, **SAMPLED,
+                    messages=[{"role": "user", "content": "Write one sentence about the sea."}])
+        full = client.chat.completions.create(**body)
+        events = _sse(server, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+        text = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+        lps = [x["logprob"] for e in events for c in e["choices"] if c["logprobs"] for x in c["logprobs"]["content"]]
+        assert lps == [x.logprob for x in full.choices[0].logprobs.content]
+        assert text == full.choices[0].message.content
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == full.usage.model_dump(exclude_none=True)
+    finals = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finals == [full.choices[0].finish_reason]
+
+
+def test_openai_client_streaming(client):
+    stream = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            messages=[{"role": "user", "content": "Say hi."}])
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].choices == []
+
+
+def test_logprobs_match_prefill_scoring(client):
+    """A greedy token's logprob (decode) equals the same token's prompt logprob (prefill), bit for bit."""
+    gen = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = gen.choices[0].logprobs
+    assert len(lp.tokens) == 6 and all(v <= 0 for v in lp.token_logprobs)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and max(top.values()) == chosen  # greedy: the chosen token is the top one
+    ids = httpx.post(client.base_url.join("tokenize").__str__(), json={"prompt": PROMPT}, headers=AUTH).json()["tokens"]
+    full_ids = ids + [int(t) for t in
+                      client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                                                extra_body={"return_tokens_as_token_ids": True}
+                                                ).choices[0].logprobs.tokens[i].split(":")[1] for i in range(6)]
+    echo = client.completions.create(model=MODEL, prompt=full_ids, max_tokens=1, temperature=0, logprobs=0, echo=True)
+    elp = echo.choices[0].logprobs
+    assert elp.token_logprobs[0] is None
+    assert elp.token_logprobs[len(ids):len(ids) + 6] == lp.token_logprobs
+    assert echo.choices[0].text.startswith(PROMPT)
+
+
+def test_chat_top_logprobs_shape(client):
+    r = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                                       messages=[{"role": "user", "content": "Count: 1, 2,"}])
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for c in content:
+        assert len(c.top_logprobs) == 3
+        vals = [t.logprob for t in c.top_logprobs]
+        assert vals == sorted(vals, reverse=True) and c.token == c.top_logprobs[0].token
+        assert bytes(c.bytes).decode("utf-8", "replace") == c.token
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+          "required": ["city", "population"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_response_format_json_schema_validates(client, seed):
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=64, temperature=0.7, seed=seed,
+        messages=[{"role": "user", "content": "Give the largest city of France and its population as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_json_object_regex_choice_grammar(client):
+    msg = [{"role": "user", "content": "Describe a cat as JSON."}]
+    r = client.chat.completions.create(model=MODEL, max_tokens=64, temperature=0, messages=msg,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still a valid JSON-object prefix
+        assert r.choices[0].message.content.lstrip().startswith("{")
+    r = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=16, temperature=0,
+                                  extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text)
+    r = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=msg,
+                                       extra_body={"structured_outputs": {"choice": ["furry", "scaly"]}})
+    assert r.choices[0].message.content in ("furry", "scaly")
+    r = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=msg,
+                                       extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
+    assert r.choices[0].message.content in ("yes", "no")
+
+
+def test_n_samples_and_prompt_list(client):
+    r = client.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], n=2, max_tokens=4, logprobs=0, **SAMPLED)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    assert len(r.model_extra["detent"]["seeds"]) == 4
+    # a seeded request is reproducible: the same call gives the same samples
+    r2 = client.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], n=2, max_tokens=4, logprobs=0, **SAMPLED)
+    assert [c.text for c in r.choices] == [c.text for c in r2.choices]
+
+
+def test_seeded_request_alone_equals_among_16_concurrent(aclient_factory):
+    target = dict(model=MODEL, prompt="The best thing about mornings is", max_tokens=12, logprobs=3, **SAMPLED)
+
+    async def run():
+        c = aclient_factory()
+        alone = await c.completions.create(**target)
+        others = [dict(model=MODEL, prompt=f"Item {i}: " + "word " * (i * 7 % 40), max_tokens=4 + i % 9,
+                       temperature=[0, 1.0, 0.5][i % 3], seed=i) for i in range(16)]
+        reqs = others[:7] + [target] + others[7:]
+        outs = await asyncio.gather(*(c.completions.create(**r) for r in reqs))
+        await c.close()
+        return alone, outs[7]
+
+    alone, among = asyncio.run(run())
+    a, b = alone.choices[0], among.choices[0]
+    assert a.text == b.text
+    assert a.logprobs.token_logprobs == b.logprobs.token_logprobs
+    assert a.logprobs.top_logprobs == b.logprobs.top_logprobs

@@ -1,0 +1,105 @@
+"""Lifecycle on the real engine: disconnects free their blocks, overload is
+a 503 with Retry-After, SIGTERM stops cleanly, a bad tuple refuses startup."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from conftest import API_KEY, Server, launch, real_argv
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_200_requests_quarter_disconnect_mid_stream(server):
+    async def one(c: httpx.AsyncClient, i: int) -> str:
+        leave = i % 4 == 0
+        body = {"prompt": f"Story {i}: once", "max_tokens": 64 if leave else 4, "stream": True,
+                "temperature": 0}
+        async with c.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            n = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+                    if leave and n >= 2:
+                        return "left"  # closing the stream mid-generation
+                    assert '"error"' not in line, line
+        return "done"
+
+    async def main():
+        sem = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+            async def gated(i):
+                async with sem:
+                    return await one(c, i)
+            return await asyncio.gather(*(gated(i) for i in range(200)))
+
+    aborted0 = _count(server, "abort")
+    t0 = time.time()
+    res = asyncio.run(main())
+    assert res.count("left") == 50 and res.count("done") == 150
+    deadline = time.time() + 30
+    while time.time() < deadline and (server.metric("detent_kv_cache_usage_perc") != 0
+                                      or server.metric("detent_num_requests_running") != 0):
+        time.sleep(0.2)
+    assert server.metric("detent_kv_cache_usage_perc") == 0.0
+    assert server.metric("detent_num_requests_running") == 0
+    assert _count(server, "abort") - aborted0 == 50
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    print(f"200 requests (50 disconnecting) in {time.time() - t0:.1f}s")
+
+
+def _count(server, outcome):
+    return sum(v for k, v in server.metrics().items()
+               if k.startswith("detent_requests_total{") and f'outcome="{outcome}"' in k)
+
+
+def test_overload_503_then_sigterm_clean():
+    s = Server(real_argv("--max-num-seqs", "1", "--max-queue-len", "2", "--max-model-len", "256",
+                         "--graceful-timeout", "3")).wait_ready()
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(c.post(s.url + "/v1/completions",
+                                                     json={"prompt": f"x{i}", "max_tokens": 8, "temperature": 0})
+                                              for i in range(12)))
+        rs = asyncio.run(burst())
+        codes = [r.status_code for r in rs]
+        assert 503 in codes and 200 in codes, codes
+        r = next(r for r in rs if r.status_code == 503)
+        assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded"
+        assert "--max-queue-len=2" in r.json()["error"]["message"]
+        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200
+        # SIGTERM with a stream open: the stream ends, the process exits 0
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={"prompt": "x", "max_tokens": 200, "stream": True, "temperature": 0}) as st:
+            next(st.iter_lines())
+            t0 = time.time()
+            s.proc.send_signal(signal.SIGTERM)
+            rc = s.proc.wait(30)
+        assert rc == 0, s.output()[-2000:]
+        assert time.time() - t0 < 20
+        assert "detent-serve: stopped" in s.output()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+def test_bad_tuple_refuses_startup(tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text("{ not json")
+    mismatched = tmp_path / "t2.json"
+    mismatched.write_text(json.dumps({"format_version": 1, "facts": {"device": "tpu"}, "families": {}}))
+    for path in (bad, mismatched):
+        p = subprocess.run(real_argv("--tuple", str(path), "--port", "1"), capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert "refusing to start" in p.stderr and ("t.json" in p.stderr or "t2.json" in p.stderr
+                                                    or "tuple" in p.stderr.lower()), p.stderr[-2000:]

@@ -1,0 +1,119 @@
+"""Unit tests of server pieces, in process (no sockets)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from fake_engine import FakeEngine
+
+from detent.sampling.params import SamplingParams
+from detent.server.async_engine import AsyncEngine
+from detent.server.errors import APIError, EngineDead, validation_error
+from detent.server.formatting import ChoiceDelta
+from detent.server.metrics import kv_usage
+from detent.server.params import resolve_max_tokens, structured_outputs
+from detent.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def test_stop_holdback_never_streams_a_dropped_stop_prefix():
+    d = ChoiceDelta(["END"], include_stop=False)
+    got = [d.next("abc", 1, False)[0], d.next("abcE", 2, False)[0], d.next("abcEN", 3, False)[0]]
+    got.append(d.next("abc", 4, True)[0])  # the stop string completed: the final text drops it
+    assert "".join(got) == "abc" and got[0] == "a"
+    d = ChoiceDelta(["END"], include_stop=False)
+    assert "".join([d.next("xyEz", 1, False)[0], d.next("xyEzq", 2, False)[0], d.next("xyEzqr", 3, True)[0]]) == "xyEzqr"
+    d = ChoiceDelta([], include_stop=False)
+    assert d.next("ab", 1, False) == ("ab", 0, 1)
+
+
+def test_union_type_error_reported_once_naming_field():
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": 5})
+    err = validation_error(e.value)
+    assert err.status == 400 and err.param == "prompt"
+    assert err.message.count("prompt") == 1 and "got 5" in err.message
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": "x", "max_tokens": "5", "temperature": True})
+    err = validation_error(e.value)
+    assert "max_tokens" in err.message and "temperature" in err.message
+
+
+def test_max_tokens_against_context():
+    assert resolve_max_tokens(None, 10, 100, "max_tokens") == 90
+    with pytest.raises(APIError, match="maximum context length is 100 tokens"):
+        resolve_max_tokens(5, 100, 100, "max_tokens")
+    with pytest.raises(APIError, match=r"you requested 101 tokens \(10 in the prompt, 91"):
+        resolve_max_tokens(91, 10, 100, "max_tokens")
+
+
+def test_structured_outputs_sources():
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                "response_format": {"type": "json_schema", "json_schema": {
+                                                    "name": "a", "schema": {"type": "object"}}}})
+    assert structured_outputs(req).json == {"type": "object"}
+    req = CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})
+    assert structured_outputs(req).choice == ["a", "b"]
+    req = CompletionRequest.model_validate({"prompt": "x", "guided_regex": "[", "top_k": 3})
+    with pytest.raises(APIError) as e:
+        structured_outputs(req)
+    assert e.value.param == "guided_regex"
+
+
+def test_kv_usage_from_stats():
+    assert kv_usage({"kv_cache_usage": 0.25}) == 0.25
+    assert kv_usage({"num_total_blocks": 10, "num_free_blocks": 10}) == 0.0
+    assert kv_usage({"num_total_blocks": 10, "num_free_blocks": 4}) == 0.6
+
+
+def _sp(**kw):
+    return SamplingParams(temperature=0, **kw)
+
+
+def test_async_engine_abort_on_early_exit_frees_blocks():
+    eng = FakeEngine(step_s=0.001)
+
+    async def main():
+        ae = AsyncEngine(eng)
+        ae.start(asyncio.get_running_loop())
+        stream = await ae.add("a", [5, 6, 7], _sp(max_tokens=300))
+        n = 0
+        async for out in stream:
+            n += 1
+            if n == 3:
+                break
+        await stream.aclose()
+        for _ in range(200):
+            if not eng.running and eng.used_blocks == 0:
+                break
+            await asyncio.sleep(0.01)
+        done = [o async for o in await ae.add("b", [5], _sp(max_tokens=3))]
+        ae.shutdown()
+        return done
+
+    done = asyncio.run(main())
+    assert eng.aborted == ["a"] and eng.used_blocks == 0
+    assert done[-1].finished and len(done[-1].outputs[0].token_ids) == 3
+
+
+def test_async_engine_refusal_and_death():
+    class Broken(FakeEngine):
+        def step(self):
+            raise RuntimeError("boom")
+
+    async def main():
+        ae = AsyncEngine(Broken(max_model_len=8))
+        ae.start(asyncio.get_running_loop())
+        with pytest.raises(APIError, match="max_model_len"):
+            await ae.add("long", list(range(20)), _sp())
+        stream = await ae.add("x", [1, 2], _sp())
+        with pytest.raises(EngineDead, match="boom"):
+            async for _ in stream:
+                pass
+        assert not ae.running
+        with pytest.raises(EngineDead):
+            await ae.add("y", [1], _sp())
+        ae.shutdown()
+
+    asyncio.run(main())
