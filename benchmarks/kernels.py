@@ -1,0 +1,132 @@
+"""Kernel micro-benchmarks on the GPU: picks the pinned configs.
+
+GEMM: cuBLAS (torch, the stock choice) vs the Triton persistent matmul
+under several fixed configs, at Llama-3.1-8B's (N, K) and M = 1..8192; also
+whether the configs give identical bits (numerics-neutral configs).
+Attention: decode at batch 1/8/64/256 with 1k contexts, and a 2k prefill,
+over split sizes.
+
+    python benchmarks/kernels.py --out kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from detent.kernels.attention_triton import attention_triton_paged
+from detent.kernels.gemm_triton import gemm_triton_persistent
+
+BF16 = torch.bfloat16
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+CONFIGS = [  # (block_m, block_n, block_k, num_warps, num_stages)
+    (16, 64, 256, 4, 4), (16, 32, 256, 4, 5), (16, 128, 128, 4, 4),
+    (32, 64, 128, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3)]
+
+
+def bench(fn, rep=25):
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def copy_bw():
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * a.numel() / (ms * 1e-3) / 1e12
+
+
+def gemm_sweep(ms):
+    res = []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            row = {"shape": name, "n": n, "k": k, "m": m,
+                   "cublas_ms": bench(lambda: F.linear(x, w)),
+                   "floor_ms": max((n * k + m * k + m * n) * 2 / 4.23e12, 2 * m * n * k / 795e12) * 1e3}
+            outs = []
+            for cfg in CONFIGS:
+                bm, bn, bk, nw, ns = cfg
+                kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                try:
+                    outs.append(gemm_triton_persistent(x, w, None, **kw))
+                    row[str(cfg)] = bench(lambda: gemm_triton_persistent(x, w, None, **kw))
+                except Exception as e:  # noqa: BLE001  (a config that does not compile)
+                    row[str(cfg)] = f"error: {type(e).__name__}: {str(e)[:80]}"
+            row["configs_bit_identical"] = all(torch.equal(o, outs[0]) for o in outs[1:])
+            res.append(row)
+            best = min((v, c) for c, v in row.items() if c.startswith("(") and isinstance(v, float))
+            print(f"gemm {name:8s} m={m:5d} cublas {row['cublas_ms']*1e3:8.1f}us  best {best[0]*1e3:8.1f}us "
+                  f"{best[1]}  floor {row['floor_ms']*1e3:7.1f}us  same_bits={row['configs_bit_identical']}",
+                  flush=True)
+        del w
+    return res
+
+
+def attn_case(batch, ctx, q_len, h=32, kvh=8, d=128, bs=16):
+    from detent.engine.forward_context import AttentionMetadata
+    nblk = -(-ctx // bs)
+    num_blocks = batch * nblk + 1
+    cache = torch.randn(2, num_blocks, bs, kvh, d, device="cuda", dtype=BF16)
+    tables = torch.randperm(num_blocks - 1, device="cuda")[: batch * nblk].view(batch, nblk).int() + 1
+    t = batch * q_len
+    qsl = torch.arange(0, t + 1, q_len, device="cuda", dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    pos = torch.arange(ctx - q_len, ctx, device="cuda")
+    slots = (tables.long()[:, pos // bs] * bs + pos % bs).reshape(-1)
+    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=lens, block_tables=tables, slot_mapping=slots,
+                             num_seqs=batch, num_tokens=t, max_seqlen_q=q_len, max_seqlen_k=ctx, block_size=bs,
+                             query_start_loc_cpu=tuple(qsl.tolist()), seq_lens_cpu=(ctx,) * batch)
+    q = torch.randn(t, h, d, device="cuda", dtype=BF16)
+    k = torch.randn(t, kvh, d, device="cuda", dtype=BF16)
+    v = torch.randn_like(k)
+    return q, k, v, cache, meta
+
+
+def attn_sweep():
+    res = []
+    for batch, ctx, q_len in ((1, 1024, 1), (8, 1024, 1), (64, 1024, 1), (256, 1024, 1), (1, 2048, 2048),
+                              (1, 8192, 2048)):
+        q, k, v, cache, meta = attn_case(batch, ctx, q_len)
+        kv_bytes = batch * ctx * 8 * 128 * 2 * 2
+        row = {"batch": batch, "ctx": ctx, "q_len": q_len, "kv_floor_us": kv_bytes / 4.23e12 * 1e6}
+        for split in (64, 128, 256, 512, 1024, 8192):
+            for bm in (64, 16):
+                kw = dict(split_tokens=split, block_m=bm, block_n=64, num_warps=4, num_stages=2)
+                try:
+                    row[f"s{split}_m{bm}"] = bench(lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)) * 1e3
+                except Exception as e:  # noqa: BLE001
+                    row[f"s{split}_m{bm}"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+        if q_len > 1:
+            qq = q.view(1, -1, 32, 128).transpose(1, 2)
+            kk = torch.randn(1, 8, ctx, 128, device="cuda", dtype=BF16)
+            row["torch_sdpa_us"] = bench(lambda: F.scaled_dot_product_attention(
+                qq, kk, kk, is_causal=False, enable_gqa=True)) * 1e3
+        res.append(row)
+        print("attn", {kk: (round(vv, 1) if isinstance(vv, float) else vv) for kk, vv in row.items()}, flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="kernels.json")
+    ap.add_argument("--ms", default="1,8,64,256,2048")
+    a = ap.parse_args()
+    t0 = time.time()
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    out["copy_bw_tbs"] = copy_bw()
+    print(f"copy bandwidth {out['copy_bw_tbs']:.2f} TB/s", flush=True)
+    out["attention"] = attn_sweep()
+    out["gemm"] = gemm_sweep([int(m) for m in a.ms.split(",")])
+    out["seconds"] = time.time() - t0
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

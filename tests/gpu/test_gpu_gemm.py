@@ -1,0 +1,50 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from detent.kernels.gemm_triton import gemm_reference, gemm_triton_persistent
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+CFG = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+MS = (1, 2, 3, 7, 16, 31, 64, 100, 128, 200, 255, 256)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 512, 1024), (77, 4096, 4096), (300, 1000, 520)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(m, n, k, bias):
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+    b = torch.randn(n, device="cuda", dtype=BF16) if bias else None
+    y = gemm_triton_persistent(x, w, b, **CFG)
+    assert not y.isnan().any()
+    assert _rel(y, gemm_reference(x, w, b)) < 8e-3  # bf16 output rounding
+
+
+def test_fp32_is_not_tf32():
+    x = torch.randn(64, 1024, device="cuda")
+    w = torch.randn(256, 1024, device="cuda")
+    assert _rel(gemm_triton_persistent(x, w, None, **CFG), gemm_reference(x, w, None)) < 1e-5
+
+
+@pytest.mark.parametrize("cfg", [CFG, dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)])
+def test_row_bits_invariant_across_m_and_neighbours(cfg):
+    x = torch.randn(256, 4096, device="cuda", dtype=BF16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=BF16) * 0.02
+    full = gemm_triton_persistent(x, w, None, **cfg)
+    for m in MS:
+        assert torch.equal(gemm_triton_persistent(x[:m], w, None, **cfg), full[:m]), m
+    y = torch.randn_like(x)
+    y[17] = x[0]
+    assert torch.equal(gemm_triton_persistent(y, w, None, **cfg)[17], full[0])
+
+
+def test_stock_cublas_is_not_row_invariant():
+    x = torch.randn(256, 4096, device="cuda", dtype=BF16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=BF16) * 0.02
+    full = F.linear(x, w)
+    assert any(not torch.equal(F.linear(x[:m], w), full[:m]) for m in MS)
