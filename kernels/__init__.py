@@ -11,4 +11,4 @@ try:  # Triton candidates: registered whenever triton imports (run on CUDA, or C
 except ImportError:
     _triton = None
 if _triton is not None:
-    from detent.kernels import attention_triton, gemm_triton, rowwise_triton  # noqa: F401
+    from detent.kernels import attention_triton, gemm_triton, moe_triton, rowwise_triton  # noqa: F401
