@@ -1,0 +1,156 @@
+"""One tensor-parallel rank: a spawned process that loads its shard of the
+model, sizes its KV cache, and runs the same `ModelRunner` as tp = 1 on
+every plan the driver sends.
+
+Protocol over the rank's pipe (pickled tuples):
+  driver -> rank: ("execute", SchedulerOutput) | ("shutdown",)
+  rank -> driver: ("ready", RankInfo) | ("result", ModelOutput | None, digest) | ("error", traceback)
+Rank 0 sends its ModelOutput; every rank sends a digest of its own, so the
+driver can check that all ranks agree without shipping N copies.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from detent.engine.tp.validate import local_kv_heads
+
+# NVLink multicast (NVLS) reduces inside the switch in an order we do not control
+FORCED_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    pid: int
+    device: str
+    dtype: str
+    num_blocks: int
+    max_model_len: int
+    facts: dict[str, Any]
+
+
+@dataclass
+class RankState:
+    runner: Any  # ModelRunner
+    info: RankInfo
+
+
+def rank_device(config, rank: int) -> torch.device:
+    dev = config.resolve_device()
+    if dev.type == "cuda":
+        return torch.device("cuda", rank)  # one GPU per rank, in CUDA_VISIBLE_DEVICES order
+    return dev
+
+
+def build_rank(config, resolved, rank: int, world: int, device: torch.device, group=None,
+               dispatcher=None) -> RankState:
+    """Load this rank's shard and build its runner (the tp = 1 path of
+    LLMEngine.__init__, with per-rank KV heads and an agreed block count)."""
+    from detent.engine.config import EngineState
+    from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+    from detent.engine.llm_engine import deployment_facts
+    from detent.engine.model_runner import ModelRunner
+    from detent.models.loader import load_model
+    from detent.selection import make_dispatcher
+
+    mc = resolved.config
+    dtype = config.resolve_dtype(mc.dtype, device)
+    model = load_model(mc, device=device, dtype=dtype, load_format=resolved.load_format, path=resolved.path,
+                       tp_rank=rank, tp_size=world, tp_group=group, seed=config.seed,
+                       progress=rank == 0)
+    max_len = config.max_model_len or mc.max_position_embeddings
+    spec = KVCacheSpec(mc.num_layers, local_kv_heads(mc.num_kv_heads, world), mc.head_dim, dtype,
+                       config.block_size)
+    reserve = config.max_num_batched_tokens * (6 * mc.hidden_size + 3 * mc.intermediate_size // world) * 4
+    num_blocks = num_blocks_for(spec, device, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
+                                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                num_gpu_blocks=config.num_gpu_blocks,
+                                gpu_memory_utilization=config.gpu_memory_utilization,
+                                activation_reserve_bytes=reserve)
+    if world > 1:  # one block table serves every rank: agree on the smallest pool
+        t = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        num_blocks = int(t.item())
+    state = EngineState(device, dtype, max_len, num_blocks, config.block_size)
+    facts = deployment_facts(config, mc, state)
+    if dispatcher is None:
+        dispatcher = make_dispatcher(facts, config.selection, config.tuple)
+    runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
+                         dispatcher, device)
+    info = RankInfo(rank, os.getpid(), str(device), str(dtype).removeprefix("torch."), num_blocks,
+                    max_len, facts)
+    return RankState(runner, info)
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).hexdigest()
+
+
+def _send(conn, msg: tuple) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the driver is gone (no orphans, even if it was SIGKILLed
+    while this rank waits inside a collective)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(3)
+
+
+def _init_distributed(rank: int, world: int, init_method: str, device: torch.device,
+                      timeout_s: float) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s), device_id=device)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+
+
+def worker_main(rank: int, world: int, init_method: str, config, resolved, conn, parent_pid: int,
+                cpu_threads: int, timeout_s: float) -> None:
+    os.environ.update(FORCED_ENV)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="tp-parent-watch").start()
+    try:
+        device = rank_device(config, rank)
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads)
+        _init_distributed(rank, world, init_method, device, timeout_s)
+        st = build_rank(config, resolved, rank, world, device)
+        _send(conn, ("ready", st.info))
+        while True:
+            msg = pickle.loads(conn.recv_bytes())
+            kind = msg[0]
+            if kind == "execute":
+                out = st.runner.execute(msg[1])
+                _send(conn, ("result", out if rank == 0 else None, digest(out)))
+            elif kind == "shutdown":
+                break
+            else:
+                raise ValueError(f"tensor-parallel worker: unknown message {kind!r}")
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        os._exit(4)  # the driver went away: nothing to report to
+    except BaseException:  # noqa: BLE001 - the driver raises it with this traceback
+        try:
+            _send(conn, ("error", f"rank {rank} (pid {os.getpid()}):\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(1)  # other ranks may be stuck in a collective: the driver terminates them
+    # exit without destroy_process_group: its teardown can wait on peers
+    # that are exiting too, and the process is going away anyway
+    conn.close()
+    os._exit(0)

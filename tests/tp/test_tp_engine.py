@@ -1,0 +1,247 @@
+"""Tensor parallelism end to end on CPU (gloo): `LLM(..., tensor_parallel_size=N)`.
+
+- tp = 2 and 4 agree with tp = 1 within fp32 tolerance (different sums,
+  so not bitwise);
+- at fixed tp, pinned selection gives a request the same token ids,
+  logprobs and top-k logprobs in every battery cell (alone, batched with
+  others, arriving while others decode, prefix-cache hit), compared with
+  `==`; stock selection fails at least one cell;
+- a dead rank makes the engine raise within seconds; shutdown, garbage
+  collection and a killed driver leave no rank process behind;
+- models that do not shard over N are refused before anything is spawned.
+
+The tiny model (4 query heads, 2 KV heads) exercises KV-head sharding at
+tp = 2 and KV-head replication at tp = 4. Weights are dummy (seeded per
+checkpoint tensor, then sharded), so every tp holds the same full weights.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from detent.engine import LLM, SamplingParams
+from detent.engine.tp import TPConfigError, TPWorkerError
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": 1,
+        "torch_dtype": "float32"}
+
+TARGET = [(7 * i + 3) % 250 + 2 for i in range(40)]  # 2 full blocks + 8 tokens
+OTHERS = [[(11 * i + k) % 250 + 2 for i in range(n)] for k, n in ((1, 23), (2, 57), (3, 9))]
+TARGET_SP = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+OTHER_SP = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+def _write_model(root, name: str, **changes) -> str:
+    d = root / name
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**TINY, **changes}))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return _write_model(tmp_path_factory.mktemp("tp"), "tiny")
+
+
+def make_llm(path: str, tp: int, selection: str = "pinned") -> LLM:
+    return LLM(model=path, tensor_parallel_size=tp, selection=selection, load_format="dummy", device="cpu",
+               max_model_len=128, kv_cache_memory_bytes=1 << 22, seed=0)
+
+
+def _lps(positions) -> list:
+    if positions is None:
+        return None
+    return [None if p is None else sorted((t, lp.logprob, lp.rank) for t, lp in p.items()) for p in positions]
+
+
+def _result(out) -> tuple:
+    c = out.outputs[0]
+    return (list(c.token_ids), _lps(c.logprobs), _lps(out.prompt_logprobs))
+
+
+def _prompt(ids):
+    return {"prompt_token_ids": ids}
+
+
+def run_cells(llm: LLM) -> dict[str, tuple]:
+    """The target request's result in each battery cell."""
+    cells = {}
+    llm.reset_prefix_cache()
+    cells["alone"] = _result(llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)[0])
+    # the target's first two blocks are now cached: its prefill starts at token 32
+    cells["prefix_hit"] = _result(llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)[0])
+    llm.reset_prefix_cache()
+    outs = llm.generate([_prompt(OTHERS[0]), _prompt(TARGET), _prompt(OTHERS[1]), _prompt(OTHERS[2])],
+                        [OTHER_SP, TARGET_SP, OTHER_SP, OTHER_SP], use_tqdm=False)
+    cells["batched"] = _result(outs[1])
+    llm.reset_prefix_cache()
+    eng = llm.llm_engine
+    for i, p in enumerate(OTHERS):  # others prefill and start decoding, then the target arrives
+        eng.add_request(f"o{i}", p, OTHER_SP)
+    eng.step()
+    eng.step()
+    eng.add_request("t", TARGET, TARGET_SP)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    cells["staggered"] = _result(done["t"])
+    return cells
+
+
+def _shutdown(llm: LLM) -> list[int]:
+    ex = llm.llm_engine.runner
+    pids = ex.pids
+    ex.shutdown()
+    return pids
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.1)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- engines (one per tp, mode)
+@pytest.fixture(scope="module")
+def tp1(tiny_dir):
+    from detent.models import ModelConfig, load_model
+    mc = ModelConfig.from_hf(tiny_dir)
+    model = load_model(mc, device="cpu", dtype="auto", load_format="dummy", seed=0)  # the same full weights
+    return run_cells(LLM.from_model(model, mc, device="cpu", max_model_len=128, kv_cache_memory_bytes=1 << 22,
+                                    seed=0))
+
+
+@pytest.fixture(scope="module")
+def tp2_pinned(tiny_dir):
+    llm = make_llm(tiny_dir, 2)
+    cells = run_cells(llm)
+    pids = llm.llm_engine.runner.pids
+    del llm
+    gc.collect()
+    return cells, pids
+
+
+@pytest.fixture(scope="module")
+def tp4_pinned(tiny_dir):
+    llm = make_llm(tiny_dir, 4)
+    cells = run_cells(llm)
+    return cells, _shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def tp2_stock(tiny_dir):
+    llm = make_llm(tiny_dir, 2, "stock")
+    yield llm, run_cells(llm)
+    llm.llm_engine.runner.shutdown()
+
+
+# ---------------------------------------------------------------- tests
+def test_refuses_models_that_do_not_shard(tmp_path):
+    cases = [({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16}, 4, "attention heads"),
+             ({"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16}, 2, "num_kv_heads=3"),
+             ({"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 16}, 4, "not a multiple"),
+             ({"vocab_size": 250}, 4, "vocab_size=250"),
+             ({"intermediate_size": 130}, 4, "intermediate_size=130")]
+    for i, (changes, tp, needle) in enumerate(cases):
+        path = _write_model(tmp_path, f"m{i}", **changes)
+        t0 = time.monotonic()
+        with pytest.raises(TPConfigError, match=needle) as e:
+            make_llm(path, tp)
+        assert f"tensor_parallel_size={tp}" in str(e.value)
+        assert time.monotonic() - t0 < 5, "refused before spawning any rank"
+
+
+@pytest.mark.parametrize("fx", ["tp2_pinned", "tp4_pinned"])
+def test_tp_matches_tp1_within_fp32_tolerance(request, tp1, fx):
+    cells, _ = request.getfixturevalue(fx)
+    ref, got = tp1["alone"], cells["alone"]
+    assert got[0] == ref[0], "greedy tokens"
+    for ref_pos, got_pos in zip(ref[1] + ref[2][1:], got[1] + got[2][1:]):
+        assert [t for t, _, _ in got_pos] == [t for t, _, _ in ref_pos]
+        for (_, a, _), (_, b, _) in zip(ref_pos, got_pos):
+            assert abs(a - b) < 1e-4
+
+
+@pytest.mark.parametrize("fx", ["tp2_pinned", "tp4_pinned"])
+def test_tp_pinned_battery_is_bitwise(request, fx):
+    cells, _ = request.getfixturevalue(fx)
+    for name, res in cells.items():
+        assert res == cells["alone"], f"{fx}: cell {name!r} differs from 'alone'"
+
+
+def test_tp_stock_fails_a_cell(tp2_stock):
+    _, cells = tp2_stock
+    differ = [n for n, r in cells.items() if r != cells["alone"]]
+    assert differ, "stock selection passed every cell: the cells cannot fail"
+
+
+def test_shutdown_and_gc_leave_no_rank_process(tp2_pinned, tp4_pinned):
+    for _, pids in (tp2_pinned, tp4_pinned):
+        assert _wait_gone(pids) == []
+
+
+def test_dead_rank_raises_within_seconds(tp2_stock):
+    llm, _ = tp2_stock
+    ex = llm.llm_engine.runner
+    pids = ex.pids
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TPWorkerError, match=r"rank 1 .*(died|not running).*signal 9"):
+        llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)
+    assert time.monotonic() - t0 < 10
+    assert _wait_gone(pids) == []
+    with pytest.raises(TPWorkerError, match="gone"):  # and it stays failed, with the reason
+        llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)
+
+
+def test_killed_driver_leaves_no_orphans(tiny_dir, tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from detent.engine import LLM
+        if __name__ == "__main__":
+            llm = LLM(model={tiny_dir!r}, tensor_parallel_size=2, load_format="dummy", device="cpu",
+                      max_model_len=128, kv_cache_memory_bytes=1 << 22)
+            print(*llm.llm_engine.runner.pids, flush=True)
+            time.sleep(120)
+    """)
+    path = tmp_path / "driver.py"
+    path.write_text(script)
+    drv = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = drv.stdout.readline()
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        drv.kill()
+        drv.wait(timeout=10)
+        assert _wait_gone(pids, timeout=10) == []
+    finally:
+        if drv.poll() is None:
+            drv.kill()
