@@ -26,11 +26,15 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "lm_head": (128256, 4096)}
 CONFIGS = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (16, 64, 256, 4, 4), (16, 32, 256, 4, 5), (16, 128, 128, 4, 4),
-    (32, 64, 128, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3)]
+    (32, 64, 128, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+    # round 2: mid-size M
+    (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (32, 128, 128, 4, 4), (64, 64, 256, 4, 3),
+    (128, 64, 128, 4, 4), (128, 128, 64, 8, 4), (64, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
 
 
 def bench(fn, rep=25):
-    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+    """Median ms of CUDA-graph replays (no launch overhead: what decode sees)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 def copy_bw():
@@ -52,6 +56,8 @@ def gemm_sweep(ms):
             outs = []
             for cfg in CONFIGS:
                 bm, bn, bk, nw, ns = cfg
+                if (m >= 1024 and bm < 64) or (m <= 16 and bm >= 64):
+                    continue
                 kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
                 try:
                     outs.append(gemm_triton_persistent(x, w, None, **kw))
@@ -89,19 +95,26 @@ def attn_case(batch, ctx, q_len, h=32, kvh=8, d=128, bs=16):
 
 
 def attn_sweep():
+    from detent.kernels.defaults_triton import fa3_num_splits
     res = []
     for batch, ctx, q_len in ((1, 1024, 1), (8, 1024, 1), (64, 1024, 1), (256, 1024, 1), (1, 2048, 2048),
                               (1, 8192, 2048)):
         q, k, v, cache, meta = attn_case(batch, ctx, q_len)
         kv_bytes = batch * ctx * 8 * 128 * 2 * 2
         row = {"batch": batch, "ctx": ctx, "q_len": q_len, "kv_floor_us": kv_bytes / 4.23e12 * 1e6}
-        for split in (64, 128, 256, 512, 1024, 8192):
-            for bm in (64, 16):
-                kw = dict(split_tokens=split, block_m=bm, block_n=64, num_warps=4, num_stages=2)
+        fa3 = fa3_num_splits(batch, 8, q_len, ctx, 4, 132)
+        row["fa3_splits"] = fa3
+        fa3_split = -(-(-(-ctx // fa3)) // 64) * 64
+        for split in sorted({64, 128, 256, 512, 8192, fa3_split}):
+            for bm, nw, ns in ((16, 4, 2), (64, 4, 2), (128, 8, 2), (64, 4, 3)):
+                if q_len == 1 and bm == 128:
+                    continue
+                kw = dict(split_tokens=split, block_m=bm, block_n=64, num_warps=nw, num_stages=ns)
                 try:
-                    row[f"s{split}_m{bm}"] = bench(lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)) * 1e3
+                    row[f"s{split}_m{bm}_w{nw}_st{ns}"] = bench(
+                        lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)) * 1e3
                 except Exception as e:  # noqa: BLE001
-                    row[f"s{split}_m{bm}"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+                    row[f"s{split}_m{bm}_w{nw}_st{ns}"] = f"error: {type(e).__name__}: {str(e)[:80]}"
         if q_len > 1:
             qq = q.view(1, -1, 32, 128).transpose(1, 2)
             kk = torch.randn(1, 8, ctx, 128, device="cuda", dtype=BF16)
@@ -115,7 +128,7 @@ def attn_sweep():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels.json")
-    ap.add_argument("--ms", default="1,8,64,256,2048")
+    ap.add_argument("--ms", default="1,8,64,128,256,2048")
     a = ap.parse_args()
     t0 = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}

@@ -99,6 +99,24 @@ def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     return y
 
 
+# Tile config by row count, from benchmarks/kernels.py on the H200. All of them
+# gave identical row bits there (tests/gpu/test_gpu_gemm.py checks it on the
+# device), so choosing among them by M does not break batch invariance.
+GEMM_CONFIGS: tuple[tuple[int, dict], ...] = (
+    (16, dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)),
+    (32, dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)),
+    (128, dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    (1 << 30, dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+)
+
+
+def config_for(m: int) -> dict:
+    for upto, cfg in GEMM_CONFIGS:
+        if m <= upto:
+            return cfg
+    return GEMM_CONFIGS[-1][1]
+
+
 def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Pure-torch reference: fp64 products and sums, rounded once to x.dtype."""
     y = x.double() @ w.double().t()
@@ -107,4 +125,4 @@ def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     return y.to(x.dtype)
 
 
-__all__ = ["gemm_triton_persistent", "gemm_reference"]
+__all__ = ["GEMM_CONFIGS", "config_for", "gemm_triton_persistent", "gemm_reference"]

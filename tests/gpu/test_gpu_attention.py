@@ -53,3 +53,13 @@ def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d):
     # stock: the split size follows the batch (FA3-style) and the bits move
     y, _ = _run(case, [(1099, 1100)], order=[0], split_tokens=128)
     assert not torch.equal(y[0], full[1099])
+
+
+def test_block_m_and_warps_give_identical_bits():
+    # decode-shaped and prefill-shaped tiles (mma.sync at 16 rows, wgmma at 64+)
+    case = PagedCase([900, 40], h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=11)
+    outs = []
+    for bm, nw in ((16, 4), (32, 4), (64, 4), (128, 8)):
+        y, _ = _run(case, [(0, 900), (39, 40)], block_m=bm, num_warps=nw)
+        outs.append(y)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
