@@ -1,0 +1,90 @@
+"""The engine's user-facing configuration, validated at the boundary.
+
+`EngineConfig` holds what the user asked for (vLLM's argument names).
+Values discovered at startup — the resolved device, dtype and
+max_model_len, the number of KV blocks — live in `EngineState`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SELECTION_MODES = ("pinned", "stock", "conservative")
+DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path, HF cache name or preset; None: the embedded SmolLM2
+    tensor_parallel_size: int = 1
+    tuple: str | None = None  # commitment tuple path (t.json); None: the default tuple
+    selection: str = "pinned"
+    dtype: str = "auto"
+    device: str = "auto"
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    load_format: str = "auto"
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks: int | None = None  # overrides any memory budget
+    max_logprobs: int = 20
+    enforce_eager: bool = False  # GPU: no CUDA graphs
+
+    def __post_init__(self):
+        def positive(name):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks"):
+            positive(name)
+        if self.selection not in SELECTION_MODES:
+            raise ValueError(f"selection must be one of {SELECTION_MODES}, got {self.selection!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but no CUDA device is available")
+        return dev
+
+    def resolve_dtype(self, model_dtype: str, device: torch.device) -> torch.dtype:
+        """'auto': the checkpoint's dtype on GPU (float32 checkpoints stay float32), float32 on CPU."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(model_dtype) or torch.bfloat16
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What startup discovered."""
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    num_blocks: int  # KV blocks, the reserved null block included
+    block_size: int
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1

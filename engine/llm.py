@@ -1,0 +1,128 @@
+"""`LLM`: the offline API, with vLLM's names.
+
+    from detent.engine import LLM, SamplingParams
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text)
+"""
+from __future__ import annotations
+
+import builtins
+import itertools
+from typing import Any, Sequence
+
+from detent.engine.config import EngineConfig
+from detent.engine.llm_engine import LLMEngine
+from detent.engine.outputs import RequestOutput
+from detent.sampling.params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, tuple: str | None = None,
+                 selection: str = "pinned", dtype: str = "auto", device: str = "auto",
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
+                 load_format: str = "auto", seed: int = 0, **kwargs: Any):
+        """Extra keyword arguments: gpu_memory_utilization, kv_cache_memory_bytes,
+        num_gpu_blocks, max_logprobs, enforce_eager (see EngineConfig)."""
+        config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, tuple=tuple,
+                              selection=selection, dtype=dtype, device=device,
+                              enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              block_size=block_size, load_format=load_format, seed=seed, **kwargs)
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_model(cls, model, model_config, tokenizer=None, **kwargs: Any) -> "LLM":
+        """An LLM over an already built model (tests, custom modules). The
+        model must follow the contract in docs/architecture.md."""
+        self = cls.__new__(cls)
+        self.llm_engine = LLMEngine(EngineConfig(**kwargs), model=model, model_config=model_config,
+                                    tokenizer=tokenizer)
+        self._counter = itertools.count()
+        return self
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    # ------------------------------------------------------------ generation
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """A prompt is a string or {"prompt_token_ids": [...]} (optionally
+        with "prompt"); `sampling_params` is one for all or one per prompt.
+        Returns the finished outputs in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        ids = []
+        for p, sp in zip(prompts, params):
+            text, token_ids = self._tokenize(p)
+            rid = str(next(self._counter))
+            self.llm_engine.add_request(rid, token_ids, sp, prompt=text)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Render one conversation (a list of {"role", "content"}) or a list
+        of them with the model's chat template, then generate."""
+        tok = self.get_tokenizer()
+        if tok is None or not hasattr(tok, "apply_chat_template"):
+            raise ValueError("chat needs a tokenizer with a chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _tokenize(self, p: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(p, str):
+            tok = self.get_tokenizer()
+            if tok is None:
+                raise ValueError("a text prompt needs a tokenizer; pass {'prompt_token_ids': [...]}")
+            return p, tok.encode(p)
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                return p.get("prompt"), builtins.list(p["prompt_token_ids"])
+            if "prompt" in p:
+                return self._tokenize(p["prompt"])
+        raise ValueError(f"a prompt is a str or a dict with 'prompt_token_ids' or 'prompt', got {type(p).__name__}")
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        want = set(ids)
+        try:
+            while eng.has_unfinished_requests() and not want <= done.keys():
+                for out in eng.step():
+                    if out.finished and out.request_id in want:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]

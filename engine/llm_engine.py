@@ -1,0 +1,235 @@
+"""`LLMEngine`: the engine core loop.
+
+    step():  plan = scheduler.schedule()          # which tokens, which blocks
+             out  = runner.execute(plan)           # one forward, sample, prompt logprobs
+             done = scheduler.update(plan, out)    # counters, stop checks, free blocks
+             return outputs for the requests that progressed
+
+Threading: `add_request` and `abort_request` may be called from any thread
+(e.g. a server's event loop) while another thread runs `step()`. They
+validate at once (raising on bad input) and queue the change in an inbox
+that `step()` drains at its start, so they never wait for a forward pass.
+`step()` itself must be called from one thread at a time (a lock enforces
+it). `has_unfinished_requests()` and `stats()` are safe from any thread.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+from detent.engine.block_manager import BlockManager
+from detent.engine.config import EngineConfig, EngineState
+from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+from detent.engine.model_runner import ModelRunner
+from detent.engine.output_processor import OutputProcessor
+from detent.engine.outputs import RequestOutput
+from detent.sampling.params import SamplingParams
+from detent.scheduler.request import Request, RequestStatus
+from detent.scheduler.scheduler import Scheduler, SchedulerLimits
+
+
+def deployment_facts(config: EngineConfig, mc: Any, state: EngineState) -> dict[str, Any]:
+    """The deployment facts SelIR partially evaluates against (DESIGN §3)."""
+    dev = state.device
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        arch, num_sms = f"sm_{props.major}{props.minor}", props.multi_processor_count
+    else:
+        arch, num_sms = "cpu", 0
+    return {
+        "device": dev.type, "arch": arch, "num_sms": num_sms,
+        "dtype": str(state.dtype).removeprefix("torch."), "tp": config.tensor_parallel_size,
+        "page_size": state.block_size, "max_context": state.max_model_len,
+        "hidden": mc.hidden_size, "vocab": mc.vocab_size, "num_layers": mc.num_layers,
+        "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+        "intermediate": getattr(mc, "intermediate_size", 0),
+        "num_experts": getattr(mc, "num_experts", 0),
+        "experts_per_tok": getattr(mc, "num_experts_per_tok", 0),
+        "moe_intermediate": getattr(mc, "moe_intermediate_size", 0),
+        "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+    }
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, model: torch.nn.Module | None = None,
+                 model_config: Any = None, tokenizer: Any = None):
+        """Load `config.model` (or use the given `model` + `model_config`,
+        e.g. in tests), size the KV cache, install the kernel dispatcher."""
+        from detent.selection import make_dispatcher
+
+        self.config = config
+        if config.tensor_parallel_size > 1:  # the ranks load their shards (engine/tp)
+            from detent.engine.tp import start_tp
+            if model is not None:
+                raise ValueError("tensor_parallel_size > 1 loads the model in every rank; "
+                                 "model= is only for tensor_parallel_size=1")
+            tp = start_tp(config)
+            model_config, tokenizer, self.state, self.facts = tp.model_config, tp.tokenizer, tp.state, tp.facts
+            self.dispatcher, self.runner = None, tp.executor  # runner: execute(plan) -> ModelOutput
+        else:
+            device = config.resolve_device()
+            if model is None:
+                from detent.engine.loader import load
+                model, model_config, tokenizer = load(config, device)
+            dtype = next(model.parameters()).dtype
+            max_len = config.max_model_len or model_config.max_position_embeddings
+            if max_len > model_config.max_position_embeddings:
+                raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                                 f"{model_config.max_position_embeddings}")
+            spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                               dtype, config.block_size)
+            reserve = config.max_num_batched_tokens * (6 * model_config.hidden_size
+                                                       + 3 * model_config.intermediate_size) * 4
+            num_blocks = num_blocks_for(spec, device, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
+                                        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                        num_gpu_blocks=config.num_gpu_blocks,
+                                        gpu_memory_utilization=config.gpu_memory_utilization,
+                                        activation_reserve_bytes=reserve)
+            self.state = EngineState(device, dtype, max_len, num_blocks, config.block_size)
+            self.facts = deployment_facts(config, model_config, self.state)
+            self.dispatcher = make_dispatcher(self.facts, config.selection, config.tuple)
+            self.runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device),
+                                      config.block_size, self.dispatcher, device)
+        self.model_config, self.tokenizer = model_config, tokenizer
+        self.block_manager = BlockManager(self.state.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.state.max_model_len), self.block_manager)
+        self.outputs = OutputProcessor(tokenizer)
+        eos = set(getattr(model_config, "eos_token_ids", ()) or ())
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._seed_rng = random.Random(config.seed)
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._pending_ids: set[str] = set()  # added, not yet drained
+        self._live_ids: set[str] = set()  # drained, not yet finished
+        self._num_steps = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None, prompt: str | None = None) -> None:
+        """Queue a request. Raises ValueError on bad input (naming the field)."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        ids = self._validate(request_id, prompt_token_ids, params)
+        with self._inbox_lock:
+            if request_id in self._pending_ids or request_id in self._live_ids:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._pending_ids.add(request_id)
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            self._inbox.append(("add", (request_id, ids, params, prompt, seed)))
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._inbox_lock:
+            for rid in ids:
+                self._inbox.append(("abort", rid))
+
+    def has_unfinished_requests(self) -> bool:
+        with self._inbox_lock:
+            return bool(self._pending_ids or self._live_ids)
+
+    def _validate(self, request_id: str, prompt_token_ids: Sequence[int], p: SamplingParams) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(ids) > self.state.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.state.max_model_len}")
+        if hasattr(p, "verify_vocab"):
+            p.verify_vocab(vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
+        return ids
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._inbox_lock:
+            items, self._inbox = list(self._inbox), deque()
+        aborted_outputs = []
+        for kind, payload in items:
+            if kind == "add":
+                rid, ids, params, prompt, seed = payload
+                n = params.n
+                children = [Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
+                                    block_size=self.config.block_size, sample_index=i,
+                                    eos_token_ids=self.eos_token_ids) for i in range(n)]
+                self.outputs.add(rid, prompt, children)
+                for c in children:
+                    self.scheduler.add(c)
+                with self._inbox_lock:
+                    self._pending_ids.discard(rid)
+                    self._live_ids.add(rid)
+            else:
+                children = self.outputs.children(payload)
+                if not children:
+                    continue
+                for c in children:
+                    if not c.is_finished:
+                        self.scheduler.abort(c.request_id)
+                aborted_outputs.append(self._emit(payload))
+        return aborted_outputs
+
+    def _emit(self, group_id: str) -> RequestOutput:
+        out = self.outputs.make_output(group_id)
+        if out.finished:
+            self.outputs.release(group_id)
+            with self._inbox_lock:
+                self._live_ids.discard(group_id)
+        return out
+
+    # ------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + forward step; outputs (cumulative) of the
+        requests that got a token or finished, `finished` set on the last."""
+        with self._step_lock:
+            results = self._drain_inbox()
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return results
+            out = self.runner.execute(plan)
+            progressed = self.scheduler.update(plan, out)
+            self._num_steps += 1
+            groups: dict[str, None] = {}
+            for req in progressed:
+                stop = self.outputs.update_text(req)
+                if stop is not None:
+                    if req.is_finished:  # it also hit a length limit or EOS: the stop string wins
+                        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                    else:
+                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+                groups[self.outputs.parent_of[req.request_id]] = None
+            return results + [self._emit(g) for g in groups]
+
+    def stats(self) -> dict[str, Any]:
+        bm, sch = self.block_manager, self.scheduler
+        return {
+            "num_running": len(sch.running),
+            "num_waiting": len(sch.waiting) + len(self._inbox),
+            "kv_cache_usage": bm.usage,
+            "num_kv_blocks": bm.num_usable_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "prefix_cache_queries": bm.queries,
+            "prefix_cache_hits": bm.hits,
+            "num_preemptions": sch.num_preemptions,
+            "num_steps": self._num_steps,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        with self._step_lock:
+            return self.block_manager.reset_prefix_cache()
+
+    def get_tokenizer(self):
+        return self.tokenizer

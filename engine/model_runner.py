@@ -1,0 +1,149 @@
+"""The model runner: one forward over a mixed prefill + decode batch, then
+sampling and prompt logprobs.
+
+Per step it (1) builds the flattened batch and the attention metadata on the
+host with numpy, (2) copies it to the device in one transfer, (3) runs the
+model inside one forward context (`_forward`, the single place a GPU
+helper replaces with CUDA-graph replay for decode batches), (4) gathers the
+rows that sample, computes their logits and calls the sampler, and (5)
+scores the prompt rows that asked for prompt logprobs.
+
+The runner never allocates blocks: block tables arrive in the plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from detent.sampling import sampler as sampling
+from detent.scheduler.outputs import ModelOutput, SampledToken, SchedulerOutput
+from detent.selection import ops
+from detent.selection.dispatch import Dispatcher, use_dispatcher
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt rows scored per log-softmax call (bounds the [rows, vocab] buffer)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A step's device tensors plus the host values kernels and selectors read."""
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] long: flattened index of each sampling row
+    prompt_rows: torch.Tensor  # [P] long: flattened index of each prompt-logprob row
+    prompt_targets: torch.Tensor  # [P] long: the prompt token each of those rows is scored on
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 dispatcher: Dispatcher, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.dispatcher = dispatcher
+        self.device = device
+
+    # ------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        batch = self.prepare(plan)
+        ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches)
+        with use_dispatcher(self.dispatcher), forward_context(ctx):
+            hidden = self._forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+            sampled = self._sample(plan, hidden, batch)
+            prompt_lps = self._prompt_logprobs(plan, hidden, batch)
+        return ModelOutput(sampled, prompt_lps)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 ctx: ForwardContext) -> torch.Tensor:
+        """The model call (hook: CUDA-graph replay for decode-only batches)."""
+        return self.model(input_ids, positions)
+
+    # ------------------------------------------------------------ host side
+    def prepare(self, plan: SchedulerOutput) -> Batch:
+        seqs = plan.seqs
+        bs = self.block_size
+        qlens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
+        seq_lens = starts + qlens
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=qsl[1:])
+        t = int(qsl[-1])
+        ids = np.fromiter((tok for s in seqs for tok in s.token_ids), dtype=np.int64, count=t)
+        seq_of = np.repeat(np.arange(len(seqs)), qlens)  # [T] the sequence each token belongs to
+        positions = np.arange(t, dtype=np.int64) - qsl[seq_of] + starts[seq_of]
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_ids)] = s.block_ids
+        slots = tables[seq_of, positions // bs] * bs + positions % bs
+        sample_rows = np.array([qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.sample is not None],
+                               dtype=np.int64)
+        p_rows = [qsl[i] + (s.prompt_rows_start - s.start) + np.arange(len(s.prompt_targets))
+                  for i, s in enumerate(seqs) if s.prompt_targets]
+        p_rows = np.concatenate(p_rows) if p_rows else np.zeros(0, dtype=np.int64)
+        p_tgts = np.fromiter((tok for s in seqs for tok in s.prompt_targets), dtype=np.int64)
+
+        # one host -> device copy for everything
+        parts = [ids, positions, slots, qsl, seq_lens, tables.reshape(-1), sample_rows, p_rows, p_tgts]
+        flat = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
+        views, o = [], 0
+        for p in parts:
+            views.append(flat[o:o + p.size])
+            o += p.size
+        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, srows_t, prows_t, ptg_t = views
+        attn = AttentionMetadata(
+            query_start_loc=qsl_t.to(torch.int32), seq_lens=lens_t.to(torch.int32),
+            block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32), slot_mapping=slots_t,
+            num_seqs=len(seqs), num_tokens=t, max_seqlen_q=int(qlens.max()),
+            max_seqlen_k=int(seq_lens.max()), block_size=bs,
+            query_start_loc_cpu=tuple(qsl.tolist()), seq_lens_cpu=tuple(seq_lens.tolist()))
+        return Batch(ids_t, pos_t, attn, srows_t, prows_t, ptg_t)
+
+    # ------------------------------------------------------------ outputs
+    def _sample(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> dict[str, SampledToken]:
+        rows = [s.sample for s in plan.seqs if s.sample is not None]
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [R, V] fp32
+        out = sampling.sample(logits, rows)
+        ids = [s.request_id for s in plan.seqs if s.sample is not None]
+        return {rid: SampledToken(out.token_ids[i], (out.logprobs[i], out.ranks[i],
+                                                     tuple(out.topk_ids[i]), tuple(out.topk_logprobs[i])))
+                for i, rid in enumerate(ids)}
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> dict:
+        if batch.prompt_rows.numel() == 0:
+            return {}
+        kmax = max(s.prompt_logprobs_k for s in plan.seqs if s.prompt_targets)
+        results = score_rows(self.model, hidden, batch.prompt_rows, batch.prompt_targets, kmax)
+        out, o = {}, 0
+        for s in plan.seqs:
+            if s.prompt_targets:
+                n, k = len(s.prompt_targets), s.prompt_logprobs_k
+                out[s.request_id] = tuple((lp, rk, ids[:k], lps[:k]) for lp, rk, ids, lps in results[o:o + n])
+                o += n
+        return out
+
+
+def score_rows(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+               k: int) -> list[tuple[float, int, tuple[int, ...], tuple[float, ...]]]:
+    """Logprob, rank and top-k of `targets[i]` under the logits of `hidden[rows[i]]`.
+
+    The rank is 1 + the number of tokens with a strictly larger logprob (vLLM's)."""
+    out = []
+    for c in range(0, rows.numel(), PROMPT_LOGPROBS_ROWS):
+        r, tg = rows[c:c + PROMPT_LOGPROBS_ROWS], targets[c:c + PROMPT_LOGPROBS_ROWS]
+        lp = ops.log_softmax(model.compute_logits(hidden.index_select(0, r)))  # [n, V] fp32
+        tok_lp = lp.gather(1, tg[:, None])  # [n, 1]
+        ranks = ((lp > tok_lp).sum(-1) + 1).tolist()
+        if k:
+            vals, idx = torch.topk(lp, k, dim=-1)
+            vals, idx = vals.tolist(), idx.tolist()
+        else:
+            vals = idx = [[] for _ in range(r.numel())]
+        out += [(a, b, tuple(c_), tuple(d)) for a, b, c_, d in zip(tok_lp[:, 0].tolist(), ranks, idx, vals)]
+    return out

@@ -1,0 +1,127 @@
+"""Turns request state into `RequestOutput`s: detokenization, stop strings,
+logprob dicts, and the grouping of `n > 1` samples under one request id."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from detent.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from detent.scheduler.request import Request
+
+
+@dataclass
+class _Sample:
+    req: Request
+    text: str = ""
+    frozen: bool = False  # text cut at a stop string
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    samples: list[_Sample]
+    prompt_logprobs: list | None = None
+    finished_time: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.groups: dict[str, _Group] = {}
+        self.parent_of: dict[str, str] = {}  # child request id -> group id
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        self.groups[request_id] = _Group(request_id, prompt, [_Sample(r) for r in children])
+        for r in children:
+            self.parent_of[r.request_id] = request_id
+
+    def children(self, request_id: str) -> list[Request]:
+        g = self.groups.get(request_id)
+        return [s.req for s in g.samples] if g else []
+
+    def _decode(self, ids, skip_special: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def update_text(self, req: Request) -> str | None:
+        """Re-detokenize `req`'s output; return the stop string it now contains, if any."""
+        g = self.groups[self.parent_of[req.request_id]]
+        s = next(x for x in g.samples if x.req is req)
+        self._extend_logprobs(s)
+        if s.frozen or self.tokenizer is None:
+            return None
+        p = req.params
+        prev = len(s.text)
+        s.text = self._decode(req.output_token_ids, p.skip_special_tokens)
+        if not p.stop or req.num_output_tokens < max(p.min_tokens, 1):
+            return None
+        best = None
+        for stop in p.stop:
+            i = s.text.find(stop, max(0, prev - len(stop) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        i, stop = best
+        s.text = s.text[:i + len(stop)] if p.include_stop_str_in_output else s.text[:i]
+        s.frozen = True
+        return stop
+
+    def _extend_logprobs(self, s: _Sample) -> None:
+        req = s.req
+        if req.params.logprobs is None:
+            return
+        for j in range(len(s.logprobs), req.num_output_tokens):
+            tok = req.output_token_ids[j]
+            lp, rank, ids, vals = req.output_logprobs[j]
+            s.logprobs.append(self._position(tok, lp, rank, ids, vals))
+
+    def _position(self, tok, lp, rank, ids, vals) -> dict[int, Logprob]:
+        d = {tok: Logprob(lp, rank, self._decode([tok], False) or None)}
+        for r, (i, v) in enumerate(zip(ids, vals), start=1):
+            if i not in d:
+                d[i] = Logprob(v, r, self._decode([i], False) or None)
+        return d
+
+    def _prompt_logprobs(self, g: _Group) -> list | None:
+        req = g.samples[0].req
+        if not req.wants_prompt_logprobs:
+            return None
+        if g.prompt_logprobs is None or len(g.prompt_logprobs) < req.num_prompt_tokens:
+            g.prompt_logprobs = [None] + [self._position(req.prompt_token_ids[p + 1], *row)
+                                          for p, row in enumerate(req.prompt_logprobs)]
+        return g.prompt_logprobs
+
+    def make_output(self, request_id: str) -> RequestOutput:
+        g = self.groups[request_id]
+        outs = []
+        for i, s in enumerate(g.samples):
+            r = s.req
+            want_lp = r.params.logprobs is not None
+            outs.append(CompletionOutput(
+                index=i, text=s.text, token_ids=list(r.output_token_ids),
+                cumulative_logprob=sum(x[0] for x in r.output_logprobs) if want_lp else None,
+                logprobs=list(s.logprobs) if want_lp else None,
+                finish_reason=r.status.value if r.is_finished else None,
+                stop_reason=r.stop_reason, seed=r.seed))
+        finished = all(s.req.is_finished for s in g.samples)
+        first = g.samples[0].req
+        if finished and g.finished_time is None:
+            g.finished_time = time.monotonic()
+        errors = [s.req.error for s in g.samples if s.req.error]
+        return RequestOutput(
+            request_id=request_id, prompt=g.prompt, prompt_token_ids=list(first.prompt_token_ids),
+            prompt_logprobs=self._prompt_logprobs(g), outputs=outs, finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=RequestMetrics(first.arrival_time, first.first_token_time, g.finished_time,
+                                   sum(s.req.num_preemptions for s in g.samples)),
+            error=errors[0] if errors else None)
+
+    def release(self, request_id: str) -> None:
+        g = self.groups.pop(request_id, None)
+        if g:
+            for s in g.samples:
+                self.parent_of.pop(s.req.request_id, None)

@@ -1,0 +1,109 @@
+"""A request's state as counters (STYLE.md item 2).
+
+Everything else is derived: a request is in prefill while
+``num_computed_tokens < num_tokens - 1``; it samples a token in a step that
+brings ``num_computed_tokens`` up to ``num_tokens``. Tokens are appended
+through one method, `append_output_token`, which also extends the block
+hashes of the prefix cache. Preemption (by recompute) only resets
+``num_computed_tokens`` and the block ids: prompt, outputs and hashes stay.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Sequence
+
+from detent.engine.block_hash import NONE_HASH, BlockHash, hash_blocks
+from detent.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 *, seed: int, block_size: int, sample_index: int = 0, extra_keys: tuple = (),
+                 eos_token_ids: Sequence[int] = ()):
+        self.request_id = request_id
+        self.params = params
+        self.seed = seed  # params.seed, or one drawn at admission (kept for replay)
+        self.sample_index = sample_index
+        self.block_size = block_size
+        self.extra_keys = tuple(extra_keys)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in block_ids
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet scheduled)
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[BlockHash] = hash_blocks(self.all_token_ids, block_size, self.extra_keys)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.grammar: Any = None  # per-request grammar state (sampling issue), or None
+        # per output token: (chosen logprob, rank, topk ids, topk logprobs)
+        self.output_logprobs: list[tuple[float, int, list[int], list[float]]] = []
+        # per prompt position 1..P-1: (logprob of the prompt token, rank, topk ids, topk logprobs)
+        self.prompt_logprobs: list[tuple[float, int, list[int], list[float]]] = []
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    # ------------------------------------------------------------ derived
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def golden_token(self) -> int | None:
+        """The teacher-forced token for the position about to be sampled, if any."""
+        g = self.params.golden_token_ids
+        if g is not None and self.num_output_tokens < len(g):
+            return g[self.num_output_tokens]
+        return None
+
+    # ------------------------------------------------------------ the one mutator of tokens
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        n = len(self.block_hashes)
+        if self.num_tokens // self.block_size > n:
+            parent = self.block_hashes[-1] if n else NONE_HASH
+            self.block_hashes += hash_blocks(self.all_token_ids, self.block_size, self.extra_keys,
+                                             parent=parent, start_block=n)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_ids})")

@@ -1,0 +1,183 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step gets a token budget (`max_num_batched_tokens`) and a sequence
+limit (`max_num_seqs`). Running requests are served first — decodes before
+prefill chunks, so a long prompt never starves the requests already
+generating — then waiting requests are admitted in arrival order, each
+after a prefix-cache lookup. A prompt longer than the remaining budget is
+cut into chunks across steps.
+
+When the KV pool runs out, the most recently admitted running request is
+preempted: its blocks are released, its `num_computed_tokens` goes back to
+0 and it returns to the front of the queue. On resume it recomputes prompt
++ outputs (often hitting its own cached blocks) and continues; since every
+kernel is batch-invariant it produces exactly the tokens it would have.
+
+The scheduler never touches tensors: it hands the runner a frozen
+`SchedulerOutput` and takes back a frozen `ModelOutput`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from detent.engine.block_manager import BlockManager
+from detent.sampling.sampler import SamplingRow
+from detent.scheduler.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
+from detent.scheduler.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager):
+        self.limits = limits
+        self.bm = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ queue edits
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.bm.free_request(req)
+        req.status, req.stop_reason = status, stop_reason
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.free_request(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------ planning
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        planned: dict[str, int] = {}  # request id -> tokens this step, in plan order
+        preempted: list[str] = []
+
+        decodes = [r for r in self.running if not r.is_prefill]
+        prefills = [r for r in self.running if r.is_prefill]
+        for req in decodes + prefills:
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.allocate(req, n):
+                victim = self.running[-1]  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                budget += planned.pop(victim.request_id, 0)
+                if victim is req:
+                    break
+            else:
+                planned[req.request_id] = n
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            req = self.waiting[0]
+            # prompt logprobs need every prompt row computed, so they skip the cache
+            hits = [] if req.wants_prompt_logprobs else self.bm.find_cached_blocks(req)
+            done = len(hits) * self.bm.block_size
+            n = min(req.num_tokens - done, budget)
+            if not self.bm.allocate(req, n, hits):
+                break
+            self.bm.record_lookup(req.num_tokens, done, enabled=not req.wants_prompt_logprobs)
+            self.waiting.popleft()
+            req.num_computed_tokens = done
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = done
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            planned[req.request_id] = n
+            budget -= n
+
+        seqs = tuple(self._plan(self.requests[rid], n) for rid, n in planned.items())
+        return SchedulerOutput(seqs, self.limits.max_num_batched_tokens - budget, tuple(preempted))
+
+    def _plan(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        end = start + n
+        sample = None
+        if end == req.num_tokens:
+            sample = SamplingRow(params=req.params, seed=req.seed, position=req.num_tokens,
+                                 sample_index=req.sample_index,
+                                 prompt_token_ids=req.prompt_token_ids,
+                                 output_token_ids=req.output_token_ids,
+                                 golden_token=req.golden_token, grammar=req.grammar,
+                                 eos_token_ids=tuple(req.eos_token_ids))
+        k, lo, targets = 0, 0, ()
+        if req.wants_prompt_logprobs:
+            # row p predicts prompt token p + 1; rows already reported (before a preemption) are skipped
+            lo = max(start, len(req.prompt_logprobs))
+            hi = min(end, req.num_prompt_tokens - 1)
+            if hi > lo:
+                k = req.params.prompt_logprobs
+                targets = tuple(req.prompt_token_ids[lo + 1:hi + 1])
+        return ScheduledSeq(req.request_id, tuple(req.all_token_ids[start:end]), start,
+                            tuple(req.block_ids), sample, k, lo, targets)
+
+    # ------------------------------------------------------------ results
+    def update(self, plan: SchedulerOutput, out: ModelOutput) -> list[Request]:
+        """Advance the counters by the step's results; returns the requests
+        that got a token (finished ones included, already freed)."""
+        progressed = []
+        for seq in plan.seqs:
+            req = self.requests[seq.request_id]
+            req.num_computed_tokens += seq.num_tokens
+            if seq.prompt_targets:
+                req.prompt_logprobs.extend(out.prompt_logprobs[seq.request_id])
+            if seq.sample is None:
+                continue
+            st = out.sampled[seq.request_id]
+            req.append_output_token(st.token_id)
+            req.output_logprobs.append(st.logprobs)
+            stop = self._check_stop(req, st.token_id)
+            if stop is not None:
+                self.finish(req, *stop)
+            progressed.append(req)
+        return progressed
+
+    def _check_stop(self, req: Request, tok: int):
+        p = req.params
+        if req.num_output_tokens >= max(p.min_tokens, 1):
+            if not p.ignore_eos and tok in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if tok in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, tok
+        if req.num_tokens >= self.limits.max_model_len or (
+                p.max_tokens is not None and req.num_output_tokens >= p.max_tokens):
+            return RequestStatus.FINISHED_LENGTH, None
+        return None

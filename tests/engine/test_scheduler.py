@@ -1,0 +1,154 @@
+"""Scheduler: token budget, chunked prefill, decodes first, preemption, abort."""
+import pytest
+
+from detent.engine.block_manager import BlockManager
+from detent.sampling.params import SamplingParams
+from detent.scheduler.outputs import ModelOutput, SampledToken
+from detent.scheduler.request import Request, RequestStatus
+from detent.scheduler.scheduler import Scheduler, SchedulerLimits
+
+BS = 4
+
+
+def make(num_blocks=32, seqs=8, budget=16, max_len=64, caching=True):
+    return Scheduler(SchedulerLimits(seqs, budget, max_len), BlockManager(num_blocks, BS, caching))
+
+
+def req(rid, n, max_tokens=8, first=10, **kw):
+    return Request(rid, list(range(first, first + n)), SamplingParams(temperature=0, max_tokens=max_tokens, **kw),
+                   seed=0, block_size=BS)
+
+
+def run_step(s, tok=7):
+    plan = s.schedule()
+    out = ModelOutput({q.request_id: SampledToken(tok, (0.0, 1, (), ())) for q in plan.seqs if q.sample},
+                      {q.request_id: tuple((0.0, 1, (), ()) for _ in q.prompt_targets)
+                       for q in plan.seqs if q.prompt_targets})
+    s.update(plan, out)
+    return plan
+
+
+def test_chunked_prefill_then_decode():
+    s = make(budget=8)
+    s.add(req("a", 20))
+    chunks = [(q.start, q.num_tokens, q.sample is not None) for q in run_step(s).seqs]
+    assert chunks == [(0, 8, False)]
+    assert [(q.start, q.num_tokens) for q in run_step(s).seqs] == [(8, 8)]
+    p = run_step(s)
+    assert [(q.start, q.num_tokens) for q in p.seqs] == [(16, 4)] and p.seqs[0].sample.position == 20
+    p = run_step(s)
+    assert [(q.start, q.num_tokens, q.token_ids) for q in p.seqs] == [(20, 1, (7,))]
+    assert p.seqs[0].sample.position == 21  # the index the new token will have
+
+
+def test_decodes_first_and_budget():
+    s = make(budget=8)
+    s.add(req("a", 3))
+    run_step(s)  # a prefilled, sampled
+    s.add(req("b", 30))
+    p = run_step(s)
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 7)]
+    assert p.num_batched_tokens == 8
+    p = run_step(s)  # b continues its prefill after a's decode
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs():
+    s = make(seqs=2, budget=64)
+    for i in range(3):
+        s.add(req(f"r{i}", 4, first=10 * i))
+    assert [q.request_id for q in run_step(s).seqs] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_preemption_by_recompute_of_latest_admitted():
+    # 6 usable blocks; two requests of 8 prompt tokens (2 blocks each) grow until the pool runs out
+    s = make(num_blocks=7, budget=64, max_len=24)  # one max_model_len request fits (6 blocks)
+    a, b = req("a", 8, max_tokens=20), req("b", 8, max_tokens=20, first=40)
+    s.add(a), s.add(b)
+    preempted = []
+    for _ in range(12):
+        p = run_step(s)
+        preempted += p.preempted_ids
+        if preempted:
+            break
+    assert preempted == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_ids == []
+    assert b.num_preemptions == 1 and s.waiting[0] is b
+    assert b.num_output_tokens > 0  # outputs kept: it recomputes prompt + outputs
+    # b resumes once a finishes, recomputing everything it had (prefix hits allowed)
+    while b.status != RequestStatus.RUNNING:
+        run_step(s)
+    assert a.is_finished
+    assert b.num_computed_tokens + 1 >= b.num_tokens
+
+
+def test_preempted_victim_already_planned_gives_back_its_budget():
+    s = make(num_blocks=4, budget=64, max_len=12)  # 3 usable blocks
+    a, b = req("a", 4, max_tokens=8), req("b", 3, max_tokens=8, first=40)
+    s.add(a), s.add(b)
+    run_step(s)  # a: 4 tokens -> 1 block (+ sample), b: 1 block
+    p = run_step(s)  # a needs a 2nd block (pos 4), b fits in its block
+    for _ in range(6):
+        p = run_step(s)
+        if p.preempted_ids:
+            break
+    assert p.preempted_ids == ("b",)
+    assert [q.request_id for q in p.seqs] == ["a"]
+    assert p.num_batched_tokens == 1
+
+
+def test_abort_frees_blocks():
+    s = make()
+    a = req("a", 10)
+    s.add(a)
+    run_step(s)
+    assert s.bm.num_free_blocks == 31 - 3
+    s.abort("a")
+    assert a.status == RequestStatus.FINISHED_ABORTED and s.bm.num_free_blocks == 31
+    assert not s.has_unfinished()
+
+
+def test_stops():
+    s = make()
+    a = req("a", 4, max_tokens=3)
+    b = Request("b", [1, 2], SamplingParams(temperature=0, stop_token_ids=[7]), seed=0, block_size=BS)
+    c = Request("c", [1, 2], SamplingParams(temperature=0, max_tokens=50), seed=0, block_size=BS,
+                eos_token_ids=[7])
+    d = Request("d", [1, 2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), seed=0,
+                block_size=BS, eos_token_ids=[7])
+    for r in (a, b, c, d):
+        s.add(r)
+    for _ in range(6):
+        run_step(s)
+    assert (a.status, a.num_output_tokens) == (RequestStatus.FINISHED_LENGTH, 3)
+    assert (b.status, b.stop_reason, b.output_token_ids) == (RequestStatus.FINISHED_STOPPED, 7, [7])
+    assert (c.status, c.stop_reason) == (RequestStatus.FINISHED_STOPPED, None)
+    assert (d.status, d.num_output_tokens) == (RequestStatus.FINISHED_LENGTH, 5)
+
+
+def test_max_model_len_ends_with_length():
+    s = make(max_len=6)
+    a = req("a", 4, max_tokens=None)
+    s.add(a)
+    for _ in range(5):
+        run_step(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.num_tokens == 6
+
+
+def test_prompt_logprob_rows_skip_cache_and_cover_prompt():
+    s = make(budget=5)
+    a = req("a", 12, prompt_logprobs=2)
+    s.add(a)
+    spans = []
+    for _ in range(3):
+        p = run_step(s)
+        q = p.seqs[0]
+        spans.append((q.prompt_rows_start, len(q.prompt_targets)))
+    assert spans == [(0, 5), (5, 5), (10, 1)]  # rows 0..10 predict tokens 1..11
+    assert len(a.prompt_logprobs) == 11
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerLimits(1, 0, 10)
