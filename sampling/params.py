@@ -1,12 +1,152 @@
-"""SamplingParams with vLLM's names (validated at construction).
+"""SamplingParams and StructuredOutputs, with vLLM's names, validated at construction.
 
-INITIAL VERSION (engine-core scaffold): the sampling issue completes the
-validation, structured outputs and the remaining fields' semantics.
+Every invalid value raises ValueError naming the field and the allowed range.
+Token-id fields can only be checked against a vocabulary by the engine:
+`SamplingParams.verify_vocab(vocab_size)`.
+
+Semantics (documented in sampling/README.md-style here, tested in tests/sampling):
+- greedy: temperature < 1e-5 (vLLM's epsilon) -> argmax, ties to the lowest id.
+- top_k <= 0 disables top-k (vLLM accepts -1 and 0); top_k < -1 is an error.
+- logprobs_mode "raw" (default): log_softmax of the model's logits;
+  "processed": log_softmax of the logits actually sampled from (after
+  penalties, temperature, top-k/top-p/min-p and the grammar mask).
+- golden_token_ids (Detent extension): the first len(golden_token_ids)
+  output tokens are these ids whatever the model says (teacher forcing); the
+  reported logprobs are the model's along that continuation.
+- seed: any int in [-2**63, 2**64); negative seeds are taken mod 2**64.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import math
+import re
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs
+_LOGPROBS_MODES = {"raw": "raw", "processed": "processed",
+                   "raw_logprobs": "raw", "processed_logprobs": "processed"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int_field(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> None:
+    rng = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be an integer in {rng}, got {v!r}")
+
+
+def _float_field(name: str, v: Any, rng: str, ok) -> None:
+    if not _is_num(v) or not ok(v):
+        raise ValueError(f"{name} must be a finite number in {rng}, got {v!r}")
+
+
+def _token_list(name: str, v: Any) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {v!r}")
+    out = list(v)
+    for t in out:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"{name} must be a list of token ids (integers >= 0), got element {t!r}")
+    return out
+
+
+@dataclass
+class StructuredOutputs:
+    """One constraint on the output: exactly one of json / json_object / regex / grammar / choice.
+
+    json: a JSON Schema (dict or JSON string), checked against its meta-schema.
+    json_object: True for any JSON object. regex: must compile (Python `re`).
+    grammar: EBNF (GBNF dialect, root rule "root"), parsed at construction.
+    choice: a non-empty list of non-empty strings; the output is one of them.
+    any_whitespace=False (default) makes JSON use fixed separators, so a
+    random-ish model cannot loop on whitespace.
+    """
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if f.name != "any_whitespace"
+                 and getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, "
+                             f"grammar, choice; got {given or 'none'}")
+        if not isinstance(self.any_whitespace, bool):
+            raise ValueError(f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}")
+        kind = given[0]
+        if kind == "json":
+            self.json = _check_schema(self.json)
+        elif kind == "json_object" and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True, got {self.json_object!r}")
+        elif kind == "regex":
+            if not isinstance(self.regex, str) or not self.regex:
+                raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+            try:
+                re.compile(self.regex)
+            except re.error as e:
+                raise ValueError(f"structured_outputs.regex does not compile: {e}") from None
+        elif kind == "grammar":
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise ValueError("structured_outputs.grammar must be a non-empty EBNF string")
+            import xgrammar as xgr
+            try:
+                xgr.Grammar.from_ebnf(self.grammar)
+            except Exception as e:  # xgrammar raises RuntimeError with the parser's message
+                raise ValueError(f"structured_outputs.grammar is not valid EBNF: {_short(e)}") from None
+        elif kind == "choice":
+            ch = self.choice
+            if isinstance(ch, str) or not isinstance(ch, (list, tuple)) or not ch or \
+                    not all(isinstance(c, str) and c for c in ch):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {ch!r}")
+            self.choice = list(ch)
+
+    @property
+    def kind(self) -> str:
+        return next(f.name for f in fields(self) if f.name != "any_whitespace"
+                    and getattr(self, f.name) not in (None, False))
+
+    def key(self) -> str:
+        """A canonical string for caching compiled grammars."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.any_whitespace], sort_keys=True, ensure_ascii=False)
+
+
+def _short(e: Exception) -> str:
+    msg = str(e).strip()
+    return re.sub(r"^\[[0-9:]+\] \S+: ", "", msg)  # drop xgrammar's "[time] file.cc:line: "
+
+
+def _check_schema(schema: Any) -> dict:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
+    import jsonschema
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as e:
+        where = "/".join(str(p) for p in e.path) or "(root)"
+        raise ValueError(f"structured_outputs.json is not a valid JSON Schema at {where}: {e.message}") from None
+    if isinstance(schema, bool):
+        raise ValueError("structured_outputs.json must be a JSON Schema object, got a boolean schema")
+    return schema
 
 
 @dataclass
@@ -32,24 +172,78 @@ class SamplingParams:
     golden_token_ids: list[int] | None = None
     structured_outputs: Any = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _int_field("n", self.n, 1, 1024)
+        _float_field("temperature", self.temperature, "[0, inf)", lambda v: v >= 0)
+        _int_field("top_k", self.top_k, -1)
+        _float_field("top_p", self.top_p, "(0, 1]", lambda v: 0 < v <= 1)
+        _float_field("min_p", self.min_p, "[0, 1]", lambda v: 0 <= v <= 1)
+        _float_field("presence_penalty", self.presence_penalty, "[-2, 2]", lambda v: -2 <= v <= 2)
+        _float_field("frequency_penalty", self.frequency_penalty, "[-2, 2]", lambda v: -2 <= v <= 2)
+        _float_field("repetition_penalty", self.repetition_penalty, "(0, inf)", lambda v: v > 0)
+        if self.seed is not None:
+            _int_field("seed", self.seed, -(2**63), 2**64 - 1)
+        if self.max_tokens is not None:
+            _int_field("max_tokens", self.max_tokens, 1)
+        _int_field("min_tokens", self.min_tokens, 0, self.max_tokens)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = _token_list("stop_token_ids", self.stop_token_ids)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.logprobs is not None:
+            _int_field("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int_field("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.logprobs_mode not in _LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of 'raw', 'processed', got {self.logprobs_mode!r}")
+        self.logprobs_mode = _LOGPROBS_MODES[self.logprobs_mode]
+        if self.golden_token_ids is not None:
+            self.golden_token_ids = _token_list("golden_token_ids", self.golden_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs or a dict, got "
+                             f"{type(self.structured_outputs).__name__}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict token id -> bias, got {self.logit_bias!r}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                tid = int(k) if isinstance(k, str) and k.isdigit() else k
+                if not _is_int(tid) or tid < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+                _float_field(f"logit_bias[{tid}]", v, "[-100, 100]", lambda x: -100 <= x <= 100)
+                bias[tid] = float(v)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list when given")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def seed64(self) -> int | None:
+        """The seed as an unsigned 64-bit key (negative seeds taken mod 2**64)."""
+        return None if self.seed is None else self.seed % 2**64
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a token-id field names an id outside [0, vocab_size)."""
+        lists = {"stop_token_ids": self.stop_token_ids, "golden_token_ids": self.golden_token_ids,
+                 "allowed_token_ids": self.allowed_token_ids,
+                 "logit_bias": list(self.logit_bias or {})}
+        for name, ids in lists.items():
+            for t in ids or ():
+                if t >= vocab_size:
+                    raise ValueError(f"{name} contains token id {t}, outside the vocabulary [0, {vocab_size})")

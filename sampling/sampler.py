@@ -1,9 +1,5 @@
 """The sampler: one call per step over the rows that sample a token.
 
-INITIAL VERSION (engine-core scaffold): greedy only, raw logprobs and top-k.
-The sampling issue replaces the body (keyed RNG, processors, grammar masks,
-golden tokens) keeping this interface.
-
 Contract:
 - `logits` is [R, V] float32, one row per sampled token, already gathered
   by the runner; rows are independent: nothing here may mix rows.
@@ -11,6 +7,19 @@ Contract:
   the token being sampled, sample index, the tokens so far).
 - Every per-row result depends only on that row's logits and its
   SamplingRow — never on R or on the row's index.
+
+How: the random bits come from the keyed Philox RNG (rng.py), exact integer
+arithmetic. Everything else is an op whose per-row result does not depend on
+the other rows: elementwise arithmetic, comparisons, where/gather/scatter,
+stable sorts, argmax (first maximum), and the last-dim softmax/log_softmax
+kernels; no cumsum (top-p uses a fixed-order scan) and no cross-row
+reduction. tests/sampling/test_row_invariance.py checks each of these, and
+the whole sampler, for a row alone against the same row at other positions
+in batches of other sizes.
+
+Sampling is Gumbel-max: token = argmax(z + g) over the allowed tokens, z the
+processed logits, g = -log(-log(u)) from the keyed uniforms. Greedy rows
+(temperature < 1e-5) take argmax(z), ties to the lowest id.
 """
 from __future__ import annotations
 
@@ -19,7 +28,9 @@ from typing import Any, Sequence
 
 import torch
 
+from detent.sampling import processors as P
 from detent.sampling.params import SamplingParams
+from detent.sampling.rng import ROLE_SAMPLE, gumbel_from_bits, random_bits
 from detent.selection import ops
 
 
@@ -32,7 +43,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     golden_token: int | None = None  # teacher forcing: emit this token
-    grammar: Any = None  # per-request grammar state (sampling/grammar.py), or None
+    grammar: Any = None  # per-request GrammarState (sampling/grammar.py), or None
+    eos_token_ids: Sequence[int] = ()  # masked while len(output) < params.min_tokens
+    role: int = ROLE_SAMPLE
 
 
 @dataclass
@@ -44,23 +57,99 @@ class SamplerOutput:
     topk_logprobs: list[list[float]] = field(default_factory=list)
 
 
+def _needs_noise(r: SamplingRow) -> bool:
+    return r.golden_token is None and not r.params.greedy
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-    for r in rows:
-        if not r.params.greedy and r.golden_token is None:
-            raise NotImplementedError("temperature > 0: sampling arrives with the sampling issue")
-    logp = ops.log_softmax(logits)  # [R, V] fp32
-    chosen = torch.argmax(logp, dim=-1)  # ties -> lowest id (torch.argmax returns the first)
-    toks = [r.golden_token if r.golden_token is not None else int(c) for r, c in zip(rows, chosen.tolist())]
-    tok_t = torch.tensor(toks, dtype=torch.long, device=logits.device)
-    chosen_lp = logp.gather(1, tok_t[:, None])[:, 0]
-    ranks = ((logp > chosen_lp[:, None]).sum(-1) + 1).tolist()
-    kmax = max((r.params.logprobs or 0) for r in rows) if rows else 0
-    topk_ids: list[list[int]] = [[] for _ in rows]
-    topk_lps: list[list[float]] = [[] for _ in rows]
+    R, V = logits.shape
+    if R != len(rows):
+        raise ValueError(f"sample: {R} logits rows but {len(rows)} SamplingRows")
+    out = SamplerOutput([0] * R, [0.0] * R, [0] * R, [[] for _ in rows], [[] for _ in rows])
+    if R == 0:
+        return out
+    logits = logits.float()
+    noise = None
+    if any(_needs_noise(r) for r in rows):
+        roles = {r.role for r in rows}
+        if len(roles) != 1:
+            raise ValueError(f"sample: one role per call, got {sorted(roles)}")
+        bits = random_bits([r.seed for r in rows], [r.position for r in rows],
+                           [r.sample_index for r in rows], V, role=roles.pop(), device=logits.device)
+        noise = gumbel_from_bits(bits)  # [R, V] float64
+    _sample_block(logits, list(rows), noise, out)
+    return out
+
+
+def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], noise: torch.Tensor | None,
+                  out: SamplerOutput) -> None:
+    B, V = x_raw.shape
+    dev = x_raw.device
+    raw_lp = ops.log_softmax(x_raw)  # [B, V] fp32
+    x = P.apply_request_masks(x_raw.clone(), rows)
+    x = P.apply_penalties(x, rows)
+    greedy = [r.params.greedy for r in rows]
+    temp = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
+                        dtype=x.dtype, device=dev)[:, None]
+    x = x / temp  # temperature-scaled; x / 1.0 == x exactly for greedy rows
+    top_k = torch.tensor([-1 if g else r.params.top_k for g, r in zip(greedy, rows)], device=dev)
+    top_p = torch.tensor([1.0 if g else r.params.top_p for g, r in zip(greedy, rows)],
+                         dtype=torch.float64, device=dev)
+    min_p = torch.tensor([0.0 if g else r.params.min_p for g, r in zip(greedy, rows)],
+                         dtype=torch.float64, device=dev)
+    keep = P.truncation_mask(x, top_k, top_p, min_p)
+    z = torch.where(keep, x, P.NEG_INF)  # processed logits [B, V]
+    if any(r.grammar is not None for r in rows):
+        allowed = _grammar_allowed(rows, V, dev)
+        z = torch.where(allowed, z, P.NEG_INF)
+        # fallbacks (never stall a constrained request): drop truncation, then request masks
+        for alt in (x, x_raw / temp):
+            empty = ~torch.isfinite(z).any(dim=-1, keepdim=True)
+            z = torch.where(empty, torch.where(allowed, alt, P.NEG_INF), z)
+    sampled = torch.argmax(z.double() + noise, dim=-1) if noise is not None else None
+    greedy_tok = torch.argmax(z, dim=-1)  # first maximum: ties to the lowest id
+    toks = []
+    for j, r in enumerate(rows):
+        if r.golden_token is not None:
+            if not 0 <= r.golden_token < V:
+                raise ValueError(f"golden token {r.golden_token} outside the vocabulary [0, {V})")
+            toks.append(int(r.golden_token))
+        elif _needs_noise(r):
+            toks.append(int(sampled[j]))
+        else:
+            toks.append(int(greedy_tok[j]))
+    processed = [r.params.logprobs_mode == "processed" for r in rows]
+    lp = raw_lp
+    if any(processed):
+        proc_lp = ops.log_softmax(z)
+        sel = torch.tensor(processed, device=dev)[:, None]
+        lp = torch.where(sel, proc_lp, raw_lp)
+    tok_t = torch.tensor(toks, dtype=torch.long, device=dev)[:, None]
+    chosen = lp.gather(1, tok_t)  # [B, 1]
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    chosen_l = chosen[:, 0].tolist()
+    kmax = max((r.params.logprobs or 0) for r in rows)
     if kmax:
-        vals, idx = torch.topk(logp, kmax, dim=-1)
-        vals_l, idx_l = vals.tolist(), idx.tolist()
-        for i, r in enumerate(rows):
-            k = r.params.logprobs or 0
-            topk_ids[i], topk_lps[i] = idx_l[i][:k], vals_l[i][:k]
-    return SamplerOutput(toks, chosen_lp.tolist(), ranks, topk_ids, topk_lps)
+        vals, order = P.ordered_topk(lp, kmax)  # ties -> lower id
+        vals_l, order_l = vals.tolist(), order.tolist()
+    for j, r in enumerate(rows):
+        out.token_ids[j], out.logprobs[j], out.ranks[j] = toks[j], chosen_l[j], ranks[j]
+        k = r.params.logprobs or 0
+        if k:
+            out.topk_ids[j], out.topk_logprobs[j] = order_l[j][:k], vals_l[j][:k]
+
+
+def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:
+    """bool [B, V]: the grammar's allowed tokens per row (all True for rows without a grammar)."""
+    allowed = torch.ones(len(rows), V, dtype=torch.bool, device=dev)
+    for j, r in enumerate(rows):
+        if r.grammar is not None:
+            allowed[j] = P.bitmask_to_bool(r.grammar.bitmask()[None, :], V)[0].to(dev)
+    return allowed
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> SamplerOutput:
+    """Raw logprobs of given tokens (prompt logprobs, trainer checks): row i scores token_ids[i]."""
+    p = SamplingParams(temperature=0.0, logprobs=k or None)
+    rows = [SamplingRow(p, seed=0, position=0, golden_token=int(t)) for t in token_ids]
+    return sample(logits, rows)

@@ -1,0 +1,172 @@
+"""Grammar-constrained decoding with xgrammar: a compile cache and a per-request state.
+
+GrammarCompilerCache (one per tokenizer + model vocabulary): one compiled
+grammar per (tokenizer, grammar spec) in an LRU; compilation runs in a worker
+thread (xgrammar releases the GIL), so the step loop never waits on it.
+
+GrammarState (one per request): pending until its compilation finishes,
+then a matcher. The engine (docs/architecture.md, "Grammar in the
+scheduler") skips a request while `not ready`, fails it with
+finish_reason "error" when `error` is set (compile error or timeout), lets
+the sampler read `bitmask()`, and calls `accept(token)` for each committed
+token. EOS (the tokenizer info's stop tokens) is allowed only where the
+grammar may end. A model vocabulary padded beyond the tokenizer's is handled
+by building the tokenizer info with the model's vocab size: padded ids are
+never allowed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+import xgrammar as xgr
+
+from detent.sampling.params import StructuredOutputs, _short
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int] | None = None) -> xgr.TokenizerInfo:
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+
+
+def _tokenizer_key(info: xgr.TokenizerInfo) -> str:
+    h = hashlib.sha256()
+    h.update(info.dump_metadata().encode())
+    for tok in info.decoded_vocab:
+        h.update(len(tok).to_bytes(4, "little"))
+        h.update(tok)
+    return h.hexdigest()[:16]
+
+
+class GrammarCompilerCache:
+    def __init__(self, tokenizer=None, vocab_size: int | None = None, *,
+                 stop_token_ids: Sequence[int] | None = None, info: xgr.TokenizerInfo | None = None,
+                 max_entries: int = 256, timeout_s: float = 30.0, max_workers: int = 2,
+                 compiler_threads: int = 1) -> None:
+        if info is None:
+            if tokenizer is None or vocab_size is None:
+                raise ValueError("GrammarCompilerCache needs a tokenizer and the model's vocab_size (or an info)")
+            info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        if max_entries < 1 or timeout_s <= 0:
+            raise ValueError(f"GrammarCompilerCache: max_entries must be >= 1 and timeout_s > 0, "
+                             f"got {max_entries}, {timeout_s}")
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self.tokenizer_key = _tokenizer_key(info)
+        self.timeout_s = timeout_s
+        self.max_entries = max_entries
+        self._compiler = xgr.GrammarCompiler(info, max_threads=compiler_threads, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="detent-grammar")
+        self._lru: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def submit(self, spec: StructuredOutputs) -> Future:
+        """The compiled grammar for `spec`, as a future (shared by every request with this spec)."""
+        key = (self.tokenizer_key, spec.key())
+        with self._lock:
+            fut = self._lru.get(key)
+            if fut is not None:
+                self._lru.move_to_end(key)
+                self.hits += 1
+                return fut
+            self.misses += 1
+            fut = self._pool.submit(self._compile, spec)
+            self._lru[key] = fut
+            while len(self._lru) > self.max_entries:
+                self._lru.popitem(last=False)
+            return fut
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        c, ws = self._compiler, spec.any_whitespace
+        kind = spec.kind
+        if kind == "json":
+            return c.compile_json_schema(json.dumps(spec.json), any_whitespace=ws)
+        if kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
+        if kind == "regex":
+            return c.compile_regex(spec.regex)
+        if kind == "grammar":
+            return c.compile_grammar(spec.grammar)
+        alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice)
+        return c.compile_grammar(f"root ::= {alts}")
+
+    def new_state(self, spec: StructuredOutputs) -> "GrammarState":
+        return GrammarState(self.submit(spec), self.vocab_size, self.timeout_s)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarState:
+    """One request's grammar: pending -> ready (a matcher) or error (message)."""
+
+    def __init__(self, future: Future, vocab_size: int, timeout_s: float) -> None:
+        self._future = future
+        self._vocab_size = vocab_size
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self._matcher: xgr.GrammarMatcher | None = None
+        self._error: str | None = None
+        self.num_accepted = 0
+
+    def _poll(self) -> None:
+        if self._matcher is not None or self._error is not None:
+            return
+        if self._future.done():
+            exc = self._future.exception()
+            if exc is not None:
+                self._error = f"grammar compilation failed: {_short(exc)}"
+            else:
+                self._matcher = xgr.GrammarMatcher(self._future.result())
+        elif time.monotonic() > self._deadline:
+            self._error = f"grammar compilation timed out after {self._timeout_s:g} s"
+
+    @property
+    def ready(self) -> bool:
+        self._poll()
+        return self._matcher is not None
+
+    @property
+    def error(self) -> str | None:
+        self._poll()
+        return self._error
+
+    def _m(self) -> xgr.GrammarMatcher:
+        if not self.ready:
+            raise RuntimeError(f"grammar state used before it is ready (error: {self.error})")
+        return self._matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        """Write the allowed-token bitmask into row `index` of an int32 [N, ceil(V/32)] CPU tensor."""
+        self._m().fill_next_token_bitmask(bitmask, index)
+
+    def bitmask(self) -> torch.Tensor:
+        """The allowed-token bitmask, int32 [ceil(V/32)] (bit t of word t // 32 set: token t allowed)."""
+        bm = xgr.allocate_token_bitmask(1, self._vocab_size)
+        self.fill_bitmask(bm, 0)
+        return bm[0]
+
+    def accept(self, token_id: int) -> bool:
+        ok = self._m().accept_token(int(token_id))
+        self.num_accepted += int(ok)
+        return ok
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self.num_accepted:
+            raise ValueError(f"rollback({n}): only {self.num_accepted} tokens accepted")
+        if n:
+            self._m().rollback(n)
+            self.num_accepted -= n
+
+    def is_terminated(self) -> bool:
+        return self._m().is_terminated()

@@ -1,0 +1,168 @@
+"""Logits processors, strictly row-wise, on a block of rows x[B, V] float32.
+
+Order (documented contract, tested against a float64 reference):
+  allowed_token_ids / logit_bias / min_tokens  ->  penalties (repetition,
+  frequency, presence)  ->  temperature  ->  top-k  ->  top-p  ->  min-p
+  ->  grammar mask  ->  sample.
+Truncation keeps ties: top-k keeps every token whose logit is >= the k-th
+largest; top-p orders by probability descending (ties to the lower id) and keeps a
+token when the probability mass strictly before it is < top_p (the smallest
+prefix reaching top_p); min-p keeps x_i - x_max >= log(min_p), i.e. p_i >= min_p * p_max. If the grammar mask
+leaves no token the truncation kept, the grammar's allowed set (under the
+temperature-scaled distribution) is used instead, so a constrained request
+never stalls.
+
+No torch.cumsum (not batch-invariant on GPU): top-p's prefix sums use a
+Hillis-Steele scan of elementwise float64 additions whose order per element
+is fixed, whatever the batch or vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def _pad_ids(lists: Sequence[Sequence[int]], fill: int, device) -> torch.Tensor:
+    width = max((len(l) for l in lists), default=0) or 1
+    out = torch.full((len(lists), width), fill, dtype=torch.long)
+    for i, l in enumerate(lists):
+        if len(l):
+            out[i, :len(l)] = torch.as_tensor(list(l), dtype=torch.long)
+    return out.to(device)
+
+
+def token_presence(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """Counts [B, V] int32 of each row's token ids (ids >= vocab are ignored)."""
+    idx = _pad_ids(lists, vocab, device).clamp_(max=vocab)
+    counts = torch.zeros(len(lists), vocab + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def apply_request_masks(x: torch.Tensor, rows) -> torch.Tensor:
+    """allowed_token_ids, logit_bias, min_tokens (blocks EOS and stop_token_ids)."""
+    B, V = x.shape
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.allowed_token_ids:
+            keep = torch.zeros(V, dtype=torch.bool, device=x.device)
+            keep[torch.tensor([t for t in p.allowed_token_ids if t < V], dtype=torch.long)] = True
+            x[i] = torch.where(keep, x[i], NEG_INF)
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if t < V], dtype=torch.long)
+            vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < V], dtype=x.dtype)
+            x[i, ids] += vals.to(x.device)
+        if len(r.output_token_ids) < p.min_tokens:
+            banned = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
+            if banned:
+                x[i, torch.tensor(banned, dtype=torch.long)] = NEG_INF
+    return x
+
+
+def apply_penalties(x: torch.Tensor, rows) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt+output tokens; frequency/presence over output tokens."""
+    B, V = x.shape
+    dev = x.device
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
+    out_counts = token_presence([r.output_token_ids for r in rows], V, dev)
+    if bool((rep != 1.0).any()):
+        seen = (token_presence([r.prompt_token_ids for r in rows], V, dev) > 0) | (out_counts > 0)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    if bool((freq != 0.0).any() or (pres != 0.0).any()):
+        x = x - freq * out_counts.to(x.dtype) - pres * (out_counts > 0).to(x.dtype)
+    return x
+
+
+def inclusive_scan(v: torch.Tensor) -> torch.Tensor:
+    """Row-wise inclusive prefix sum by a Hillis-Steele scan (fixed addition order per element)."""
+    n = v.shape[-1]
+    s = 1
+    while s < n:
+        v = torch.cat([v[:, :s], v[:, s:] + v[:, :-s]], dim=1)
+        s *= 2
+    return v
+
+
+def ordered_topk(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries per row, ordered by value descending, ties to the lower id.
+
+    torch.topk's choice among tied values is unspecified, so it only supplies the
+    k-th largest value; the selection and order below use exact comparisons and
+    an integer running count, nothing that depends on other rows.
+    """
+    B, V = v.shape
+    k = max(1, min(k, V))
+    thr = torch.topk(v, k, dim=-1, sorted=False).values.min(dim=-1, keepdim=True).values
+    greater = v > thr
+    eq = v == thr
+    need = k - greater.sum(dim=-1, keepdim=True)
+    if bool((eq.sum(dim=-1, keepdim=True) <= need).all()):
+        sel = greater | eq  # no row has surplus ties (same result as below, without the scan)
+    else:
+        sel = greater | (eq & (torch.cumsum(eq.to(torch.int32), dim=-1) <= need))
+    ids = sel.nonzero()[:, 1].view(B, k)  # ascending ids, exactly k per row
+    vals = v.gather(1, ids)
+    vals, order = torch.sort(vals, dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
+
+
+def truncation_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """keep[B, V] after top-k, top-p, min-p on temperature-scaled logits x.
+
+    top_k: [B] long (<= 0 or >= V: disabled); top_p, min_p: [B] float64.
+    """
+    B, V = x.shape
+    x_max = x.max(dim=-1, keepdim=True).values
+    keep = torch.ones_like(x, dtype=torch.bool)
+    k = torch.where((top_k <= 0) | (top_k > V), torch.full_like(top_k, V), top_k)
+    if bool((k < V).any()):
+        kvals, _ = ordered_topk(x, int(k.max()))
+        keep = x >= kvals.gather(1, (k.clamp(max=kvals.shape[1]) - 1)[:, None])
+    if bool((top_p < 1.0).any()):  # rows with top_p >= 1 keep everything either way
+        keep = keep & _top_p_keep(torch.where(keep, x, NEG_INF), top_p)
+    # min-p relative to the most likely token (always kept above):
+    # p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p), exact elementwise ops only
+    log_min_p = torch.where(min_p > 0, torch.log(min_p), float("-inf"))
+    keep = keep & ((x - x_max).double() >= log_min_p[:, None])
+    return keep
+
+
+def _top_p_keep(xk: torch.Tensor, top_p: torch.Tensor, first: int = 256) -> torch.Tensor:
+    """Top-p over the top-k-filtered logits xk: keep a token when the mass before it, in the
+    order (probability descending, ties to the lower id), is < top_p.
+
+    Only the leading candidates are sorted: `first` of them, grown until every row's
+    nucleus ends inside them (x8 per round). A prefix's scan values do not depend on its length, so the
+    result is the same whatever `first` is."""
+    B, V = xk.shape
+    probs = torch.softmax(xk, dim=-1)
+    need = top_p[:, None] < 1.0
+    n = min(first, V)
+    while True:
+        pv, pid = ordered_topk(probs, n)
+        before = torch.cat([torch.zeros_like(pv[:, :1]), pv[:, :-1]], dim=1).double()
+        # running max: the kept set is a prefix even if rounding made the scan dip by an ulp
+        mass_before = torch.cummax(inclusive_scan(before), dim=-1).values
+        keep_sorted = (mass_before < top_p[:, None]) | ~need
+        if n == V or not bool((keep_sorted[:, -1:] & need).any()):  # every nucleus ended inside
+            break
+        n = min(8 * n, V)
+    return torch.zeros_like(xk, dtype=torch.bool).scatter_(1, pid, keep_sorted) | ~need
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """xgrammar int32 bitmask [B, W] -> bool [B, vocab]; ids beyond 32*W are disallowed."""
+    B, W = bitmask.shape
+    n = min(vocab, 32 * W)
+    tok = torch.arange(n, device=bitmask.device)
+    words = bitmask[:, tok >> 5].to(torch.int64)
+    allowed = ((words >> (tok & 31)) & 1).bool()
+    if n < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(B, vocab - n)], dim=1)
+    return allowed
