@@ -1,0 +1,87 @@
+"""Shared setup of the GPU benchmarks (decode.py, prefill.py): one engine
+with dummy weights at a preset's real shapes, and a switch between the
+selection modes that keeps the weights and the KV pool (three modes in one
+run, on the same memory)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from detent.engine.llm import LLM
+from detent.models.config import ModelConfig
+from detent.models.loader import load_model
+from detent.models.presets import preset
+
+COPY_BW = 4.23e12  # measured on the H200 (DESIGN §9); main() re-measures it
+
+
+def measure_copy_bw() -> float:
+    import triton
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50, return_mode="median")
+    del a, b
+    return 2 * 2 ** 30 / (ms * 1e-3)
+
+
+def build(model_name: str, *, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int = 8192,
+          gpu_memory_utilization: float = 0.9, seed: int = 0):
+    cfg = preset(model_name)
+    if cfg is None:
+        raise ValueError(f"unknown preset {model_name!r}")
+    mc = ModelConfig.from_hf(cfg["config"])
+    t0 = time.time()
+    torch.cuda.reset_peak_memory_stats()
+    model = load_model(mc, device="cuda", dtype=torch.bfloat16, load_format="dummy", seed=seed, progress=False)
+    torch.cuda.synchronize()
+    load_s = time.time() - t0
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    llm = LLM.from_model(model, mc, selection="pinned", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
+                         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True, device="cuda")
+    eng = llm.llm_engine
+    kv_bytes = sum(t.numel() * t.element_size() for t in eng.runner.kv_caches)
+    info = {"model": model_name, "weight_bytes": weight_bytes, "load_s": load_s,
+            "kv_pool_tokens": (eng.state.num_blocks - 1) * eng.state.block_size, "kv_pool_bytes": kv_bytes,
+            "kv_bytes_per_token": kv_bytes // (eng.state.num_blocks * eng.state.block_size),
+            "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory,
+            "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len}
+    return llm, mc, info
+
+
+def dispatcher_for(eng, mode: str):
+    """The project's dispatcher if its selection picks CUDA candidates here,
+    else the Triton defaults (kernels/defaults_triton.py). Returns (d, source)."""
+    from detent.selection import make_dispatcher
+    f = eng.facts
+    try:
+        d = make_dispatcher(f, mode, None)
+        site = {"num_heads": f["num_heads"], "num_kv_heads": f["num_kv_heads"], "head_dim": f["head_dim"],
+                "block_size": f["page_size"], "dtype": f["dtype"]}
+        sel = d.provider.selector("attention", site)(num_tokens=1, num_seqs=1, max_seqlen_q=1,
+                                                      max_seqlen_k=1, total_kv=1)
+        if sel["impl"] == "triton_paged":
+            return d, "selection (SelIR)"
+    except Exception:  # noqa: BLE001  (no GPU programs yet)
+        pass
+    from detent.kernels.defaults_triton import make_triton_dispatcher
+    return make_triton_dispatcher(eng.facts, mode), "kernels/defaults_triton.py"
+
+
+def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = None) -> dict:
+    from detent.engine.cuda_graph import enable_cuda_graphs
+    eng = llm.llm_engine
+    d, source = dispatcher_for(eng, mode)
+    eng.dispatcher = d
+    eng.runner.dispatcher = d
+    out = {"mode": mode, "selection_source": source}
+    if graphs:
+        t0 = time.time()
+        g = enable_cuda_graphs(eng.runner, max_num_seqs=eng.config.max_num_seqs,
+                               max_model_len=eng.state.max_model_len, capture_sizes=capture_sizes)
+        out["graph_capture_s"] = time.time() - t0
+        out["cuda_graphs"] = g.disabled or f"captured {sorted(g.graphs)}"
+    elif getattr(eng.runner, "_eager_forward", None) is not None:
+        eng.runner._forward = eng.runner._eager_forward
+    return out
