@@ -66,9 +66,27 @@ def _rank_checks(rank: int, world: int) -> dict:
     return out
 
 
+def _rank4_checks(rank: int, world: int, model_dir: str) -> tuple[dict, dict]:
+    # one spawn of 4 ranks for both groups of checks (spawning costs seconds per rank)
+    return _rank_checks(rank, world), _model_checks(rank, world, model_dir)
+
+
 @pytest.fixture(scope="module")
-def ranks4():
-    return run_ranks(_rank_checks, 4)
+def _spawn4(tmp_path_factory):
+    import json
+    d = tmp_path_factory.mktemp("tp_model")
+    (d / "config.json").write_text(json.dumps(TINY))
+    return run_ranks(_rank4_checks, 4, str(d))
+
+
+@pytest.fixture(scope="module")
+def ranks4(_spawn4):
+    return [r[0] for r in _spawn4]
+
+
+@pytest.fixture(scope="module")
+def model_ranks4(_spawn4):
+    return [r[1] for r in _spawn4]
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +161,77 @@ def test_two_ranks_one_add_commutes(ranks2):
     is invariant, so 2 ranks cannot show the order (hence the 4-rank tests)."""
     for name in ("native", "ordered_gather"):
         assert _differs_from_alone(ranks2[0], name, "float32") == [], name
+
+
+# ------------------------------------------------- the whole model at tp = 4
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "eos_token_id": 1, "torch_dtype": "float32"}
+PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]
+NEIGHBOURS = [[(11 * i + k) % 250 + 2 for i in range(n)] for k, n in ((1, 57), (2, 23), (3, 9))]
+
+
+class _AllReduceOverride:
+    """A selection provider: `base` for every family except allreduce."""
+
+    def __init__(self, base, impl: str):
+        self.base, self.impl, self.mode = base, impl, base.mode
+
+    def selector(self, family, site):
+        if family == "allreduce":
+            return lambda **rt: {"impl": self.impl}
+        return self.base.selector(family, site)
+
+
+def _model_checks(rank: int, world: int, model_dir: str) -> dict:
+    """Every kernel pinned; only the all-reduce candidate varies. The target's
+    prompt logprobs (every prompt row) and its sampled token's logprobs,
+    alone vs in a step with three neighbours (a larger all-reduce message)."""
+    from detent.engine.config import EngineConfig
+    from detent.engine.tp.worker import build_rank
+    from detent.models import resolve_model
+    from detent.sampling.params import SamplingParams
+    from detent.sampling.sampler import SamplingRow
+    from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
+    from detent.selection.dispatch import Dispatcher
+
+    cfg = EngineConfig(model=model_dir, tensor_parallel_size=world, load_format="dummy", device="cpu",
+                       max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    st = build_rank(cfg, resolve_model(model_dir, "dummy"), rank, world, torch.device("cpu"))
+    sp = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    def seq(rid, ids, first_block):
+        blocks = tuple(range(first_block, first_block + -(-len(ids) // 16)))
+        return ScheduledSeq(rid, tuple(ids), 0, blocks, SamplingRow(sp, 0, len(ids)), prompt_logprobs_k=5,
+                            prompt_rows_start=0, prompt_targets=tuple(ids[1:]))
+
+    alone = SchedulerOutput((seq("t", PROMPT, 1),), len(PROMPT))
+    crowd = [seq("n0", NEIGHBOURS[0], 10), seq("t", PROMPT, 1), seq("n1", NEIGHBOURS[1], 20),
+             seq("n2", NEIGHBOURS[2], 30)]
+    batched = SchedulerOutput(tuple(crowd), sum(s.num_tokens for s in crowd))
+    base = st.runner.dispatcher.provider
+    out = {}
+    for impl in ("ordered_gather", "native"):
+        st.runner.dispatcher = Dispatcher(_AllReduceOverride(base, impl))
+        for name, plan in (("alone", alone), ("batched", batched)):
+            o = st.runner.execute(plan)
+            out[(impl, name)] = (o.sampled["t"], o.prompt_logprobs["t"])
+    return out
+
+
+def test_model_row_bits_with_pinned_allreduce_do_not_depend_on_batch(model_ranks4):
+    for res in model_ranks4:
+        assert res[("ordered_gather", "alone")] == res[("ordered_gather", "batched")]
+        assert res == model_ranks4[0]  # all ranks agree
+
+
+def test_model_row_bits_with_stock_allreduce_depend_on_batch(model_ranks4):
+    """Every other kernel pinned: gloo's all-reduce alone changes the token's logprobs."""
+    res = model_ranks4[0]
+    assert res[("native", "alone")] != res[("native", "batched")]
+    # same values up to rounding
+    (a_tok, a_lps), (b_tok, b_lps) = res[("native", "alone")], res[("native", "batched")]
+    assert a_tok.token_id == b_tok.token_id
+    for x, y in zip(a_lps, b_lps):
+        assert abs(x[0] - y[0]) < 1e-4
