@@ -136,6 +136,16 @@ class TPExecutor:
                        "(tokens or logprobs differ between ranks)")
         return replies[0][1]
 
+    def collective_rpc(self, fn, *args) -> list:
+        """fn(rank_state, *args) on every rank (fn picklable by reference,
+        e.g. a module-level function); the per-rank results, rank order.
+        For tools (benchmarks switch selection modes this way), not the step."""
+        self._check_alive()
+        data = pickle.dumps(("call", fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for c in self.conns:
+            c.send_bytes(data)
+        return [r[1] for r in self._collect(f"collective_rpc({getattr(fn, '__name__', fn)})")]
+
     # ------------------------------------------------------------ plumbing
     def _collect(self, what: str, timeout_s: float | None = None) -> list[tuple]:
         """One reply per rank, watching every rank's pipe and process sentinel."""

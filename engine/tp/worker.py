@@ -3,7 +3,7 @@ model, sizes its KV cache, and runs the same `ModelRunner` as tp = 1 on
 every plan the driver sends.
 
 Protocol over the rank's pipe (pickled tuples):
-  driver -> rank: ("execute", SchedulerOutput) | ("shutdown",)
+  driver -> rank: ("execute", SchedulerOutput) | ("call", fn, args) | ("shutdown",)
   rank -> driver: ("ready", RankInfo) | ("result", ModelOutput | None, digest) | ("error", traceback)
 Rank 0 sends its ModelOutput; every rank sends a digest of its own, so the
 driver can check that all ranks agree without shipping N copies.
@@ -88,6 +88,9 @@ def build_rank(config, resolved, rank: int, world: int, device: torch.device, gr
         dispatcher = make_dispatcher(facts, config.selection, config.tuple)
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
                          dispatcher, device)
+    if device.type == "cuda" and not config.enforce_eager:  # as LLMEngine does at tp = 1
+        from detent.engine.cuda_graph import enable_cuda_graphs
+        enable_cuda_graphs(runner, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
     info = RankInfo(rank, os.getpid(), str(device), str(dtype).removeprefix("torch."), num_blocks,
                     max_len, facts)
     return RankState(runner, info)
@@ -138,6 +141,9 @@ def worker_main(rank: int, world: int, init_method: str, config, resolved, conn,
             if kind == "execute":
                 out = st.runner.execute(msg[1])
                 _send(conn, ("result", out if rank == 0 else None, digest(out)))
+            elif kind == "call":  # collective_rpc: fn(RankState, *args) on every rank
+                fn, args = msg[1], msg[2]
+                _send(conn, ("result", fn(st, *args), ""))
             elif kind == "shutdown":
                 break
             else:

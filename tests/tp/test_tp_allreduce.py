@@ -58,7 +58,7 @@ def _rank_checks(rank: int, world: int) -> dict:
     out["ordered_3d"] = registry.get("allreduce", "ordered_gather").fn(x, None)
     out["ordered_3d_in"] = x.clone()
     # the same through the ops façade, per selection mode
-    facts = {"device": "cpu", "arch": "cpu", "num_sms": 0, "dtype": "float32", "tp": world}
+    facts = _facts(world)
     for mode in ("stock", "pinned", "conservative"):
         with use_dispatcher(make_dispatcher(facts, mode)):
             for rows, pos in CASES:
@@ -87,6 +87,16 @@ def ranks4(_spawn4):
 @pytest.fixture(scope="module")
 def model_ranks4(_spawn4):
     return [r[1] for r in _spawn4]
+
+
+def _facts(world: int) -> dict:
+    """The deployment facts the engine would pass (tiny model, CPU, fp32)."""
+    from detent.engine.config import EngineConfig, EngineState
+    from detent.engine.llm_engine import deployment_facts
+    from detent.models import ModelConfig
+    cfg = EngineConfig(tensor_parallel_size=world, device="cpu", max_model_len=128)
+    state = EngineState(torch.device("cpu"), torch.float32, 128, 64, 16)
+    return deployment_facts(cfg, ModelConfig.from_hf(TINY), state)
 
 
 @pytest.fixture(scope="module")

@@ -149,10 +149,17 @@ def tp2_pinned(tiny_dir):
     return cells, pids
 
 
+def _rank_layout(st) -> tuple:
+    attn = st.runner.model.model.layers[0].self_attn.qkv_proj
+    kv = st.runner.kv_caches[0]
+    return st.info.rank, attn.num_heads, attn.num_kv_heads, tuple(kv.shape)
+
+
 @pytest.fixture(scope="module")
 def tp4_pinned(tiny_dir):
     llm = make_llm(tiny_dir, 4)
     cells = run_cells(llm)
+    cells["layout"] = llm.llm_engine.runner.collective_rpc(_rank_layout)
     return cells, _shutdown(llm)
 
 
@@ -194,7 +201,16 @@ def test_tp_matches_tp1_within_fp32_tolerance(request, tp1, fx):
 def test_tp_pinned_battery_is_bitwise(request, fx):
     cells, _ = request.getfixturevalue(fx)
     for name, res in cells.items():
-        assert res == cells["alone"], f"{fx}: cell {name!r} differs from 'alone'"
+        if name != "layout":
+            assert res == cells["alone"], f"{fx}: cell {name!r} differs from 'alone'"
+
+
+def test_tp4_replicates_kv_heads(tp4_pinned):
+    """4 query heads and 2 KV heads over 4 ranks: one query head per rank and
+    a replica of its KV head; each rank's KV cache holds one head."""
+    cells, _ = tp4_pinned
+    assert [r[:3] for r in cells["layout"]] == [(r, 1, 1) for r in range(4)]
+    assert {r[3][3] for r in cells["layout"]} == {1}  # [2, blocks, block_size, KVH, D]
 
 
 def test_tp_stock_fails_a_cell(tp2_stock):
