@@ -122,6 +122,7 @@ def main():
     bw = measure_copy_bw()
     llm, mc, info = build(a.model, max_model_len=max_len, max_num_seqs=max(batches))
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12,
+           "pinned_attn_block_m": os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "16"),
            "info": info, "batches": batches, "ctx": a.ctx, "steps": a.steps, "decode": {}, "modes": {},
            "roofline_ms": {str(b): roofline_ms(info, mc, b, a.ctx + a.steps // 2, bw) for b in batches}}
     print(json.dumps(info), flush=True)

@@ -19,9 +19,9 @@ partials (`parallel`: one program per split, for batches too small to fill
 the GPU). Both perform the same operations on the same values, so the
 choice is a launch detail (tests/gpu checks the bits agree).
 
-Why a row's bits do not depend on the batch: its tile shape is fixed
-(BLOCK_M, BLOCK_N, num_warps), a row's dot products reduce over D inside one
-MMA per tile, its softmax reductions run along its own tile row, and the
+Why a row's bits do not depend on the batch: a row's dot products reduce
+inside one MMA per tile (its row sum too: p @ ones, so no reduction whose
+order follows the register layout), its row max is exact, and the
 KV positions it visits are fixed by S and BLOCK_N. Rows sharing its tile may
 make the program visit later KV tiles that are fully masked for this row:
 those add exact zeros (p = 0, alpha = 1). Splits with no visible key merge
@@ -80,6 +80,7 @@ def _paged_attn_kernel(
         max_pos = ctx + tl.minimum(q_blk * BLOCK_Q + BLOCK_Q, q_len) - 1
         n_split = max_pos // SPLIT + 1
         cols = tl.arange(0, BLOCK_N)
+        ones = tl.full((BLOCK_N, 16), 1.0, dtype=q.dtype)
         bt_row = bt_ptr + b.to(tl.int64) * sbt
         if PARALLEL:
             s_first = tl.program_id(2)
@@ -112,12 +113,17 @@ def _paged_attn_kernel(
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp(sc - m_safe[:, None])
                 alpha = tl.exp(m - m_safe)
-                l = l * alpha + tl.sum(p, axis=1)
+                # the row sum goes through the MMA (p @ ones, then an exact max
+                # over 16 equal columns): tl.sum's order follows the register
+                # layout, which changes with BLOCK_M / num_warps / MMA kind
                 if IEEE:
-                    pv = tl.dot(p, v, input_precision="ieee")
+                    rs = tl.dot(p, ones, input_precision="ieee")
+                    acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
                 else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
+                    pb = p.to(v.dtype)
+                    rs = tl.dot(pb, ones)
+                    acc = tl.dot(pb, v, acc * alpha[:, None])
+                l = tl.fma(l, alpha, tl.max(rs, axis=1))
                 m = m_new
             if PARALLEL:
                 ps = tl.cast(s, tl.int64)

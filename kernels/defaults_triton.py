@@ -19,6 +19,7 @@ Row-wise families use triton_rowwise in every mode (they read no batch value).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from detent.kernels.gemm_triton import config_for
@@ -56,6 +57,17 @@ def attn_block(max_seqlen_q: int, group: int) -> tuple[int, int]:
     return (16, 4) if max_seqlen_q * group <= 16 else (64, 4)
 
 
+def pinned_attn_block(max_seqlen_q: int, group: int) -> tuple[int, int]:
+    """Pinned mode: ONE tile shape for every step (block_m changed row bits on
+    the H200 when the row sum was a tl.sum), unless DETENT_PINNED_ATTN_BLOCK_M
+    =by_query and tests/gpu's block_m-neutrality test passes on the device."""
+    policy = os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "16")
+    if policy == "by_query":
+        return attn_block(max_seqlen_q, group)
+    bm = int(policy)
+    return bm, 4 if bm <= 64 else 8
+
+
 class TritonDefaults:
     def __init__(self, facts: dict[str, Any], mode: str):
         if mode not in ("pinned", "stock", "conservative"):
@@ -70,7 +82,8 @@ class TritonDefaults:
             if mode == "conservative":
                 fixed = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
                 return lambda **rt: {"impl": "triton_persistent", **fixed}
-            return lambda **rt: {"impl": "triton_persistent", **config_for(rt["num_tokens"])}
+            n = site.get("n", 4096)
+            return lambda **rt: {"impl": "triton_persistent", **config_for(rt["num_tokens"], n)}
         if family == "attention":
             g = site["num_heads"] // site["num_kv_heads"]
             kvh = site["num_kv_heads"]
@@ -80,7 +93,7 @@ class TritonDefaults:
                                      "block_n": ATTN_BLOCK_N, "num_warps": 4, "combine": "sequential"}
             if mode == "pinned":
                 def pinned(**rt):
-                    bm, nw = attn_block(rt["max_seqlen_q"], g)
+                    bm, nw = pinned_attn_block(rt["max_seqlen_q"], g)
                     return {"impl": "triton_paged", "split_tokens": PINNED_SPLIT_TOKENS, "block_m": bm,
                             "block_n": ATTN_BLOCK_N, "num_warps": nw}
                 return pinned

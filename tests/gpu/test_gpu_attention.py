@@ -33,25 +33,26 @@ def test_matches_reference(h, kvh, d, combine):
     assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 2e-2
 
 
-@pytest.mark.parametrize("h,kvh,d", [(32, 8, 128), (8, 2, 64)])
-def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d):
+@pytest.mark.parametrize("h,kvh,d,bm", [(32, 8, 128, 64), (8, 2, 64, 64), (32, 8, 128, 16)])
+def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d, bm):
     case = PagedCase([1100, 333, 64], h=h, kvh=kvh, d=d, dtype=BF16, device="cuda", seed=7)
-    full, _ = _run(case, [(0, 1100), (0, 333), (0, 64)])
-    alone, _ = _run(case, [(0, 1100), (0, 0), (0, 0)], order=[0])
+    kw = dict(block_m=bm)
+    full, _ = _run(case, [(0, 1100), (0, 333), (0, 64)], **kw)
+    alone, _ = _run(case, [(0, 1100), (0, 0), (0, 0)], order=[0], **kw)
     assert torch.equal(alone, full[:1100])
     seen_parallel = False
     for start in (1099, 1097, 1050, 777, 513, 256, 1):  # decode, chunked prefills
         for order in ([0, 1, 2], [2, 0]):
             chunks = [(start, 1100), (300, 333), (63, 64)]
-            y, (_, _, _, meta) = _run(case, chunks, order=order)
+            y, (_, _, _, meta) = _run(case, chunks, order=order, **kw)
             off = 0 if order[0] == 0 else 1
             assert torch.equal(y[off: off + 1100 - start], full[start:1100]), (start, order)
             seen_parallel |= meta.num_seqs * kvh < 132
     for combine in ("sequential", "parallel"):  # the combine is a launch detail
-        y, _ = _run(case, [(1099, 1100)], order=[0], combine=combine)
+        y, _ = _run(case, [(1099, 1100)], order=[0], combine=combine, **kw)
         assert torch.equal(y[0], full[1099]), combine
     # stock: the split size follows the batch (FA3-style) and the bits move
-    y, _ = _run(case, [(1099, 1100)], order=[0], split_tokens=128)
+    y, _ = _run(case, [(1099, 1100)], order=[0], split_tokens=128, **kw)
     assert not torch.equal(y[0], full[1099])
 
 

@@ -52,7 +52,7 @@ def test_tile_configs_give_identical_bits():
         w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
         for m in (1, 64, 300):
             x = torch.randn(m, k, device="cuda", dtype=BF16)
-            outs = [gemm_triton_persistent(x, w, None, **cfg) for _, cfg in GEMM_CONFIGS]
+            outs = [gemm_triton_persistent(x, w, None, **cfg) for cfg in GEMM_CONFIGS]
             assert all(torch.equal(o, outs[0]) for o in outs[1:]), (n, k, m)
 
 
