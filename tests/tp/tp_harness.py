@@ -40,13 +40,18 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _child(fn, rank: int, world: int, port: int, args: tuple, q) -> None:
+def _child(fn, rank: int, world: int, port: int, args: tuple, q, backend: str) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=30))
+        kw = {}
+        if backend == "nccl":
+            os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (its reduction order is the switch's)
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60), **kw)
         try:
             q.put((rank, "ok", _dumps(fn(rank, world, *args))))
         finally:
@@ -55,8 +60,9 @@ def _child(fn, rank: int, world: int, port: int, args: tuple, q) -> None:
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
-    """fn(rank, world, *args) on `world` gloo ranks; returns the results by rank.
+def run_ranks(fn, world: int, *args, timeout: float = 120.0, backend: str = "gloo") -> list:
+    """fn(rank, world, *args) on `world` ranks (gloo on CPU; "nccl": one GPU
+    per rank); returns the results by rank.
 
     fn must be importable (module level) and return something picklable."""
     ctx = mp.get_context("spawn")
@@ -65,7 +71,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, q), daemon=True)
+        procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, q, backend), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
