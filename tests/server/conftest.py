@@ -81,7 +81,9 @@ class Server:
 
 
 def real_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "detent.server.cli", "--log-level", "warning", *args]
+    launcher = os.environ.get("DETENT_TEST_SERVE_SCRIPT")  # a dev override; default: what detent-serve runs
+    cmd = [launcher] if launcher else ["-m", "detent.server.cli"]
+    return [sys.executable, *cmd, "--log-level", "warning", *args]
 
 
 def fake_argv(*args: str) -> list[str]:
@@ -98,12 +100,43 @@ def launch(argv: list[str], env: dict | None = None):
         assert rc == 0, f"server exited with {rc} after SIGTERM:\n{s.output()[-3000:]}"
 
 
+def make_tiny_model(path: str, hidden: int = 64, layers: int = 2) -> str:
+    """A small random Llama with the embedded SmolLM2's tokenizer and chat template.
+
+    Real engine, real tokenizer, fast steps: the server's behaviour (not the
+    model's knowledge) is what most tests check. Weights ~N(0, 0.02), as
+    transformers initializes them, so numerics are realistic."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from detent.models import resolve_model
+
+    src = resolve_model(None).tokenizer_source
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rope_theta=10000.0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(path, name))
+    return path
+
+
 @pytest.fixture(scope="session")
-def server():
-    """The embedded SmolLM2 model behind `detent-serve`, with an API key."""
+def tiny_model(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model):
+    """`detent-serve` on a tiny random Llama (real engine and tokenizer), with an API key."""
     extra = os.environ.get("DETENT_TEST_SERVER_ARGS", "").split()
-    with launch(real_argv("--api-key", API_KEY, "--max-model-len", "1024", "--max-num-seqs", "32",
-                          "--max-request-bytes", "1000000", "--served-model-name", "smollm2", "detent-smollm2", *extra)) as s:
+    with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024", "--max-num-seqs", "32",
+                          "--max-request-bytes", "1000000", "--served-model-name", "smollm2", "detent-smollm2",
+                          *extra)) as s:
         yield s
 
 

@@ -51,11 +51,14 @@ def test_completion_usage_and_verifiability(client, server):
     assert detok["prompt"].endswith(PROMPT)
 
 
-def test_chat_answers_and_counts(client):
-    r = client.chat.completions.create(model="detent-smollm2", temperature=0, max_tokens=24,
-                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in r.choices[0].message.content
-    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 24
+def test_chat_counts_and_template(client, server):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model="detent-smollm2", temperature=0, max_tokens=5, messages=msgs)
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    tok = httpx.post(server.url + "/v1/tokenize", json={"messages": msgs}, headers=AUTH).json()
+    assert r.usage.prompt_tokens == tok["count"] and r.usage.completion_tokens == 5
+    text = httpx.post(server.url + "/v1/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH).json()["prompt"]
+    assert "Name a colour." in text and text.index("Be brief.") < text.index("Name a colour.")
     assert r.model_extra["detent"]["tuple_hash"]
 
 
@@ -99,11 +102,10 @@ def test_logprobs_match_prefill_scoring(client):
     assert len(lp.tokens) == 6 and all(v <= 0 for v in lp.token_logprobs)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 3 <= len(top) <= 4 and max(top.values()) == chosen  # greedy: the chosen token is the top one
-    ids = httpx.post(client.base_url.join("tokenize").__str__(), json={"prompt": PROMPT}, headers=AUTH).json()["tokens"]
-    full_ids = ids + [int(t) for t in
-                      client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
-                                                extra_body={"return_tokens_as_token_ids": True}
-                                                ).choices[0].logprobs.tokens[i].split(":")[1] for i in range(6)]
+    ids = httpx.post(f"{client.base_url}tokenize", json={"prompt": PROMPT}, headers=AUTH).json()["tokens"]
+    as_ids = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                                       extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    full_ids = ids + [int(t.removeprefix("token_id:")) for t in as_ids.tokens]
     echo = client.completions.create(model=MODEL, prompt=full_ids, max_tokens=1, temperature=0, logprobs=0, echo=True)
     elp = echo.choices[0].logprobs
     assert elp.token_logprobs[0] is None

@@ -60,10 +60,16 @@ def _count(server, outcome):
                if k.startswith("detent_requests_total{") and f'outcome="{outcome}"' in k)
 
 
-def test_overload_503_then_sigterm_clean():
+def test_embedded_default_model_overload_503_then_sigterm_clean():
+    """No --model: the embedded SmolLM2 answers; a full queue is a 503; SIGTERM exits 0."""
     s = Server(real_argv("--max-num-seqs", "1", "--max-queue-len", "2", "--max-model-len", "256",
                          "--graceful-timeout", "3")).wait_ready()
     try:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0})
+        assert "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == "smollm2-135m-instruct"
         async def burst():
             async with httpx.AsyncClient(timeout=120) as c:
                 return await asyncio.gather(*(c.post(s.url + "/v1/completions",
