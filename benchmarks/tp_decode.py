@@ -164,7 +164,7 @@ def main():
             res["decode"][mode] = rows
         res["rank_memory_end"] = ex.collective_rpc(rank_memory)
     finally:
-        llm.llm_engine.shutdown()
+        llm.llm_engine.runner.shutdown()
     for b in batches:
         s, p = res["decode"].get("stock", {}).get(str(b)), res["decode"].get("pinned", {}).get(str(b))
         if s and p:

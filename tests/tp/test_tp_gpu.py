@@ -118,7 +118,7 @@ def _cells(mode: str) -> dict:
         print(f"tp=2 {MODEL} {mode}: {status}")
         return run_cells(llm)
     finally:
-        llm.llm_engine.shutdown()
+        llm.llm_engine.runner.shutdown()
 
 
 @pytest.fixture(scope="module")
