@@ -125,11 +125,45 @@ def attn_sweep():
     return res
 
 
+def attn_variants(env_out: str | None):
+    """Row-sum variants of the attention kernel: decode at batch 256 / 1 and a
+    2k-query prefill over 8k of KV; picks the pinned policy (writes shell
+    exports to env_out): the MMA row sum with tile rows by query length when
+    its decode is within 3% of tl.sum at 16 rows, else 16 rows with tl.sum."""
+    res = {}
+    cases = {"dec256": attn_case(256, 1024, 1), "dec1": attn_case(1, 1024, 1), "pre8k": attn_case(1, 8192, 2048)}
+    for cname, (q, k, v, cache, meta) in cases.items():
+        for rowsum in ("mma", "sum"):
+            for bm, split in ((16, 256), (64, 256), (16, 8256), (64, 8256)):
+                if cname == "dec1" and bm == 64:
+                    continue
+                kw = dict(split_tokens=split, block_m=bm, block_n=64, num_warps=4, rowsum=rowsum)
+                key = f"{cname}_{rowsum}_m{bm}_s{split}"
+                res[key] = bench(lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)) * 1e3
+                print(f"{key:28s} {res[key]:9.1f} us", flush=True)
+    p1 = res["dec256_mma_m16_s256"]
+    p2 = res["dec256_sum_m16_s256"]
+    choice = "by_query/mma" if p1 <= 1.03 * p2 else "16/sum"
+    res["pinned_choice"] = choice
+    print("pinned attention policy:", choice, flush=True)
+    if env_out:
+        bm, rs = choice.split("/")
+        with open(env_out, "w") as f:
+            f.write(f"export DETENT_PINNED_ATTN_BLOCK_M={bm} DETENT_PINNED_ATTN_ROWSUM={rs}\n")
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels.json")
+    ap.add_argument("--attn-variants", action="store_true", help="only the row-sum variant sweep")
+    ap.add_argument("--env-out", default=None)
     ap.add_argument("--ms", default="1,8,64,128,256,2048")
     a = ap.parse_args()
+    if a.attn_variants:
+        with open(a.out, "w") as f:
+            json.dump(attn_variants(a.env_out), f, indent=1)
+        return
     t0 = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     out["copy_bw_tbs"] = copy_bw()

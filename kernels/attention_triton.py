@@ -50,7 +50,7 @@ def _paged_attn_kernel(
         sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
         G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-        PARALLEL: tl.constexpr, IEEE: tl.constexpr):
+        PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, ACC_FUSED: tl.constexpr):
     qtile = tl.program_id(0)
     kvh = tl.program_id(1)
     # the sequence owning this q tile: the last b with qsl[b] // BLOCK_Q + b <= qtile
@@ -117,13 +117,28 @@ def _paged_attn_kernel(
                 # over 16 equal columns): tl.sum's order follows the register
                 # layout, which changes with BLOCK_M / num_warps / MMA kind
                 if IEEE:
-                    rs = tl.dot(p, ones, input_precision="ieee")
-                    acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+                    pb = p
                 else:
                     pb = p.to(v.dtype)
-                    rs = tl.dot(pb, ones)
-                    acc = tl.dot(pb, v, acc * alpha[:, None])
-                l = tl.fma(l, alpha, tl.max(rs, axis=1))
+                if ROWSUM_MMA:
+                    if IEEE:
+                        rs = tl.dot(pb, ones, input_precision="ieee")
+                    else:
+                        rs = tl.dot(pb, ones)
+                    l = tl.fma(l, alpha, tl.max(rs, axis=1))
+                else:
+                    l = l * alpha + tl.sum(p, axis=1)
+                if ACC_FUSED:
+                    if IEEE:
+                        acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
+                    else:
+                        acc = tl.dot(pb, v, acc * alpha[:, None])
+                else:
+                    if IEEE:
+                        pv = tl.dot(pb, v, input_precision="ieee")
+                    else:
+                        pv = tl.dot(pb, v)
+                    acc = acc * alpha[:, None] + pv
                 m = m_new
             if PARALLEL:
                 ps = tl.cast(s, tl.int64)
@@ -222,15 +237,24 @@ def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
 
 
 @register("attention", "triton_paged",
-          params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine"),
+          params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine", "rowsum",
+                  "acc_update"),
           devices=("cuda",))
 def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, combine: str = "auto") -> torch.Tensor:
+                           num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
+                           acc_update: str = "fused") -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
-    sequential grid would leave most SMs idle). Same bits either way."""
+    sequential grid would leave most SMs idle). Same bits either way.
+    rowsum: "mma" (p @ ones: bits independent of block_m / num_warps) or
+    "sum" (tl.sum: bits tied to the tile shape). acc_update: "fused"
+    (dot(p, v, acc * alpha)) or "add" (acc * alpha + dot(p, v)). Both change
+    bits: they are part of the pinned choice."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
+    if rowsum not in ("mma", "sum") or acc_update not in ("fused", "add"):
+        raise ValueError(f"{name}: rowsum={rowsum!r} must be 'mma' or 'sum', acc_update={acc_update!r} "
+                         f"'fused' or 'add'")
     store_kv_triton(k, v, kv_cache, meta.slot_mapping)
     t, h, d = q.shape
     kvh = k.shape[1]
@@ -263,7 +287,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), *ps, *pas,
         G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, SPLIT=split_tokens,
-        PAGE=meta.block_size, PARALLEL=parallel, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+        PAGE=meta.block_size, PARALLEL=parallel, IEEE=ieee, ROWSUM_MMA=rowsum == "mma",
+        ACC_FUSED=acc_update == "fused", num_warps=num_warps, num_stages=num_stages)
     if parallel:
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs,
                                 out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens,

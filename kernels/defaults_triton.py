@@ -9,8 +9,10 @@ what those programs should say:
   length); moe = triton_fused at the table row nearest the token count.
 - pinned: gemm = triton_persistent, tile config by M (configs measured
   bit-identical on the H200, tests/gpu checks it); attention = triton_paged
-  with split_tokens fixed (256), tile rows by query length (bit-identical,
-  checked likewise); moe = triton_fused with the row key pinned.
+  with split_tokens fixed (256) and ONE tile shape (16 rows, tl.sum row sum),
+  or tile rows by query length with the MMA row sum (env
+  DETENT_PINNED_ATTN_BLOCK_M=by_query, DETENT_PINNED_ATTN_ROWSUM=mma); moe =
+  triton_fused with the row key pinned.
 - conservative (vLLM/SGLang deterministic-mode style): one fixed config per
   family: persistent matmul 128x128x64 for every M, attention without
   split-KV (one split up to max_context), moe at one row key.
@@ -58,14 +60,23 @@ def attn_block(max_seqlen_q: int, group: int) -> tuple[int, int]:
 
 
 def pinned_attn_block(max_seqlen_q: int, group: int) -> tuple[int, int]:
-    """Pinned mode: ONE tile shape for every step (block_m changed row bits on
-    the H200 when the row sum was a tl.sum), unless DETENT_PINNED_ATTN_BLOCK_M
-    =by_query and tests/gpu's block_m-neutrality test passes on the device."""
+    """Pinned mode: one tile shape (16 rows) for every step, unless
+    DETENT_PINNED_ATTN_BLOCK_M=by_query, which is legal only with the MMA row
+    sum (rowsum="mma": bits independent of the tile shape, checked by
+    tests/gpu's block_m-neutrality test on the device)."""
     policy = os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "16")
     if policy == "by_query":
         return attn_block(max_seqlen_q, group)
     bm = int(policy)
     return bm, 4 if bm <= 64 else 8
+
+
+def pinned_rowsum() -> str:
+    rs = os.environ.get("DETENT_PINNED_ATTN_ROWSUM", "sum")
+    if os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "16") == "by_query" and rs != "mma":
+        raise ValueError("DETENT_PINNED_ATTN_BLOCK_M=by_query needs DETENT_PINNED_ATTN_ROWSUM=mma "
+                         "(tl.sum's order follows the tile shape)")
+    return rs
 
 
 class TritonDefaults:
@@ -90,12 +101,15 @@ class TritonDefaults:
             if mode == "conservative":
                 split = cdiv(facts["max_context"], ATTN_BLOCK_N) * ATTN_BLOCK_N
                 return lambda **rt: {"impl": "triton_paged", "split_tokens": split, "block_m": 64,
-                                     "block_n": ATTN_BLOCK_N, "num_warps": 4, "combine": "sequential"}
+                                     "block_n": ATTN_BLOCK_N, "num_warps": 4, "combine": "sequential",
+                                     "rowsum": "sum"}
             if mode == "pinned":
+                rowsum = pinned_rowsum()
+
                 def pinned(**rt):
                     bm, nw = pinned_attn_block(rt["max_seqlen_q"], g)
                     return {"impl": "triton_paged", "split_tokens": PINNED_SPLIT_TOKENS, "block_m": bm,
-                            "block_n": ATTN_BLOCK_N, "num_warps": nw}
+                            "block_n": ATTN_BLOCK_N, "num_warps": nw, "rowsum": rowsum}
                 return pinned
 
             def stock(**rt):
@@ -104,7 +118,7 @@ class TritonDefaults:
                 split = cdiv(cdiv(max(rt["max_seqlen_k"], 1), s), ATTN_BLOCK_N) * ATTN_BLOCK_N
                 bm, nw = attn_block(rt["max_seqlen_q"], g)
                 return {"impl": "triton_paged", "split_tokens": split, "block_m": bm,
-                        "block_n": ATTN_BLOCK_N, "num_warps": nw}
+                        "block_n": ATTN_BLOCK_N, "num_warps": nw, "rowsum": "sum"}
             return stock
         if family == "moe":
             from detent.kernels.moe_triton import MOE_CONFIGS, nearest_row_key

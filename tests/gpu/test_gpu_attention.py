@@ -33,10 +33,11 @@ def test_matches_reference(h, kvh, d, combine):
     assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 2e-2
 
 
-@pytest.mark.parametrize("h,kvh,d,bm", [(32, 8, 128, 64), (8, 2, 64, 64), (32, 8, 128, 16)])
-def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d, bm):
+@pytest.mark.parametrize("h,kvh,d,bm,rowsum", [(32, 8, 128, 64, "mma"), (8, 2, 64, 64, "mma"),
+                                                (32, 8, 128, 16, "mma"), (32, 8, 128, 16, "sum")])
+def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d, bm, rowsum):
     case = PagedCase([1100, 333, 64], h=h, kvh=kvh, d=d, dtype=BF16, device="cuda", seed=7)
-    kw = dict(block_m=bm)
+    kw = dict(block_m=bm, rowsum=rowsum)
     full, _ = _run(case, [(0, 1100), (0, 333), (0, 64)], **kw)
     alone, _ = _run(case, [(0, 1100), (0, 0), (0, 0)], order=[0], **kw)
     assert torch.equal(alone, full[:1100])
@@ -57,10 +58,11 @@ def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d, bm):
 
 
 def test_block_m_and_warps_give_identical_bits():
-    # decode-shaped and prefill-shaped tiles (mma.sync at 16 rows, wgmma at 64+)
+    # decode-shaped and prefill-shaped tiles (mma.sync at 16 rows, wgmma at 64+),
+    # with the row sum through the MMA (rowsum="mma"); with tl.sum they differed
     case = PagedCase([900, 40], h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=11)
     outs = []
     for bm, nw in ((16, 4), (32, 4), (64, 4), (128, 8)):
-        y, _ = _run(case, [(0, 900), (39, 40)], block_m=bm, num_warps=nw)
+        y, _ = _run(case, [(0, 900), (39, 40)], block_m=bm, num_warps=nw, rowsum="mma")
         outs.append(y)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
