@@ -59,41 +59,22 @@ class LLMEngine:
                  model_config: Any = None, tokenizer: Any = None):
         """Load `config.model` (or use the given `model` + `model_config`,
         e.g. in tests), size the KV cache, install the kernel dispatcher."""
-        from detent.selection import make_dispatcher
-
         self.config = config
-        if config.tensor_parallel_size > 1:  # the ranks load their shards (engine/tp)
-            from detent.engine.tp import start_tp
+        if config.tensor_parallel_size > 1:
             if model is not None:
-                raise ValueError("tensor_parallel_size > 1 loads the model in every rank; "
-                                 "model= is only for tensor_parallel_size=1")
-            tp = start_tp(config)
+                raise ValueError("tensor_parallel_size > 1 loads the model in each rank: pass model=NAME, "
+                                 "not a built module")
+            from detent.engine.tp import start_tp
+            tp = start_tp(config)  # spawns the ranks; each builds its own ModelRunner
             model_config, tokenizer, self.state, self.facts = tp.model_config, tp.tokenizer, tp.state, tp.facts
-            self.dispatcher, self.runner = None, tp.executor  # runner: execute(plan) -> ModelOutput
+            self.dispatcher = None
+            self.runner = tp.executor  # execute(plan) -> ModelOutput, shutdown()
         else:
             device = config.resolve_device()
             if model is None:
                 from detent.engine.loader import load
                 model, model_config, tokenizer = load(config, device)
-            dtype = next(model.parameters()).dtype
-            max_len = config.max_model_len or model_config.max_position_embeddings
-            if max_len > model_config.max_position_embeddings:
-                raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                                 f"{model_config.max_position_embeddings}")
-            spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                               dtype, config.block_size)
-            reserve = config.max_num_batched_tokens * (6 * model_config.hidden_size
-                                                       + 3 * model_config.intermediate_size) * 4
-            num_blocks = num_blocks_for(spec, device, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
-                                        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                                        num_gpu_blocks=config.num_gpu_blocks,
-                                        gpu_memory_utilization=config.gpu_memory_utilization,
-                                        activation_reserve_bytes=reserve)
-            self.state = EngineState(device, dtype, max_len, num_blocks, config.block_size)
-            self.facts = deployment_facts(config, model_config, self.state)
-            self.dispatcher = make_dispatcher(self.facts, config.selection, config.tuple)
-            self.runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device),
-                                      config.block_size, self.dispatcher, device)
+            self._build_local(model, model_config, device)
         self.model_config, self.tokenizer = model_config, tokenizer
         self.block_manager = BlockManager(self.state.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
@@ -110,6 +91,40 @@ class LLMEngine:
         self._pending_ids: set[str] = set()  # added, not yet drained
         self._live_ids: set[str] = set()  # drained, not yet finished
         self._num_steps = 0
+        self._grammars = None  # GrammarCompilerCache, made on the first structured_outputs request
+
+    def _build_local(self, model: torch.nn.Module, mc: Any, device: torch.device) -> None:
+        """Size the KV cache, install the dispatcher, build the runner (tp = 1)."""
+        from detent.selection import make_dispatcher
+
+        config = self.config
+        dtype = next(model.parameters()).dtype
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}")
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, config.block_size)
+        # activations of one step, roughly: a GPU profile run can refine this
+        reserve = config.max_num_batched_tokens * (6 * mc.hidden_size + 3 * mc.intermediate_size) * 4
+        num_blocks = num_blocks_for(spec, device, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
+                                    kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                    num_gpu_blocks=config.num_gpu_blocks,
+                                    gpu_memory_utilization=config.gpu_memory_utilization,
+                                    activation_reserve_bytes=reserve)
+        self.state = EngineState(device, dtype, max_len, num_blocks, config.block_size)
+        self.facts = deployment_facts(config, mc, self.state)
+        self.dispatcher = make_dispatcher(self.facts, config.selection, config.tuple)
+        self.runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device),
+                                  config.block_size, self.dispatcher, device)
+        if device.type == "cuda" and not config.enforce_eager:
+            from detent.engine.cuda_graph import enable_cuda_graphs
+            enable_cuda_graphs(self.runner, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel ranks (if any). Idempotent."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -148,6 +163,8 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.state.max_model_len}")
         if hasattr(p, "verify_vocab"):
             p.verify_vocab(vocab)
+        if p.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer (the engine has none)")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and k > self.config.max_logprobs:
@@ -165,6 +182,9 @@ class LLMEngine:
                 children = [Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
                                     block_size=self.config.block_size, sample_index=i,
                                     eos_token_ids=self.eos_token_ids) for i in range(n)]
+                if params.structured_outputs is not None:  # compiles off the step loop
+                    for c in children:
+                        c.grammar = self._grammar_cache().new_state(params.structured_outputs)
                 self.outputs.add(rid, prompt, children)
                 for c in children:
                     self.scheduler.add(c)
@@ -181,6 +201,13 @@ class LLMEngine:
                 aborted_outputs.append(self._emit(payload))
         return aborted_outputs
 
+    def _grammar_cache(self):
+        if self._grammars is None:
+            from detent.sampling.grammar import GrammarCompilerCache
+            self._grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
+                                                  stop_token_ids=self.eos_token_ids)
+        return self._grammars
+
     def _emit(self, group_id: str) -> RequestOutput:
         out = self.outputs.make_output(group_id)
         if out.finished:
@@ -195,6 +222,8 @@ class LLMEngine:
         requests that got a token or finished, `finished` set on the last."""
         with self._step_lock:
             results = self._drain_inbox()
+            failed = {self.outputs.parent_of[r.request_id]: None for r in self.scheduler.fail_grammar_errors()}
+            results += [self._emit(g) for g in failed]
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 return results
