@@ -74,6 +74,7 @@ class _Workspace:
     def __init__(self):
         self.buf: torch.Tensor | None = None  # uint8 [nbytes], symmetric
         self.handle = None
+        self.retired: list = []  # outgrown buffers stay allocated (peers' kernels may still read them)
 
     def view(self, nbytes: int, dtype: torch.dtype, group) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < nbytes:
@@ -94,8 +95,10 @@ class _Workspace:
         size = 1 << max(20, (nbytes - 1).bit_length())  # >= 1 MiB, power of two
         size = min(size, max(_MAX_WORKSPACE, nbytes))
         buf = symm_mem.empty(size, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-        self.handle = symm_mem.rendezvous(buf, _group_name(group))
-        self.buf = buf
+        handle = symm_mem.rendezvous(buf, _group_name(group))
+        if self.buf is not None:
+            self.retired.append((self.buf, self.handle))
+        self.buf, self.handle = buf, handle
 
 
 _WORKSPACES: dict[tuple[str, int], _Workspace] = {}
@@ -131,6 +134,8 @@ def _symm_prepare(x: torch.Tensor, group, name: str) -> tuple[torch.Tensor, torc
     npad = -n % (16 // x.element_size())  # keep the kernels' 16-byte vector path: pad the tail
     if npad:
         flat = torch.cat([flat, flat.new_zeros(npad)])
+    elif flat.storage_offset() * flat.element_size() % 16:
+        flat = flat.clone()  # the kernels need the local input 16-byte aligned, like the buffer
     buf = _workspace(group).view(flat.numel() * flat.element_size(), x.dtype, group)
     return flat, buf, n
 
