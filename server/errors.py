@@ -7,6 +7,7 @@ validation errors) into `{"error": {"message", "type", "param", "code"}}`.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import Request
@@ -61,37 +62,50 @@ class EngineDead(APIError):
                          headers={"Retry-After": "30"})
 
 
-def _loc(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|[a-z-]+\[.*\])$")
+
+
+def _path(loc: tuple) -> tuple[tuple, tuple]:
+    """(path to the field, union member tags): pydantic puts a union member's name in `loc`."""
+    loc = tuple(p for p in loc if p != "body")
+    for i, p in enumerate(loc):
+        if isinstance(p, str) and _TYPE_TAG.match(p):
+            return loc[:i], (p,)
+    return loc, ()
+
+
+def _dotted(path: tuple) -> str:
     out = ""
-    for p in parts:
-        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out or "body"
 
 
+def _show(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) < 60 else type(v).__name__
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """One 400 for every wrong field type, naming each field and what it expected."""
-    errs = exc.errors()
-    # a union field fails once per member: report it once, listing the members
-    by_field: dict[str, list[dict]] = {}
-    for e in errs:
-        loc = tuple(p for p in e.get("loc", ()) if p != "body")
-        by_field.setdefault(str(loc[0]) if loc else "body", []).append(e)
-    msgs, first = [], None
-    for name, group in list(by_field.items())[:8]:
-        e = group[0]
-        got = e.get("input")
-        shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else type(got).__name__
-        if len(group) > 1 and all(len(g.get("loc", ())) >= 2 and g.get("input") is got for g in group):
-            kinds = [str(tuple(p for p in g["loc"] if p != "body")[1]) for g in group]
-            where = name
-            msgs.append(f"{where}: expected one of {', '.join(kinds)} (got {shown})")
+    """One 400 for every wrong field type, naming each field and what it expected.
+
+    A union field fails once per member; it is reported once, as the
+    members it accepts and the value it got."""
+    groups: dict[str, list[tuple[tuple, dict]]] = {}
+    for e in exc.errors():
+        path, tags = _path(tuple(e.get("loc", ())))
+        groups.setdefault(_dotted(path), []).append((tags, e))
+    msgs = []
+    for where, group in list(groups.items())[:8]:
+        if len(group) > 1 or group[0][0]:
+            kinds = list(dict.fromkeys(t[0] for t, _ in group if t))
+            got = min(group, key=lambda g: len(g[1].get("loc", ())))[1].get("input")
+            msgs.append(f"{where}: expected {' or '.join(kinds)} (got {_show(got)})")
         else:
-            where = _loc(tuple(e.get("loc", ())))
-            msgs.append(f"{where}: {e.get('msg', 'invalid')} (got {shown})")
-        first = first or where
-    more = f" (and {len(by_field) - 8} more fields)" if len(by_field) > 8 else ""
-    return APIError(400, "invalid request: " + "; ".join(msgs) + more, param=first)
+            e = group[0][1]
+            msgs.append(f"{where}: {e.get('msg', 'invalid')} (got {_show(e.get('input'))})")
+    more = f" (and {len(groups) - 8} more fields)" if len(groups) > 8 else ""
+    return APIError(400, "invalid request: " + "; ".join(msgs) + more, param=next(iter(groups), None))
 
 
 async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
