@@ -150,16 +150,19 @@ def main():
     workspace = res["peak_allocated_bytes"] - info["weight_bytes"] - info["kv_pool_bytes"]
     res["kv_share_of_budget_after_weights_and_workspace"] = info["kv_pool_bytes"] / (free_budget - workspace)
     for b in batches:
-        s, p = res["decode"].get("stock", {}).get(str(b)), res["decode"].get("pinned", {}).get(str(b))
-        if s and p:
-            res.setdefault("pinned_over_stock", {})[str(b)] = p["tpot_ms"] / s["tpot_ms"]
+        s = res["decode"].get("stock", {}).get(str(b))
+        for m in modes:
+            p = res["decode"][m][str(b)]
+            if s and m.startswith("pinned"):
+                res.setdefault("pinned_over_stock", {}).setdefault(m, {})[str(b)] = p["tpot_ms"] / s["tpot_ms"]
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     plot(res, a.png)
     print("\nbatch  " + "  ".join(f"{m:>12s}" for m in modes) + "   roofline  pinned/stock")
     for b in batches:
         print(f"{b:5d}  " + "  ".join(f"{res['decode'][m][str(b)]['tpot_ms']:12.2f}" for m in modes)
-              + f"   {res['roofline_ms'][str(b)]:8.2f}  {res.get('pinned_over_stock', {}).get(str(b), float('nan')):.3f}")
+              + f"   {res['roofline_ms'][str(b)]:8.2f}  "
+              + " ".join(f"{r[str(b)]:.3f}" for r in res.get("pinned_over_stock", {}).values()))
     for m in modes:
         print(m, res["modes"][m])
     if plens:

@@ -70,12 +70,20 @@ def dispatcher_for(eng, mode: str):
 
 
 def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = None) -> dict:
+    """mode: "stock" | "pinned" | "conservative", optionally with environment
+    settings for kernels/defaults_triton.py: "pinned+DETENT_PINNED_GEMM=big"."""
+    import os
     from detent.engine.cuda_graph import enable_cuda_graphs
     eng = llm.llm_engine
-    d, source = dispatcher_for(eng, mode)
+    base, *envs = mode.split("+")
+    for kv in envs:
+        k, _, v = kv.partition("=")
+        os.environ[k] = v
+    d, source = dispatcher_for(eng, base)
     eng.dispatcher = d
     eng.runner.dispatcher = d
-    out = {"mode": mode, "selection_source": source}
+    out = {"mode": mode, "selection_source": source,
+           "env": {k: v for k, v in os.environ.items() if k.startswith("DETENT_")}}
     if graphs:
         t0 = time.time()
         g = enable_cuda_graphs(eng.runner, max_num_seqs=eng.config.max_num_seqs,

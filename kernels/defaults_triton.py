@@ -94,6 +94,10 @@ class TritonDefaults:
                 fixed = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
                 return lambda **rt: {"impl": "triton_persistent", **fixed}
             n = site.get("n", 4096)
+            if os.environ.get("DETENT_PINNED_GEMM", "table") == "big":  # wide tiles above M = 64
+                big = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+                return lambda **rt: {"impl": "triton_persistent",
+                                     **(config_for(rt["num_tokens"], n) if rt["num_tokens"] <= 64 else big)}
             return lambda **rt: {"impl": "triton_persistent", **config_for(rt["num_tokens"], n)}
         if family == "attention":
             g = site["num_heads"] // site["num_kv_heads"]
