@@ -47,6 +47,16 @@ def smollm2_bundle() -> Bundle:
     return Bundle("smollm2", eng.runner.model, eng.model_config, eng.tokenizer)
 
 
+_BUNDLES: dict[str, Bundle] = {}
+
+
+def bundle(name: str) -> Bundle:
+    """The test model `name` ("llama", "qwen3_moe", "smollm2"), loaded once per session."""
+    if name not in _BUNDLES:
+        _BUNDLES[name] = smollm2_bundle() if name == "smollm2" else tiny_bundle(name)
+    return _BUNDLES[name]
+
+
 def make_llm(b: Bundle, selection: str = "pinned", **kw) -> LLM:
     args = dict(device="cpu", selection=selection, max_model_len=256, num_gpu_blocks=200,
                 max_num_seqs=64, max_num_batched_tokens=512)
@@ -105,3 +115,22 @@ def generate_target(llm: LLM, target: list[int], others: list[list[int]] = (), r
     params = params[:row] + [target_params()] + params[row:]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return result_of(outs[row])
+
+
+class ByteTokenizer:
+    """Token i <-> chr(32 + i); ids 0, 1 are special (BOS, EOS). Enough for stop strings."""
+
+    eos_token_id = 1
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [min(max(ord(c) - 32, 2), 159) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(32 + i) for i in ids if not (skip_special_tokens and i < 2))
+
+
+def text_llm(selection: str = "pinned", **kw) -> LLM:
+    """The tiny Llama with the byte tokenizer (text prompts, stop strings)."""
+    b = bundle("llama")
+    return make_llm(Bundle("llama", b.model, b.config, ByteTokenizer()), selection, **kw)

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from engine_helpers import generate_target, make_llm, prompt, same, smollm2_bundle, tiny_bundle
+from engine_helpers import bundle, generate_target, make_llm, prompt, same
 
 TARGET_LEN = 40  # 2.5 blocks of 16
 
@@ -91,14 +91,7 @@ CELLS = {
 SMOLLM2_CELLS = ("cobatch_7_mixed", "prefix_shared_mid_block", "budget_13", "preempt")
 STOCK_CELLS = ("cobatch_7_mixed", "prefix_shared_mid_block", "budget_13")
 
-_BUNDLES: dict = {}
 _REFS: dict = {}
-
-
-def bundle(name):
-    if name not in _BUNDLES:
-        _BUNDLES[name] = smollm2_bundle() if name == "smollm2" else tiny_bundle(name)
-    return _BUNDLES[name]
 
 
 def target(b):

@@ -1,0 +1,74 @@
+"""Trainer forward: per-token logprobs of full sequences (prompt + completion)
+under the same (model, deployment, tuple) as the rollouts.
+
+It runs the engine's model with the engine's dispatcher through the same
+runner code (prompt-logprob path) on a scratch KV cache, so with
+selection="pinned" every logprob equals, bit for bit, the one the engine
+reported when it sampled that token — whatever the rollout's batch,
+chunking, prefix hits or preemptions were. (Gradients are out of scope:
+this is the scoring pass an RL trainer checks its rollouts against.)
+
+    tf = TrainerForward(llm)
+    lps = tf.logprobs([prompt_ids + out.outputs[0].token_ids])[0]   # [len - 1] fp32
+    lps[len(prompt_ids) - 1:]  == the rollout's chosen-token logprobs
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches
+from detent.engine.model_runner import ModelRunner
+from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
+
+
+class TrainerForward:
+    def __init__(self, llm_or_engine):
+        eng = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+        if not isinstance(eng.runner, ModelRunner):
+            raise NotImplementedError("TrainerForward needs a single-process engine (tensor_parallel_size=1)")
+        self.engine = eng
+        self.max_tokens = eng.config.max_num_batched_tokens
+
+    def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """For each sequence x, a float32 tensor [len(x) - 1] whose entry i is
+        log p(x[i + 1] | x[:i + 1])."""
+        seqs = [list(map(int, s)) for s in sequences]
+        limit = self.engine.state.max_model_len
+        vocab = self.engine.model_config.vocab_size
+        for j, s in enumerate(seqs):
+            if len(s) < 2:
+                raise ValueError(f"sequence {j} has {len(s)} tokens: scoring needs at least 2")
+            if len(s) > limit:
+                raise ValueError(f"sequence {j} has {len(s)} tokens, more than max_model_len={limit}")
+            if not all(0 <= t < vocab for t in s):
+                raise ValueError(f"sequence {j} has token ids outside the vocabulary [0, {vocab})")
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        batch: list[int] = []
+        for j in range(len(seqs) + 1):  # whole sequences per forward, up to the token budget
+            if j == len(seqs) or (batch and sum(len(seqs[i]) for i in batch) + len(seqs[j]) > self.max_tokens):
+                if batch:
+                    for i, t in zip(batch, self._score([seqs[i] for i in batch])):
+                        out[i] = t
+                batch = []
+            if j < len(seqs):
+                batch.append(j)
+        return out  # type: ignore[return-value]
+
+    def _score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        eng = self.engine
+        bs = eng.config.block_size
+        mc = eng.model_config
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.state.dtype, bs)
+        need = [-(-len(s) // bs) for s in seqs]
+        caches = allocate_kv_caches(spec, sum(need) + 1, eng.state.device)  # block 0: null
+        runner = ModelRunner(eng.runner.model, caches, bs, eng.dispatcher, eng.state.device)
+        planned, first = [], 1
+        for i, (s, n) in enumerate(zip(seqs, need)):
+            planned.append(ScheduledSeq(str(i), tuple(s), 0, tuple(range(first, first + n)), None,
+                                        prompt_logprobs_k=0, prompt_rows_start=0, prompt_targets=tuple(s[1:])))
+            first += n
+        res = runner.execute(SchedulerOutput(tuple(planned), sum(len(s) for s in seqs)))
+        return [torch.tensor([row[0] for row in res.prompt_logprobs[str(i)]], dtype=torch.float32)
+                for i in range(len(seqs))]

@@ -1,0 +1,194 @@
+"""The offline API with vLLM's names: LLM.generate, SamplingParams fields of
+this issue, RequestOutput/CompletionOutput/Logprob, and LLMEngine's
+add/step/abort loop (also driven from a second thread)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from detent.engine import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
+from detent.engine.config import EngineConfig
+from detent.engine.llm_engine import LLMEngine
+from engine_helpers import bundle, make_llm, prompt, text_llm
+
+G = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return text_llm()
+
+
+def free_run(llm, p, n=24):
+    return llm.generate([p], SamplingParams(max_tokens=n, **G), use_tqdm=False)[0].outputs[0]
+
+
+def test_output_types_and_text(llm):
+    outs = llm.generate(["Hello world", {"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=5, **G),
+                        use_tqdm=False)
+    assert [type(o) for o in outs] == [RequestOutput, RequestOutput]
+    a, b = outs
+    assert a.prompt == "Hello world" and a.prompt_token_ids == llm.get_tokenizer().encode("Hello world")
+    assert b.prompt is None and b.prompt_token_ids == [5, 6, 7]
+    c = a.outputs[0]
+    assert isinstance(c, CompletionOutput) and c.index == 0 and len(c.token_ids) == 5
+    assert c.text == llm.get_tokenizer().decode(c.token_ids) and c.finish_reason == "length"
+    assert a.finished and c.logprobs is None and c.cumulative_logprob is None
+    assert [o.request_id for o in outs] == sorted({o.request_id for o in outs}, key=int)
+
+
+def test_stop_string_truncates_text(llm):
+    full = free_run(llm, "abc")
+    stop = full.text[5:7]
+    first = full.text.find(stop)
+    c = llm.generate(["abc"], SamplingParams(max_tokens=24, stop=[stop, "\u2603"], **G), use_tqdm=False)[0].outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    assert c.text == full.text[:first]
+    assert c.token_ids == full.token_ids[:first + len(stop)]  # the token that completed the stop string stays
+    c2 = llm.generate(["abc"], SamplingParams(max_tokens=24, stop=stop, include_stop_str_in_output=True, **G),
+                      use_tqdm=False)[0].outputs[0]
+    assert c2.text == full.text[:first + len(stop)]
+
+
+def test_stop_token_ids_and_eos(llm):
+    full = free_run(llm, "xyz")
+    tok = full.token_ids[3]
+    k = full.token_ids.index(tok)
+    c = llm.generate(["xyz"], SamplingParams(max_tokens=24, stop_token_ids=[tok], **G), use_tqdm=False)[0].outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", tok, full.token_ids[:k + 1])
+    b = bundle("llama")
+    eos_llm = make_llm(type(b)("llama", b.model, b.config.replace(eos_token_ids=(tok,)), None))
+    ids = {"prompt_token_ids": llm.get_tokenizer().encode("xyz")}
+    c = eos_llm.generate([ids], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", None, full.token_ids[:k + 1])
+    c = eos_llm.generate([ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == full.token_ids and c.finish_reason == "length"
+    c = eos_llm.generate([ids], SamplingParams(max_tokens=24, temperature=0, min_tokens=k + 2),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) > k + 1
+
+
+def test_logprobs_include_chosen_token(llm):
+    c = llm.generate(["logprobs"], SamplingParams(max_tokens=6, logprobs=3, **G), use_tqdm=False)[0].outputs[0]
+    assert len(c.logprobs) == 6
+    for tok, pos in zip(c.token_ids, c.logprobs):
+        assert tok in pos and all(isinstance(v, Logprob) for v in pos.values())
+        ranks = sorted(v.rank for i, v in pos.items() if i != tok)
+        assert pos[tok].rank == 1 and len(pos) == 3  # greedy: the chosen one is the top-1
+        assert ranks == [2, 3]
+        lps = [v.logprob for v in pos.values()]
+        assert lps == sorted(lps, reverse=True)
+    assert c.cumulative_logprob == sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs))
+    c0 = llm.generate(["logprobs"], SamplingParams(max_tokens=2, logprobs=0, **G), use_tqdm=False)[0].outputs[0]
+    assert [list(p) for p in c0.logprobs] == [[t] for t in c0.token_ids]
+
+
+def test_prompt_logprobs(llm):
+    p = [7, 8, 9, 10, 11, 12]
+    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1, prompt_logprobs=2, **G),
+                       use_tqdm=False)[0]
+    pl = out.prompt_logprobs
+    assert len(pl) == len(p) and pl[0] is None
+    for tok, pos in zip(p[1:], pl[1:]):
+        assert tok in pos and pos[tok].rank >= 1 and len(pos) in (2, 3)
+        top = sorted(v.rank for i, v in pos.items() if v.rank <= 2)
+        assert top[:2] == [1, 2] or pos[tok].rank <= 2
+
+
+def test_n_samples_are_grouped(llm):
+    out = llm.generate(["n two"], SamplingParams(n=2, max_tokens=4, **G), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids  # greedy
+
+
+def test_until_max_model_len():
+    llm = text_llm(max_model_len=20)
+    c = llm.generate([{"prompt_token_ids": list(range(2, 12))}], SamplingParams(max_tokens=None, **G),
+                     use_tqdm=False)[0].outputs[0]
+    assert (c.finish_reason, len(c.token_ids)) == ("length", 10)
+
+
+def test_bad_input_errors(llm):
+    sp = SamplingParams(max_tokens=2, **G)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [3] * 300}], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([{"prompt_token_ids": [3, 100_000]}], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs=3 exceeds max_logprobs=2"):
+        text_llm(max_logprobs=2).generate(["x"], SamplingParams(max_tokens=2, logprobs=3, **G), use_tqdm=False)
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling_params"):
+        llm.generate(["a", "b"], [sp], use_tqdm=False)
+    with pytest.raises(ValueError, match="selection"):
+        EngineConfig(selection="fast")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_kv_cache_too_small_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"max_model_len=256 needs 16 blocks"):
+        make_llm(bundle("llama"), num_gpu_blocks=10)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=1000"):
+        make_llm(bundle("llama"), num_gpu_blocks=None, kv_cache_memory_bytes=1000)
+
+
+def test_engine_loop_abort_and_stats():
+    b = bundle("llama")
+    eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64),
+                    model=b.model, model_config=b.config)
+    eng.add_request("a", prompt(1, 20, 160), SamplingParams(max_tokens=50, **G))
+    eng.add_request("b", prompt(2, 5, 160), SamplingParams(max_tokens=3, **G))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("a", [5], SamplingParams(max_tokens=1, **G))
+    seen = {}
+    for _ in range(4):
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).append(o)
+    assert seen["b"][-1].finished and len(seen["b"][-1].outputs[0].token_ids) == 3
+    lens = [len(o.outputs[0].token_ids) for o in seen["a"]]
+    assert lens == sorted(lens) and not seen["a"][-1].finished  # cumulative outputs
+    s = eng.stats()
+    assert s["num_running"] == 1 and s["num_waiting"] == 0 and 0 < s["kv_cache_usage"] < 1
+    assert {"prefix_cache_hit_rate", "num_preemptions", "num_free_kv_blocks"} <= s.keys()
+    eng.abort_request("a")
+    outs = eng.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("a", True, "abort")]
+    assert not eng.has_unfinished_requests() and eng.stats()["kv_cache_usage"] == 0.0
+
+
+def test_add_and_abort_from_another_thread():
+    b = bundle("llama")
+    eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64),
+                    model=b.model, model_config=b.config)
+    finished: dict[str, RequestOutput] = {}
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            for o in eng.step():
+                if o.finished:
+                    finished[o.request_id] = o
+            if not eng.has_unfinished_requests():
+                time.sleep(0.001)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    try:
+        for i in range(12):
+            eng.add_request(f"r{i}", prompt(i, 4 + i, 160), SamplingParams(max_tokens=200 if i % 3 == 0 else 5, **G))
+        for i in range(0, 12, 3):
+            eng.abort_request(f"r{i}")
+        deadline = time.time() + 60
+        while len(finished) < 12 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        t.join()
+    assert len(finished) == 12
+    assert {r for r, o in finished.items() if o.outputs[0].finish_reason == "abort"} == {"r0", "r3", "r6", "r9"}
+    assert all(len(finished[f"r{i}"].outputs[0].token_ids) == 5 for i in range(12) if i % 3)
