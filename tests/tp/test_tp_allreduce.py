@@ -7,8 +7,9 @@ on every rank; with `native` (gloo's own all-reduce, the stock choice) they
 are not, because gloo's ring splits the message into per-rank segments and
 the segment an element lands in decides where its ring sum starts.
 
-With 2 ranks one add commutes, so every candidate passes; that is why the
-fixed order is shown with 4 ranks. Comparator: torch.equal. Oracle: numpy
+With 2 ranks each element is one add, which commutes, so every candidate
+passes (checked once by hand: gloo at 2 ranks kept every row's bits); that
+is why the fixed order is shown with 4 ranks. Comparator: torch.equal. Oracle: numpy
 float32 additions in rank order, and float64 sums for tolerance checks.
 """
 from __future__ import annotations
@@ -99,11 +100,6 @@ def _facts(world: int) -> dict:
     return deployment_facts(cfg, ModelConfig.from_hf(TINY), state)
 
 
-@pytest.fixture(scope="module")
-def ranks2():
-    return run_ranks(_rank_checks, 2)
-
-
 def _oracle_rank_order(partials: list[torch.Tensor]) -> torch.Tensor:
     acc = partials[0].numpy().astype(np.float32)
     for p in partials[1:]:
@@ -164,13 +160,6 @@ def test_ordered_gather_keeps_shape_of_noncontiguous_input(ranks4):
     got = ranks4[0]["ordered_3d"]
     assert got.shape == (4, 2, H)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-2)
-
-
-def test_two_ranks_one_add_commutes(ranks2):
-    """With 2 ranks each element is one add, which commutes: every candidate
-    is invariant, so 2 ranks cannot show the order (hence the 4-rank tests)."""
-    for name in ("native", "ordered_gather"):
-        assert _differs_from_alone(ranks2[0], name, "float32") == [], name
 
 
 # ------------------------------------------------- the whole model at tp = 4

@@ -171,6 +171,31 @@ def tp2_stock(tiny_dir):
 
 
 # ---------------------------------------------------------------- tests
+MOE = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+       "mlp_only_layers": []}
+
+
+def test_qwen3_moe_tp2_matches_tp1(tmp_path):
+    """Qwen3-MoE (q/k norm; experts split by their intermediate dim, summed by
+    the all-reduce) at tp = 2 against tp = 1 on the same full weights."""
+    from detent.models import ModelConfig, load_model
+    path = _write_model(tmp_path, "moe", **MOE)
+    mc = ModelConfig.from_hf(path)
+    ref_llm = LLM.from_model(load_model(mc, device="cpu", load_format="dummy", seed=0), mc, device="cpu",
+                             max_model_len=128, kv_cache_memory_bytes=1 << 22, seed=0)
+    ref = _result(ref_llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)[0])
+    llm = make_llm(path, 2)
+    try:
+        got = _result(llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)[0])
+    finally:
+        llm.llm_engine.runner.shutdown()
+    assert got[0] == ref[0]
+    for ref_pos, got_pos in zip(ref[1] + ref[2][1:], got[1] + got[2][1:]):
+        assert [t for t, _, _ in got_pos] == [t for t, _, _ in ref_pos]
+        assert all(abs(a - b) < 1e-4 for (_, a, _), (_, b, _) in zip(ref_pos, got_pos))
+
+
 def test_refuses_models_that_do_not_shard(tmp_path):
     cases = [({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16}, 4, "attention heads"),
              ({"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16}, 2, "num_kv_heads=3"),
