@@ -41,32 +41,36 @@ def decode_batch(llm, batch: int, ctx: int, steps: int, vocab: int, tag: str):
     Request 0's prompt is the same in every batch (for the invariance cell)."""
     eng = llm.llm_engine
     ps = prompts(1, ctx, vocab, 0) + prompts(batch - 1, ctx, vocab, 1000 + batch)
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True, logprobs=1)
+    # long enough that every request is still decoding in the timed steps
+    # (the first ones decode while the rest prefill): aborted afterwards
+    budget = eng.config.max_num_batched_tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8 + batch * ctx // budget, ignore_eos=True,
+                        logprobs=1)
     ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
     for rid, p in zip(ids, ps):
         eng.add_request(rid, p, sp)
     t0 = time.time()
-    got = set()
-    while len(got) < batch:  # prefill (chunked to the token budget) until every request has a token
-        for out in eng.step():
-            if out.outputs[0].token_ids:
-                got.add(out.request_id)
+    last = {}
+    while len(last) < batch or not all(o.outputs[0].token_ids for o in last.values()):
+        for out in eng.step():  # prefill (chunked to the token budget) until every request has a token
+            last[out.request_id] = out
     _sync()
     prefill_s = time.time() - t0
-    times, last = [], {}
+    times = []
     for _ in range(steps):
         t = time.perf_counter()
         outs = eng.step()
         times.append(time.perf_counter() - t)
         for o in outs:
             last[o.request_id] = o
+    eng.abort_request(ids)
     while eng.has_unfinished_requests():
-        for o in eng.step():
-            last[o.request_id] = o
+        eng.step()
     r0 = last[ids[0]].outputs[0]
+    n = steps + 1  # tokens every batch size produced for request 0
     return {"tpot_ms": statistics.median(times) * 1e3, "tpot_mean_ms": statistics.mean(times) * 1e3,
-            "prefill_s": prefill_s, "req0_tokens": list(r0.token_ids),
-            "req0_logprobs": repr(r0.logprobs)}
+            "prefill_s": prefill_s, "req0_tokens": list(r0.token_ids)[:n],
+            "req0_logprobs": [repr(x) for x in (r0.logprobs or [])[:n]]}
 
 
 def roofline_ms(info: dict, mc, batch: int, ctx: int, bw: float) -> float:
@@ -118,7 +122,7 @@ def main():
     batches = [int(b) for b in a.batches.split(",")]
     modes = a.modes.split(",")
     plens = [int(n) for n in a.prefill_lens.split(",")] if a.prefill else []
-    max_len = max([a.ctx + a.steps + 16] + [n + 16 for n in plens])
+    max_len = max([a.ctx + a.steps + 24 + max(batches) * a.ctx // 8192] + [n + 16 for n in plens])
     bw = measure_copy_bw()
     llm, mc, info = build(a.model, max_model_len=max_len, max_num_seqs=max(batches))
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12,
