@@ -42,8 +42,11 @@ def fingerprint(engine: Any, *, model: str | None, tuple_path: str | None, selec
     tuple_hash = _first(sources, "tuple_hash")
     if tuple_hash is None:
         if tuple_path is not None:
-            with open(tuple_path) as f:
-                tuple_hash = _h(json.load(f))
+            try:
+                with open(tuple_path) as f:
+                    tuple_hash = _h(json.load(f))
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"commitment tuple {tuple_path}: {e}") from None
         else:
             tuple_hash = _h({"default_tuple": selection, "facts": facts})
     return tuple_hash, deployment

@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import pytest
 
-from conftest import API_KEY
+from conftest import API_KEY, launch, real_argv
 
 MODEL = "smollm2"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -169,21 +169,35 @@ def test_n_samples_and_prompt_list(client):
     assert [c.text for c in r.choices] == [c.text for c in r2.choices]
 
 
-def test_seeded_request_alone_equals_among_16_concurrent(aclient_factory):
+def _alone_and_among_16(base_url: str):
+    import openai
     target = dict(model=MODEL, prompt="The best thing about mornings is", max_tokens=12, logprobs=3, **SAMPLED)
 
     async def run():
-        c = aclient_factory()
+        c = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
         alone = await c.completions.create(**target)
         others = [dict(model=MODEL, prompt=f"Item {i}: " + "word " * (i * 7 % 40), max_tokens=4 + i % 9,
                        temperature=[0, 1.0, 0.5][i % 3], seed=i) for i in range(16)]
         reqs = others[:7] + [target] + others[7:]
         outs = await asyncio.gather(*(c.completions.create(**r) for r in reqs))
         await c.close()
-        return alone, outs[7]
+        return alone.choices[0], outs[7].choices[0]
 
-    alone, among = asyncio.run(run())
-    a, b = alone.choices[0], among.choices[0]
-    assert a.text == b.text
-    assert a.logprobs.token_logprobs == b.logprobs.token_logprobs
-    assert a.logprobs.top_logprobs == b.logprobs.top_logprobs
+    a, b = asyncio.run(run())
+    return ((a.text, a.logprobs.token_logprobs, a.logprobs.top_logprobs),
+            (b.text, b.logprobs.token_logprobs, b.logprobs.top_logprobs))
+
+
+def test_seeded_request_alone_equals_among_16_concurrent(server):
+    alone, among = _alone_and_among_16(server.url)
+    assert alone[0] == among[0]  # text
+    assert alone[1] == among[1]  # chosen-token logprobs, exact floats
+    assert alone[2] == among[2]  # top-3 logprobs
+
+
+def test_same_check_fails_with_stock_selection(tiny_model):
+    """The check above can fail: with --selection stock the batch changes the bits."""
+    with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--selection", "stock",
+                          "--max-model-len", "1024", "--served-model-name", MODEL)) as s:
+        alone, among = _alone_and_among_16(s.url)
+    assert alone != among
