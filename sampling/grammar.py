@@ -30,8 +30,21 @@ import xgrammar as xgr
 from detent.sampling.params import StructuredOutputs, _short
 
 
+def _as_hf_tokenizer(tokenizer):
+    """xgrammar reads a transformers tokenizer; Detent's models.Tokenizer wraps a `tokenizers` one."""
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return tokenizer
+    import tokenizers
+    inner = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tok", None)
+    if isinstance(inner, tokenizers.Tokenizer):
+        return PreTrainedTokenizerFast(tokenizer_object=inner, eos_token=getattr(tokenizer, "eos_token", None))
+    raise ValueError(f"structured outputs need a Hugging Face tokenizer (tokenizer.json); got {type(tokenizer).__name__}")
+
+
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int] | None = None) -> xgr.TokenizerInfo:
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+    """xgrammar's view of the tokenizer, sized to the model's vocabulary (padded ids never allowed)."""
+    return xgr.TokenizerInfo.from_huggingface(_as_hf_tokenizer(tokenizer), vocab_size=vocab_size,
                                               stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
 
 

@@ -107,7 +107,10 @@ class Scheduler:
                 budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            req = self.waiting[0]
+            # a request whose grammar is still compiling waits; the ready ones behind it go first
+            req = next((r for r in self.waiting if r.grammar is None or r.grammar.ready), None)
+            if req is None:
+                break
             # prompt logprobs need every prompt row computed, so they skip the cache
             hits = [] if req.wants_prompt_logprobs else self.bm.find_cached_blocks(req)
             done = len(hits) * self.bm.block_size
@@ -115,7 +118,7 @@ class Scheduler:
             if not self.bm.allocate(req, n, hits):
                 break
             self.bm.record_lookup(req.num_tokens, done, enabled=not req.wants_prompt_logprobs)
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.num_computed_tokens = done
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = done
@@ -165,10 +168,30 @@ class Scheduler:
             req.append_output_token(st.token_id)
             req.output_logprobs.append(st.logprobs)
             stop = self._check_stop(req, st.token_id)
+            if req.grammar is not None:
+                stop = self._advance_grammar(req, st.token_id, stop)
             if stop is not None:
                 self.finish(req, *stop)
             progressed.append(req)
         return progressed
+
+    def fail_grammar_errors(self) -> list[Request]:
+        """Finish (status error) the waiting requests whose grammar failed to compile or timed out."""
+        failed = [r for r in self.waiting if r.grammar is not None and r.grammar.error is not None]
+        for req in failed:
+            req.error = req.grammar.error
+            self.finish(req, RequestStatus.FINISHED_ERROR)
+        return failed
+
+    @staticmethod
+    def _advance_grammar(req: Request, tok: int, stop):
+        """Commit the token to the request's grammar matcher (docs/architecture.md, Grammar in the scheduler)."""
+        if not req.grammar.accept(tok):
+            req.error = f"token {tok} is not allowed by the request's structured_outputs grammar"
+            return RequestStatus.FINISHED_ERROR, None
+        if stop is None and req.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED, None
+        return stop
 
     def _check_stop(self, req: Request, tok: int):
         p = req.params
