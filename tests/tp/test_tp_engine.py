@@ -155,11 +155,35 @@ def _rank_layout(st) -> tuple:
     return st.info.rank, attn.num_heads, attn.num_kv_heads, tuple(kv.shape)
 
 
+def _sabotage(st, rank: int) -> None:
+    """On `rank` only: report a shifted token (after computing the step normally,
+    so the collectives still line up)."""
+    if st.info.rank != rank:
+        return
+    from dataclasses import replace
+
+    from detent.scheduler.outputs import ModelOutput
+    execute = st.runner.execute
+
+    def shifted(plan):
+        out = execute(plan)
+        return ModelOutput({k: replace(v, token_id=v.token_id + 1) for k, v in out.sampled.items()},
+                           out.prompt_logprobs)
+    st.runner.execute = shifted
+
+
 @pytest.fixture(scope="module")
 def tp4_pinned(tiny_dir):
     llm = make_llm(tiny_dir, 4)
     cells = run_cells(llm)
-    cells["layout"] = llm.llm_engine.runner.collective_rpc(_rank_layout)
+    ex = llm.llm_engine.runner
+    cells["layout"] = ex.collective_rpc(_rank_layout)
+    ex.collective_rpc(_sabotage, 3)
+    try:
+        llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)
+        cells["disagreement"] = None
+    except TPWorkerError as e:
+        cells["disagreement"] = str(e)
     return cells, _shutdown(llm)
 
 
@@ -189,7 +213,8 @@ def test_qwen3_moe_tp2_matches_tp1(tmp_path):
     try:
         got = _result(llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)[0])
     finally:
-        llm.llm_engine.runner.shutdown()
+        pids = _shutdown(llm)
+    assert _wait_gone(pids) == []  # explicit shutdown
     assert got[0] == ref[0]
     for ref_pos, got_pos in zip(ref[1] + ref[2][1:], got[1] + got[2][1:]):
         assert [t for t, _, _ in got_pos] == [t for t, _, _ in ref_pos]
@@ -226,7 +251,7 @@ def test_tp_matches_tp1_within_fp32_tolerance(request, tp1, fx):
 def test_tp_pinned_battery_is_bitwise(request, fx):
     cells, _ = request.getfixturevalue(fx)
     for name, res in cells.items():
-        if name != "layout":
+        if name not in ("layout", "disagreement"):
             assert res == cells["alone"], f"{fx}: cell {name!r} differs from 'alone'"
 
 
@@ -236,6 +261,12 @@ def test_tp4_replicates_kv_heads(tp4_pinned):
     cells, _ = tp4_pinned
     assert [r[:3] for r in cells["layout"]] == [(r, 1, 1) for r in range(4)]
     assert {r[3][3] for r in cells["layout"]} == {1}  # [2, blocks, block_size, KVH, D]
+
+
+def test_ranks_that_disagree_fail_the_step(tp4_pinned):
+    """Every rank's output is checked against rank 0's (a digest per step)."""
+    cells, _ = tp4_pinned
+    assert cells["disagreement"] is not None and "ranks [3] computed a different step output" in cells["disagreement"]
 
 
 def test_tp_stock_fails_a_cell(tp2_stock):
