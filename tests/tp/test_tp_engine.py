@@ -54,9 +54,17 @@ def tiny_dir(tmp_path_factory):
     return _write_model(tmp_path_factory.mktemp("tp"), "tiny")
 
 
-def make_llm(path: str, tp: int, selection: str = "pinned") -> LLM:
+def make_llm(path: str, tp: int, selection: str = "pinned", **kw) -> LLM:
+    kw = {"max_model_len": 128, "kv_cache_memory_bytes": 1 << 22, **kw}
     return LLM(model=path, tensor_parallel_size=tp, selection=selection, load_format="dummy", device="cpu",
-               max_model_len=128, kv_cache_memory_bytes=1 << 22, seed=0)
+               seed=0, **kw)
+
+
+# tp = 2 engines chunk every prefill at 32 tokens (the target's 40 split differently
+# by its neighbours); the tp = 4 engine has 6 usable KV blocks, so in its
+# extra cell three neighbours growing to 45 tokens preempt
+CHUNKED = {"max_num_batched_tokens": 32}
+PREEMPTING = {"max_model_len": 64, "num_gpu_blocks": 7, "kv_cache_memory_bytes": None}
 
 
 def _lps(positions) -> list:
@@ -74,8 +82,9 @@ def _prompt(ids):
     return {"prompt_token_ids": ids}
 
 
-def run_cells(llm: LLM) -> dict[str, tuple]:
-    """The target request's result in each battery cell."""
+def run_cells(llm: LLM, preempt: bool = False) -> dict[str, tuple]:
+    """The target request's result in each battery cell (`preempt`: also a
+    cell whose neighbours outgrow a small KV pool, for an engine built so)."""
     cells = {}
     llm.reset_prefix_cache()
     cells["alone"] = _result(llm.generate([_prompt(TARGET)], TARGET_SP, use_tqdm=False)[0])
@@ -98,6 +107,14 @@ def run_cells(llm: LLM) -> dict[str, tuple]:
             if o.finished:
                 done[o.request_id] = o
     cells["staggered"] = _result(done["t"])
+    if preempt:
+        llm.reset_prefix_cache()
+        before = eng.stats()["num_preemptions"]
+        grow = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        outs = llm.generate([_prompt(p[:5]) for p in OTHERS] + [_prompt(TARGET)], [grow] * 3 + [TARGET_SP],
+                            use_tqdm=False)
+        cells["preempted"] = _result(outs[3])
+        cells["preemptions"] = eng.stats()["num_preemptions"] - before
     return cells
 
 
@@ -141,7 +158,7 @@ def tp1(tiny_dir):
 
 @pytest.fixture(scope="module")
 def tp2_pinned(tiny_dir):
-    llm = make_llm(tiny_dir, 2)
+    llm = make_llm(tiny_dir, 2, **CHUNKED)
     cells = run_cells(llm)
     pids = llm.llm_engine.runner.pids
     del llm
@@ -174,8 +191,8 @@ def _sabotage(st, rank: int) -> None:
 
 @pytest.fixture(scope="module")
 def tp4_pinned(tiny_dir):
-    llm = make_llm(tiny_dir, 4)
-    cells = run_cells(llm)
+    llm = make_llm(tiny_dir, 4, **PREEMPTING)
+    cells = run_cells(llm, preempt=True)
     ex = llm.llm_engine.runner
     cells["layout"] = ex.collective_rpc(_rank_layout)
     ex.collective_rpc(_sabotage, 3)
@@ -189,7 +206,7 @@ def tp4_pinned(tiny_dir):
 
 @pytest.fixture(scope="module")
 def tp2_stock(tiny_dir):
-    llm = make_llm(tiny_dir, 2, "stock")
+    llm = make_llm(tiny_dir, 2, "stock", **CHUNKED)
     yield llm, run_cells(llm)
     llm.llm_engine.runner.shutdown()
 
@@ -251,8 +268,13 @@ def test_tp_matches_tp1_within_fp32_tolerance(request, tp1, fx):
 def test_tp_pinned_battery_is_bitwise(request, fx):
     cells, _ = request.getfixturevalue(fx)
     for name, res in cells.items():
-        if name not in ("layout", "disagreement"):
+        if name not in ("layout", "disagreement", "preemptions"):
             assert res == cells["alone"], f"{fx}: cell {name!r} differs from 'alone'"
+
+
+def test_tp4_battery_exercised_preemption(tp4_pinned):
+    cells, _ = tp4_pinned
+    assert cells["preemptions"] >= 1
 
 
 def test_tp4_replicates_kv_heads(tp4_pinned):
