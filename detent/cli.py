@@ -9,6 +9,7 @@ is installed.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -56,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detent", description="Detent: batch-invariant LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    try:
-        from detent.selection import cli as selection_cli
+    try:  # `solve`, `tuple`: the SelIR helper's subcommands, when present
+        selection_cli = importlib.import_module("detent.selection.cli")
     except ModuleNotFoundError as e:
         if e.name != "detent.selection.cli":
             raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import itertools
+import time
 from typing import Any, Sequence
 
 from detent.engine.config import EngineConfig
@@ -117,7 +118,10 @@ class LLM:
         want = set(ids)
         try:
             while eng.has_unfinished_requests() and not want <= done.keys():
-                for out in eng.step():
+                outs = eng.step()
+                if not outs and not eng.scheduler.running:
+                    time.sleep(0.001)  # only requests waiting on a grammar compile: do not spin
+                for out in outs:
                     if out.finished and out.request_id in want:
                         done[out.request_id] = out
                         if bar is not None:

@@ -121,10 +121,12 @@ class LLMEngine:
             enable_cuda_graphs(self.runner, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel ranks (if any). Idempotent."""
+        """Stop tensor-parallel ranks and grammar workers (if any). Idempotent."""
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
