@@ -2,8 +2,9 @@
 
 `launch(args)` starts `python -m detent.server.cli ARGS` (what `detent-serve`
 runs), waits for /health and stops it with SIGTERM at the end, checking
-that it exits cleanly. The fake-engine launcher (fake_server.py, a test
-double) serves the same app for the plumbing-only tests.
+that it exits cleanly. Most tests use a tiny random Llama with the
+embedded model's tokenizer (the real engine, fast steps); one test serves
+the embedded SmolLM2 itself.
 """
 from __future__ import annotations
 
@@ -84,10 +85,6 @@ def real_argv(*args: str) -> list[str]:
     launcher = os.environ.get("DETENT_TEST_SERVE_SCRIPT")  # a dev override; default: what detent-serve runs
     cmd = [launcher] if launcher else ["-m", "detent.server.cli"]
     return [sys.executable, *cmd, "--log-level", "warning", *args]
-
-
-def fake_argv(*args: str) -> list[str]:
-    return [sys.executable, os.path.join(HERE, "fake_server.py"), "--log-level", "warning", *args]
 
 
 @contextlib.contextmanager

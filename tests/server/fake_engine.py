@@ -1,9 +1,10 @@
 """TEST DOUBLE: a tiny fake engine and byte-level tokenizer with the real
 engine's interface (`add_request`, `step`, `abort_request`,
-`has_unfinished_requests`, `stats`), for fast unit tests of the server's
-plumbing (threading, streaming, aborts, overload). It is not a model: its
-"tokens" are a hash of (seed, position, sample index). The real server
-tests (test_api.py) run against the real engine.
+`has_unfinished_requests`, `stats`), for in-process unit tests of the
+`AsyncEngine` thread (aborts, refusals, engine death) in test_units.py. It
+is not a model: its "tokens" are a hash of (seed, position, sample index).
+Every HTTP test (test_api, test_errors, test_lifecycle) runs the real
+engine in a real `detent-serve` process.
 """
 from __future__ import annotations
 

@@ -87,6 +87,18 @@ def test_stream_chunks_concatenate_to_nonstreamed(client, server, kind):
     assert finals == [full.choices[0].finish_reason]
 
 
+def test_stream_with_a_stop_string_spanning_tokens(client, server):
+    """Streamed text never includes a stop string the final text drops."""
+    body = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0)
+    free = client.completions.create(**body).choices[0].text
+    stop = free[len(free) // 2: len(free) // 2 + 6]
+    assert len(stop) == 6
+    full = client.completions.create(**body, stop=[stop])
+    assert full.choices[0].finish_reason == "stop" and full.choices[0].text == free[:free.index(stop)]
+    events = _sse(server, "/v1/completions", {**body, "stop": [stop]})
+    assert "".join(c["text"] for e in events for c in e["choices"]) == full.choices[0].text
+
+
 def test_openai_client_streaming(client):
     stream = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, stream=True,
                                             stream_options={"include_usage": True},

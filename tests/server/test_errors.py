@@ -112,6 +112,9 @@ def test_api_key_401(server):
 
 def test_body_too_large_413(server):
     _check(_post(server, CMPL, {"prompt": "x" * 1_100_000, "max_tokens": 2}), 413, "1000000 bytes")
+    # a chunked upload (no Content-Length) is counted as it arrives
+    chunks = iter([b'{"prompt": "', b"y" * 600_000, b"y" * 600_000, b'"}'])
+    _check(_post(server, CMPL, content=chunks), 413, "1000000 bytes")
     _good(server)
 
 

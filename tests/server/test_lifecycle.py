@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import time
 
 import httpx
 
-from conftest import API_KEY, Server, launch, real_argv
+from conftest import API_KEY, Server, real_argv
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -104,11 +103,19 @@ def test_bad_tuple_refuses_startup(tmp_path, tiny_model):
     mismatched.write_text(json.dumps({"format_version": 1, "facts": {"device": "tpu", "tp": 3}, "families": {}}))
     for path in (bad, mismatched):
         s = Server(real_argv("--model", tiny_model, "--tuple", str(path)))
-        try:
-            rc = s.proc.wait(120)
-        except subprocess.TimeoutExpired:
+        deadline = time.time() + 120
+        while s.proc.poll() is None and time.time() < deadline:
+            try:
+                started = httpx.get(s.url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                started = False
+            if started:
+                s.proc.kill()
+                s.proc.wait()
+                raise AssertionError(f"detent-serve started with the bad tuple {path}:\n{s.output()[-2000:]}")
+            time.sleep(0.2)
+        if s.proc.poll() is None:
             s.proc.kill()
-            raise AssertionError(f"detent-serve started with the bad tuple {path}:\n{s.output()[-2000:]}")
         err = s.output()
-        assert rc == 2, err[-2000:]
+        assert s.proc.wait() == 2, err[-2000:]
         assert "refusing to start" in err and path.name in err, err[-2000:]
