@@ -26,7 +26,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.attention_bias, tp=tp)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.attention_bias, tp=tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.rotary = [rotary]  # shared cache; a list so it is not registered as a submodule
@@ -169,6 +170,15 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank caches (num_kv_heads / tp, or 1 replica when fewer)."""
+        return self.model.layers[0].self_attn.qkv_proj.num_kv_heads
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Per-layer KV cache shape ops.attention expects on this rank."""
+        return (2, num_blocks, block_size, self.num_local_kv_heads, self.config.head_dim)
 
     def weight_sources(self) -> dict[str, Source]:
         """Every checkpoint tensor this model needs -> where it goes."""

@@ -157,6 +157,12 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"{where}: missing 'architectures' (e.g. [\"LlamaForCausalLM\"])")
+        for flag in ("mlp_bias", "use_sliding_window"):
+            if raw.get(flag):
+                raise ValueError(f"{where}: {flag}=true is not supported")
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{where}: hidden_act {act!r} is not supported (supported: silu)")
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         kv_heads = int(raw.get("num_key_value_heads") or heads)

@@ -4,7 +4,7 @@ to load.
 Accepted, in this order: None (the embedded SmolLM2 GGUF), a local
 directory with config.json, a local .gguf file, a preset name
 (`detent.models.presets`), or a Hugging Face repo id "ORG/NAME" found in the
-offline HF cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+offline HF cache (`$HF_HUB_CACHE` / `$HUGGINGFACE_HUB_CACHE`, else `$HF_HOME/hub`, else
 ~/.cache/huggingface/hub). Nothing is downloaded.
 """
 from __future__ import annotations
@@ -31,8 +31,9 @@ class ResolvedModel:
 
 
 def hf_hub_cache() -> str:
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return os.environ[var]
     home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
     return os.path.join(home, "hub")
 

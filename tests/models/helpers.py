@@ -35,8 +35,7 @@ class Session:
         p = next(model.parameters())
         self.model, self.device = model, p.device
         nb = -(-max_len // BLOCK)
-        kvh = model.model.layers[0].self_attn.qkv_proj.num_kv_heads
-        self.kv = [torch.zeros(2, nb, BLOCK, kvh, cfg.head_dim, dtype=p.dtype, device=p.device)
+        self.kv = [torch.zeros(model.kv_cache_shape(nb, BLOCK), dtype=p.dtype, device=p.device)
                    for _ in range(cfg.num_layers)]
         self.num_blocks, self.len, self.mode = nb, 0, mode
 

@@ -51,6 +51,8 @@ def test_moe_fields_both_names():
     ({"architectures": []}, "missing 'architectures'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rope scaling needs 'low_freq_factor'"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"vocab_size": 0}, "vocab_size must be a positive int"),
     ({"torch_dtype": "int8"}, "dtype must be float32, float16 or bfloat16"),
 ])

@@ -90,6 +90,7 @@ def test_unsupported_architecture_lists_supported(ckpt):
 def test_unresolvable_name_says_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     with pytest.raises(ModelNotFound) as e:
         resolve_model("some-org/some-model")
     msg = str(e.value)
@@ -119,6 +120,7 @@ def test_hf_cache_snapshot_and_local_dir_resolve(ckpt, tmp_path, monkeypatch):
     (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     r = resolve_model("acme/tiny")
     assert r.path == str(snap) and r.source == "hf-cache" and r.load_format == "safetensors"
     r = resolve_model(str(ckpt))
@@ -175,6 +177,7 @@ def test_tp_shards_are_slices_of_the_full_tensors(kv_heads, tp):
         head = (r // (tp // kv_heads) if kv_heads < tp else r * (kv_heads // tp))
         assert torch.equal(w[q // tp: q // tp + local_kv], f_attn[q + head * d: q + head * d + local_kv])
         assert torch.equal(w[q // tp + local_kv:], f_attn[q + kv + head * d: q + kv + head * d + local_kv])
+        assert m.kv_cache_shape(5, 16) == (2, 5, 16, local_kv // d, d)
     o = torch.cat([m.model.layers[1].self_attn.o_proj.weight for m in ranks], dim=1)
     assert torch.equal(o, full.model.layers[1].self_attn.o_proj.weight)
     emb = torch.cat([m.model.embed_tokens.weight for m in ranks])

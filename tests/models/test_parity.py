@@ -18,6 +18,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 CASES = {
     "llama-gqa4:2-untied": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-attn-bias": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2,
+                                             attention_bias=True)),
     "llama-mha-tied": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4,
                                             tie_word_embeddings=True)),
     "llama-mqa8:1-llama3rope": (tf.LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=1,
@@ -87,7 +89,7 @@ def test_chunked_prefill_and_decode_match_transformers(pair):
     ids = PROMPTS[2]
     want = hf_logprobs(ref, ids)
     s = Session(ours, max_len=64)
-    pieces = [ids[:13], ids[13:30]] + [[t] for t in ids[30:]]
+    pieces = [ids[:13], ids[13:38]] + [[t] for t in ids[38:]]
     got = torch.cat([s.step(p) for p in pieces])
     diff = (torch.log_softmax(got, -1) - want).abs().max().item()
     assert diff <= TOL, f"max |logprob diff| {diff:.3g} > {TOL}"
