@@ -78,6 +78,11 @@ def roofline_ms(info: dict, mc, batch: int, ctx: int, bw: float) -> float:
     return (info["weight_bytes"] + batch * ctx * kv_per_tok) / bw * 1e3
 
 
+def _label(mode: str) -> str:
+    base, *envs = mode.split("+")
+    return base + (" [" + ", ".join(e.split("=", 1)[1] for e in envs) + "]" if envs else "")
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -86,23 +91,23 @@ def plot(res: dict, path: str) -> None:
     axes = ax if hasattr(ax, "__len__") else [ax]
     bs = res["batches"]
     for mode, rows in res["decode"].items():
-        axes[0].plot(bs, [rows[str(b)]["tpot_ms"] for b in bs], marker="o", label=mode)
+        axes[0].plot(bs, [rows[str(b)]["tpot_ms"] for b in bs], marker="o", label=_label(mode))
     axes[0].plot(bs, [res["roofline_ms"][str(b)] for b in bs], "k--", label="bandwidth roofline")
     axes[0].set_xscale("log", base=2)
     axes[0].set_xlabel("batch (1k-token contexts)")
     axes[0].set_ylabel("ms per output token")
     axes[0].set_title(f"decode, {res['info']['model']}, bf16, H200")
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
     if "prefill" in res:
         lens = res["prefill_lens"]
         w = 0.25
         for i, (mode, rows) in enumerate(res["prefill"].items()):
             axes[1].bar([j + i * w for j in range(len(lens))], [rows[str(n)]["tok_s"] for n in lens], w,
-                        label=mode)
+                        label=_label(mode))
         axes[1].set_xticks([j + w for j in range(len(lens))], [f"{n} tokens" for n in lens])
         axes[1].set_ylabel("prefill tokens / s")
         axes[1].set_title("prefill (eager)")
-        axes[1].legend()
+        axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -126,7 +131,7 @@ def main():
     bw = measure_copy_bw()
     llm, mc, info = build(a.model, max_model_len=max_len, max_num_seqs=max(batches))
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12,
-           "pinned_attn_block_m": os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "16"),
+           "pinned_attn_block_m": os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "by_query"),
            "info": info, "batches": batches, "ctx": a.ctx, "steps": a.steps, "decode": {}, "modes": {},
            "roofline_ms": {str(b): roofline_ms(info, mc, b, a.ctx + a.steps // 2, bw) for b in batches}}
     print(json.dumps(info), flush=True)

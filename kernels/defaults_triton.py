@@ -9,9 +9,9 @@ what those programs should say:
   length); moe = triton_fused at the table row nearest the token count.
 - pinned: gemm = triton_persistent, tile config by M (configs measured
   bit-identical on the H200, tests/gpu checks it); attention = triton_paged
-  with split_tokens fixed (256) and ONE tile shape (16 rows, tl.sum row sum),
-  or tile rows by query length with the MMA row sum (env
-  DETENT_PINNED_ATTN_BLOCK_M=by_query, DETENT_PINNED_ATTN_ROWSUM=mma); moe =
+  with split_tokens fixed (256), tile rows by query length and the MMA row
+  sum (tile-shape-neutral; or one 16-row tile with tl.sum via
+  DETENT_PINNED_ATTN_BLOCK_M=16 DETENT_PINNED_ATTN_ROWSUM=sum); moe =
   triton_fused with the row key pinned.
 - conservative (vLLM/SGLang deterministic-mode style): one fixed config per
   family: persistent matmul 128x128x64 for every M, attention without
@@ -60,11 +60,13 @@ def attn_block(max_seqlen_q: int, group: int) -> tuple[int, int]:
 
 
 def pinned_attn_block(max_seqlen_q: int, group: int) -> tuple[int, int]:
-    """Pinned mode: one tile shape (16 rows) for every step, unless
-    DETENT_PINNED_ATTN_BLOCK_M=by_query, which is legal only with the MMA row
-    sum (rowsum="mma": bits independent of the tile shape, checked by
-    tests/gpu's block_m-neutrality test on the device)."""
-    policy = os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "16")
+    """Pinned mode: tile rows by query length (16 for decode-shaped steps, 64
+    for prefill), legal only with the MMA row sum (rowsum="mma": bits do not
+    depend on the tile shape; tests/gpu's block_m-neutrality test checks it
+    on the device). DETENT_PINNED_ATTN_BLOCK_M=16 (with ..._ROWSUM=sum) keeps
+    one tile shape instead: 19% faster decode attention at batch 256, 24%
+    slower 8k prefill on the H200 (benchmarks/kernels.py --attn-variants)."""
+    policy = os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "by_query")
     if policy == "by_query":
         return attn_block(max_seqlen_q, group)
     bm = int(policy)
@@ -72,8 +74,8 @@ def pinned_attn_block(max_seqlen_q: int, group: int) -> tuple[int, int]:
 
 
 def pinned_rowsum() -> str:
-    rs = os.environ.get("DETENT_PINNED_ATTN_ROWSUM", "sum")
-    if os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "16") == "by_query" and rs != "mma":
+    rs = os.environ.get("DETENT_PINNED_ATTN_ROWSUM", "mma")
+    if os.environ.get("DETENT_PINNED_ATTN_BLOCK_M", "by_query") == "by_query" and rs != "mma":
         raise ValueError("DETENT_PINNED_ATTN_BLOCK_M=by_query needs DETENT_PINNED_ATTN_ROWSUM=mma "
                          "(tl.sum's order follows the tile shape)")
     return rs
@@ -94,10 +96,6 @@ class TritonDefaults:
                 fixed = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
                 return lambda **rt: {"impl": "triton_persistent", **fixed}
             n = site.get("n", 4096)
-            if os.environ.get("DETENT_PINNED_GEMM", "table") == "big":  # wide tiles above M = 64
-                big = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
-                return lambda **rt: {"impl": "triton_persistent",
-                                     **(config_for(rt["num_tokens"], n) if rt["num_tokens"] <= 64 else big)}
             return lambda **rt: {"impl": "triton_persistent", **config_for(rt["num_tokens"], n)}
         if family == "attention":
             g = site["num_heads"] // site["num_kv_heads"]

@@ -30,8 +30,8 @@ def _rel(a, b):
 @pytest.mark.parametrize("combine", ["sequential", "parallel"])
 def test_matches_reference_mixed_batch(combine):
     # prefill from 0, chunked prefill from 20, decode at 44; G = 2, head_dim 64
-    case = PagedCase([30, 33, 45], h=4, kvh=2, d=64, block_size=8, seed=1)
-    chunks = [(0, 30), (20, 33), (44, 45)]
+    case = PagedCase([20, 23, 35], h=4, kvh=2, d=64, block_size=8, seed=1)
+    chunks = [(0, 20), (12, 23), (34, 35)]
     y, (q, k, v, meta) = _run(case, chunks, split_tokens=16, block_m=16, block_n=16, combine=combine)
     assert not y.isnan().any()  # outputs and split partials are NaN-poisoned
     ref_cache = case.fresh_cache()
@@ -39,26 +39,27 @@ def test_matches_reference_mixed_batch(combine):
     assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
 
 
-def test_parallel_and_sequential_combine_agree_bitwise():
-    case = PagedCase([40, 9], h=4, kvh=1, d=16, block_size=8, seed=2)
-    kw = dict(split_tokens=16, block_m=16, block_n=16)
-    a, _ = _run(case, [(0, 40), (8, 9)], combine="sequential", **kw)
-    b, _ = _run(case, [(0, 40), (8, 9)], combine="parallel", **kw)
+@pytest.mark.parametrize("rowsum", ["mma", "sum"])
+def test_parallel_and_sequential_combine_agree_bitwise(rowsum):
+    case = PagedCase([36, 9], h=2, kvh=1, d=16, block_size=8, seed=2)
+    kw = dict(split_tokens=16, block_m=16, block_n=16, rowsum=rowsum)
+    a, _ = _run(case, [(20, 36), (8, 9)], combine="sequential", **kw)
+    b, _ = _run(case, [(20, 36), (8, 9)], combine="parallel", **kw)
     assert torch.equal(a, b)
 
 
 def test_one_token_per_tile_any_chunking_and_neighbours():
     # G = 16 = BLOCK_M: each tile holds one token, so chunking cannot move its row
-    case = PagedCase([50, 21], h=16, kvh=1, d=16, block_size=16, seed=3)
+    case = PagedCase([36, 9], h=16, kvh=1, d=16, block_size=16, seed=3)
     kw = dict(split_tokens=16, block_m=16, block_n=16, combine="sequential")
-    full, _ = _run(case, [(0, 50), (0, 21)], **kw)
-    alone, _ = _run(case, [(0, 50), (0, 0)], order=[0], **kw)
-    assert torch.equal(alone, full[:50])
-    for start in (49, 37, 17):  # decode at 49, chunked prefills of the rest
-        y, _ = _run(case, [(start, 50), (0, 21)], order=[1, 0], **kw)
-        assert torch.equal(y[21:], full[start:50]), start
+    full, _ = _run(case, [(0, 36), (0, 9)], **kw)
+    alone, _ = _run(case, [(0, 36), (0, 0)], order=[0], **kw)
+    assert torch.equal(alone, full[:36])
+    for start in (35, 17):  # decode at 35, a chunked prefill of the rest
+        y, _ = _run(case, [(start, 36), (0, 9)], order=[1, 0], **kw)
+        assert torch.equal(y[9:], full[start:36]), start
     # a different split size (what stock attention does as the batch changes) moves bits
-    other, _ = _run(case, [(0, 50), (0, 21)], split_tokens=32, block_m=16, block_n=16)
+    other, _ = _run(case, [(0, 36), (0, 9)], split_tokens=32, block_m=16, block_n=16)
     assert not torch.equal(other, full)
 
 
