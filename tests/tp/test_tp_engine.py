@@ -339,3 +339,32 @@ def test_killed_driver_leaves_no_orphans(tiny_dir, tmp_path):
     finally:
         if drv.poll() is None:
             drv.kill()
+
+
+def test_plan_sent_to_ranks_carries_the_grammar_bitmask_not_the_matcher():
+    """The xgrammar matcher stays with the scheduler; ranks get this step's mask."""
+    import pickle
+    import threading
+
+    import torch
+
+    from detent.engine.tp.executor import portable_plan
+    from detent.sampling.sampler import SamplingRow
+    from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
+
+    class Matcher:  # unpicklable, like a live matcher
+        lock = threading.Lock()
+
+        def bitmask(self):
+            return torch.tensor([5, -1], dtype=torch.int32)
+
+    sp = SamplingParams(temperature=0)
+    plan = SchedulerOutput((ScheduledSeq("a", (1, 2), 0, (1,), SamplingRow(sp, 0, 2, grammar=Matcher())),
+                            ScheduledSeq("b", (3,), 0, (2,), SamplingRow(sp, 0, 1)),
+                            ScheduledSeq("c", (4,), 0, (3,), None)), 4)
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+        pickle.dumps(plan)
+    sent = pickle.loads(pickle.dumps(portable_plan(plan)))
+    assert torch.equal(sent.seqs[0].sample.grammar.bitmask(), torch.tensor([5, -1], dtype=torch.int32))
+    assert sent.seqs[1] == plan.seqs[1] and sent.seqs[2] == plan.seqs[2]
+    assert portable_plan(SchedulerOutput(plan.seqs[1:], 2)) == SchedulerOutput(plan.seqs[1:], 2)
