@@ -43,9 +43,19 @@ def _as_hf_tokenizer(tokenizer):
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int] | None = None) -> xgr.TokenizerInfo:
-    """xgrammar's view of the tokenizer, sized to the model's vocabulary (padded ids never allowed)."""
+    """xgrammar's view of the tokenizer, sized to the model's vocabulary (padded ids never allowed).
+
+    A Hugging Face tokenizer (or Detent's models.Tokenizer), an xgrammar
+    TokenizerInfo as is, or any tokenizer with `raw_vocab` (the literal text
+    of each token id, for test tokenizers)."""
+    if isinstance(tokenizer, xgr.TokenizerInfo):
+        return tokenizer
+    stops = list(stop_token_ids) if stop_token_ids else None
+    raw = getattr(tokenizer, "raw_vocab", None)
+    if raw is not None:
+        return xgr.TokenizerInfo(list(raw), xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
     return xgr.TokenizerInfo.from_huggingface(_as_hf_tokenizer(tokenizer), vocab_size=vocab_size,
-                                              stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+                                              stop_token_ids=stops)
 
 
 def _tokenizer_key(info: xgr.TokenizerInfo) -> str:

@@ -9,7 +9,9 @@ Semantics (documented in sampling/README.md-style here, tested in tests/sampling
 - top_k <= 0 disables top-k (vLLM accepts -1 and 0); top_k < -1 is an error.
 - logprobs_mode "raw" (default): log_softmax of the model's logits;
   "processed": log_softmax of the logits actually sampled from (after
-  penalties, temperature, top-k/top-p/min-p and the grammar mask).
+  penalties, temperature, top-k/top-p/min-p and the grammar mask);
+  "raw_logits" / "processed_logits" report those logits themselves (vLLM's
+  modes; "raw_logprobs" / "processed_logprobs" are accepted as aliases).
 - golden_token_ids (Detent extension): the first len(golden_token_ids)
   output tokens are these ids whatever the model says (teacher forcing); the
   reported logprobs are the model's along that continuation.
@@ -24,9 +26,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs
-_LOGPROBS_MODES = {"raw": "raw", "processed": "processed",
-                   "raw_logprobs": "raw", "processed_logprobs": "processed"}
+_LOGPROBS_MODES = {"raw": "raw", "processed": "processed", "raw_logprobs": "raw",
+                   "processed_logprobs": "processed", "raw_logits": "raw_logits",
+                   "processed_logits": "processed_logits"}
 
 
 def _is_int(v: Any) -> bool:
@@ -200,11 +202,11 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
-            _int_field("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            _int_field("logprobs", self.logprobs, 0)  # the engine caps it at its max_logprobs
         if self.prompt_logprobs is not None:
-            _int_field("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+            _int_field("prompt_logprobs", self.prompt_logprobs, 0)
         if self.logprobs_mode not in _LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of 'raw', 'processed', got {self.logprobs_mode!r}")
+            raise ValueError(f"logprobs_mode must be one of {sorted(_LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         self.logprobs_mode = _LOGPROBS_MODES[self.logprobs_mode]
         if self.golden_token_ids is not None:
             self.golden_token_ids = _token_list("golden_token_ids", self.golden_token_ids)

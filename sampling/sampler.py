@@ -118,12 +118,12 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], noise: torch.Ten
             toks.append(int(sampled[j]))
         else:
             toks.append(int(greedy_tok[j]))
-    processed = [r.params.logprobs_mode == "processed" for r in rows]
     lp = raw_lp
-    if any(processed):
-        proc_lp = ops.log_softmax(z)
-        sel = torch.tensor(processed, device=dev)[:, None]
-        lp = torch.where(sel, proc_lp, raw_lp)
+    modes = [r.params.logprobs_mode for r in rows]
+    for mode in set(modes) - {"raw"}:
+        alt = {"processed": lambda: ops.log_softmax(z), "raw_logits": lambda: x_raw,
+               "processed_logits": lambda: z}[mode]()
+        lp = torch.where(torch.tensor([m == mode for m in modes], device=dev)[:, None], alt, lp)
     tok_t = torch.tensor(toks, dtype=torch.long, device=dev)[:, None]
     chosen = lp.gather(1, tok_t)  # [B, 1]
     ranks = ((lp > chosen).sum(-1) + 1).tolist()

@@ -1,0 +1,183 @@
+"""Sampling through the engine on a tiny dummy-weight Llama (CPU): distribution,
+batch invariance of seeded requests, golden tokens, n > 1, unseeded replay.
+
+Comparator: token lists with ==, logprob tensors with torch.equal (seed 000 §10.3.3)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from detent.engine import SamplingParams
+from detent.sampling.params import StructuredOutputs
+
+from .engine_util import result_of, same, tiny_llm
+from .reference import reference_probs
+from .test_distribution import ALPHA, chi2_pvalue
+
+VOCAB = 160
+TARGET_PROMPT = [(7 * i + 3) % (VOCAB - 2) + 2 for i in range(40)]  # 2.5 blocks of 16
+
+
+def target_params(**kw):
+    base = dict(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, logprobs=5, ignore_eos=True)
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+def neighbours(n: int, seed: int = 1):
+    """Greedy, top-k, grammar-constrained and differently-seeded requests (same prompt for one)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = TARGET_PROMPT if i == 0 else rng.integers(2, VOCAB, size=int(rng.integers(3, 70))).tolist()
+        kind = i % 4
+        if kind == 0:
+            p = SamplingParams(temperature=1.0, top_p=0.95, seed=99 + i, max_tokens=12, logprobs=5, ignore_eos=True)
+        elif kind == 1:
+            p = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+        elif kind == 2:
+            p = SamplingParams(temperature=0.8, top_k=5, seed=i, max_tokens=14, logprobs=2, ignore_eos=True)
+        else:
+            p = SamplingParams(temperature=1.0, seed=i, max_tokens=20,
+                               structured_outputs=StructuredOutputs(regex="[a-f]{2,6}-[0-9]{1,4}"))
+        out.append(({"prompt_token_ids": prompt}, p))
+    return out
+
+
+def run_target(llm, others=(), row=None):
+    others = list(others)
+    row = len(others) if row is None else row
+    reqs = others[:row] + [({"prompt_token_ids": TARGET_PROMPT}, target_params())] + others[row:]
+    outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=False)
+    return result_of(outs[row])
+
+
+_REF = {}
+
+
+def reference(sel="pinned"):
+    if sel not in _REF:
+        _REF[sel] = run_target(tiny_llm(VOCAB, sel))
+    return _REF[sel]
+
+
+def cell_neighbours_row0(sel):
+    return run_target(tiny_llm(VOCAB, sel), neighbours(7), row=0)
+
+
+def cell_neighbours_middle(sel):
+    return run_target(tiny_llm(VOCAB, sel), neighbours(12, seed=2), row=6)
+
+
+def cell_neighbours_last(sel):
+    return run_target(tiny_llm(VOCAB, sel), neighbours(20, seed=3))
+
+
+def cell_chunked_prefill(sel):
+    return run_target(tiny_llm(VOCAB, sel, max_num_batched_tokens=13), neighbours(3, seed=4), row=1)
+
+
+def cell_prefix_hit(sel):
+    llm = tiny_llm(VOCAB, sel)
+    llm.generate([{"prompt_token_ids": TARGET_PROMPT[:32] + [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    r = run_target(llm, neighbours(3, seed=5))
+    assert r.num_cached_tokens == 32, "the cell did not exercise the prefix cache"
+    return r
+
+
+def cell_preempt(sel):
+    llm = tiny_llm(VOCAB, sel, max_model_len=64, num_gpu_blocks=9)
+    others = [({"prompt_token_ids": [3 + i] * 8}, SamplingParams(temperature=0.7, seed=i, max_tokens=40, ignore_eos=True))
+              for i in range(3)]
+    r = run_target(llm, others)
+    assert r.num_preemptions >= 1, "the target was not preempted"
+    return r
+
+
+CELLS = {f.__name__[5:]: f for f in (cell_neighbours_row0, cell_neighbours_middle, cell_neighbours_last,
+                                      cell_chunked_prefill, cell_prefix_hit, cell_preempt)}
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_seeded_request_is_invariant(cell):
+    ref = reference()
+    assert len(ref.token_ids) == 16 and len(set(ref.token_ids)) > 3  # really sampled, not degenerate
+    got = CELLS[cell]("pinned")
+    assert same(got, ref), f"{cell}: seeded request differs from the request alone"
+
+
+def test_stock_selection_breaks_some_cell():
+    ref = reference("stock")
+    differing = [c for c in ("neighbours_middle", "chunked_prefill", "prefix_hit")
+                 if not same(CELLS[c]("stock"), ref)]
+    assert differing, "stock selection passed every cell, so the cells cannot detect a break"
+
+
+def test_engine_distribution_matches_float64_reference():
+    """4000 one-token samples, seeds 0..3999, T=0.8 + top_p=0.9 + repetition_penalty=1.3, vocab 64."""
+    n = 4000
+    prompt = [5, 9, 9, 17, 33, 40, 41]
+    kw = dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3)
+    llm = tiny_llm(64, max_num_seqs=512, max_num_batched_tokens=4096, num_gpu_blocks=600)
+    raw = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, logprobs=64,
+                                                                      logprobs_mode="raw_logits"),
+                       use_tqdm=False)[0].outputs[0].logprobs[0]
+    logits = np.array([raw[t].logprob for t in range(64)], dtype=np.float64)  # the model's logits
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n,
+                        [SamplingParams(seed=s, max_tokens=1, **kw) for s in range(n)], use_tqdm=False)
+    counts = np.bincount([o.outputs[0].token_ids[0] for o in outs], minlength=64)
+    probs = reference_probs(logits, prompt_ids=prompt, **kw)
+    assert (probs > 0).sum() >= 5
+    p = chi2_pvalue(counts, probs)
+    assert p > ALPHA, f"engine samples vs float64 reference: chi-square p = {p:.3g}"
+
+
+def test_golden_tokens_report_the_free_greedy_runs_logprobs():
+    llm = tiny_llm(VOCAB)
+    prompt = {"prompt_token_ids": TARGET_PROMPT}
+    free = result_of(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, logprobs=5,
+                                                           ignore_eos=True), use_tqdm=False)[0])
+    # golden run: sampled settings and another batch, but the continuation is forced
+    gp = target_params(golden_token_ids=free.token_ids)
+    outs = llm.generate([prompt] + [r[0] for r in neighbours(5)], [gp] + [r[1] for r in neighbours(5)],
+                        use_tqdm=False)
+    assert same(result_of(outs[0]), free)
+
+
+def test_golden_continuation_logprobs_equal_prompt_logprobs():
+    """Teacher forcing an arbitrary continuation reports what a prefill of prompt + continuation scores."""
+    llm = tiny_llm(VOCAB)
+    cont = [11, 12, 13, 50, 51, 99, 3, 3]
+    g = llm.generate([{"prompt_token_ids": TARGET_PROMPT}],
+                     SamplingParams(temperature=0.9, seed=1, max_tokens=len(cont), logprobs=0,
+                                    golden_token_ids=cont, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert g.token_ids == cont
+    full = llm.generate([{"prompt_token_ids": TARGET_PROMPT + cont}],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    pl = full.prompt_logprobs[len(TARGET_PROMPT):]
+    assert [d[t].logprob for d, t in zip(g.logprobs, cont)] == [d[t].logprob for d, t in zip(pl, cont)]
+    assert [d[t].rank for d, t in zip(g.logprobs, cont)] == [d[t].rank for d, t in zip(pl, cont)]
+
+
+def test_n_samples_keyed_by_sample_index():
+    llm = tiny_llm(VOCAB)
+    p = target_params(n=3, max_tokens=8)
+    alone = llm.generate([{"prompt_token_ids": TARGET_PROMPT}], p, use_tqdm=False)[0]
+    samples = [result_of(alone, i) for i in range(3)]
+    assert len({tuple(s.token_ids) for s in samples}) == 3, "samples of one request must differ"
+    llm2 = tiny_llm(VOCAB)
+    outs = llm2.generate([r[0] for r in neighbours(4)] + [{"prompt_token_ids": TARGET_PROMPT}],
+                         [r[1] for r in neighbours(4)] + [p], use_tqdm=False)
+    assert all(same(result_of(outs[-1], i), samples[i]) for i in range(3))
+
+
+def test_unseeded_request_returns_its_seed_for_replay():
+    llm = tiny_llm(VOCAB)
+    prompt = {"prompt_token_ids": TARGET_PROMPT}
+    first = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert first.seed is not None
+    replay = llm.generate([prompt] + [r[0] for r in neighbours(3)],
+                          [SamplingParams(temperature=1.0, seed=first.seed, max_tokens=10, ignore_eos=True)]
+                          + [r[1] for r in neighbours(3)], use_tqdm=False)[0].outputs[0]
+    assert replay.token_ids == first.token_ids

@@ -1,0 +1,136 @@
+"""GrammarCompilerCache and GrammarState (xgrammar) on the tiny raw vocabulary."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from detent.sampling.params import StructuredOutputs
+from detent.sampling.processors import bitmask_to_bool
+from detent.sampling.sampler import SamplingRow, sample
+from detent.sampling.params import SamplingParams
+
+from .tiny_vocab import EOS, VOCAB, V, decode, tiny_cache
+
+
+def wait(state, limit=30.0):
+    t0 = time.monotonic()
+    while not state.ready and state.error is None:
+        assert time.monotonic() - t0 < limit
+        time.sleep(0.005)
+    return state
+
+
+def allowed(state, vocab=V):
+    return [i for i in range(vocab) if bitmask_to_bool(state.bitmask()[None], vocab)[0, i]]
+
+
+def test_cache_shares_one_compiled_grammar_per_spec_and_is_lru():
+    cache = tiny_cache(max_entries=2)
+    a1 = cache.submit(StructuredOutputs(regex="a+"))
+    a2 = cache.submit(StructuredOutputs(regex="a+"))
+    assert a1 is a2 and cache.hits == 1 and cache.misses == 1
+    cache.submit(StructuredOutputs(regex="b+"))
+    cache.submit(StructuredOutputs(regex="c+"))  # evicts a+
+    assert len(cache) == 2
+    assert cache.submit(StructuredOutputs(regex="a+")) is not a1
+    # different any_whitespace is a different grammar
+    j1 = cache.submit(StructuredOutputs(json_object=True))
+    assert cache.submit(StructuredOutputs(json_object=True, any_whitespace=True)) is not j1
+
+
+def test_states_are_per_request():
+    cache = tiny_cache()
+    s1, s2 = wait(cache.new_state(StructuredOutputs(regex="[a-f][0-9]+"))), \
+        wait(cache.new_state(StructuredOutputs(regex="[a-f][0-9]+")))
+    assert s1.accept(VOCAB.index("a"))
+    assert allowed(s2) != allowed(s1)  # s2 did not move
+
+
+def test_eos_only_where_the_grammar_may_end_and_rollback():
+    st = wait(tiny_cache().new_state(StructuredOutputs(regex="[a-f][0-9]+")))
+    assert EOS not in allowed(st)
+    assert st.accept(VOCAB.index("c"))
+    assert EOS not in allowed(st)
+    assert st.accept(VOCAB.index("7"))
+    assert EOS in allowed(st)
+    st.rollback(1)
+    assert EOS not in allowed(st) and st.num_accepted == 1
+    assert not st.accept(VOCAB.index("x"))  # not in the grammar
+    assert st.accept(VOCAB.index("12")) and st.accept(EOS)
+    assert st.is_terminated()
+    with pytest.raises(ValueError, match="rollback"):
+        st.rollback(9)
+
+
+def test_padded_model_vocab_never_allows_padding_ids():
+    st = wait(tiny_cache(vocab_size=V + 80).new_state(StructuredOutputs(json_object=True)))
+    ids = allowed(st, V + 80)
+    assert ids and max(ids) < V
+    # the sampler masks a padded logits row the same way: padding ids never come out
+    logits = torch.zeros(200, V + 80)
+    logits[:, V:] = 50.0  # the padding is the most likely by far
+    rows = [SamplingRow(SamplingParams(temperature=1.0), seed=s, position=0, grammar=st) for s in range(200)]
+    assert max(sample(logits, rows).token_ids) < V
+
+
+def test_json_whitespace_is_fixed_by_default():
+    st = wait(tiny_cache().new_state(StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                             "required": ["a"]})))
+    assert st.accept(VOCAB.index("{"))
+    assert VOCAB.index(" ") not in allowed(st)
+    st2 = wait(tiny_cache().new_state(StructuredOutputs(json={"type": "object"}, any_whitespace=True)))
+    assert st2.accept(VOCAB.index("{"))
+    assert VOCAB.index(" ") in allowed(st2)
+
+
+def test_choice_compiles_to_exact_alternatives():
+    st = wait(tiny_cache().new_state(StructuredOutputs(choice=["ab", "b2", 'a"1'])))
+    assert sorted(VOCAB[i] for i in allowed(st)) == sorted(["a", "b", "ab", "b2"])  # not "a1": the choice is a"1
+    for t in ("a", '"', "1", EOS):
+        assert st.accept(VOCAB.index(t) if isinstance(t, str) else t)
+    assert st.is_terminated()
+
+
+def test_compile_error_is_reported_on_the_state_only():
+    cache = tiny_cache()
+    bad = wait(cache.new_state(StructuredOutputs(json={"$ref": "#/definitions/missing"})))
+    good = wait(cache.new_state(StructuredOutputs(regex="a+")))
+    assert not bad.ready and "grammar compilation failed" in bad.error and "definitions" in bad.error
+    assert good.ready and good.error is None
+    with pytest.raises(RuntimeError, match="before it is ready"):
+        bad.bitmask()
+
+
+def test_compile_timeout_fails_only_that_state_and_does_not_block():
+    cache = tiny_cache(timeout_s=0.05, max_workers=2)
+    big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-f]{1,%d}" % (i + 3)}
+                                            for i in range(60)}}
+    spec = StructuredOutputs(json=big)  # compiling takes ~1 s on this vocabulary
+    slow = cache.new_state(spec)
+    assert not slow.ready and slow.error is None  # submission returned before the compilation ended
+    fast = cache.new_state(StructuredOutputs(regex="[0-9]+"))
+    wait(fast)
+    wait(slow)
+    assert fast.ready
+    assert slow.error is not None and "timed out" in slow.error
+
+
+def test_sampled_tokens_follow_the_grammar_to_the_end():
+    """Drive a matcher with the sampler (random logits): the text fullmatches the regex."""
+    import re
+    cache = tiny_cache(64)
+    for seed in range(10):
+        st = wait(cache.new_state(StructuredOutputs(regex="[a-f]{2,4}-[0-9]{1,3}")))
+        toks = []
+        g = torch.Generator().manual_seed(seed)
+        while not st.is_terminated():
+            row = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), seed=seed, position=len(toks), grammar=st)
+            t = sample(torch.randn(1, 64, generator=g) * 3, [row]).token_ids[0]
+            assert st.accept(t)
+            toks.append(t)
+            assert len(toks) < 20
+        assert toks[-1] == EOS
+        assert re.fullmatch("[a-f]{2,4}-[0-9]{1,3}", decode(toks)), decode(toks)
