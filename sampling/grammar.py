@@ -68,10 +68,13 @@ def _tokenizer_key(info: xgr.TokenizerInfo) -> str:
 
 
 class GrammarCompilerCache:
+    DEFAULT_TIMEOUT_S = 30.0  # a request whose grammar takes longer fails with finish_reason "error"
+
     def __init__(self, tokenizer=None, vocab_size: int | None = None, *,
                  stop_token_ids: Sequence[int] | None = None, info: xgr.TokenizerInfo | None = None,
-                 max_entries: int = 256, timeout_s: float = 30.0, max_workers: int = 2,
+                 max_entries: int = 256, timeout_s: float | None = None, max_workers: int = 2,
                  compiler_threads: int = 1) -> None:
+        timeout_s = self.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         if info is None:
             if tokenizer is None or vocab_size is None:
                 raise ValueError("GrammarCompilerCache needs a tokenizer and the model's vocab_size (or an info)")

@@ -1,0 +1,201 @@
+"""Grammar-constrained requests through the engine.
+
+Tiny dummy Llama + a character tokenizer (fast): JSON schema outputs validate
+(jsonschema), regex outputs fullmatch (re), EBNF outputs parse (an independent
+recursive-descent parser), choice outputs are one of the choices; a request
+preempted mid-output completes validly and with the same tokens as unpreempted;
+a bad schema or a compile timeout fails only its own request.
+SmolLM2 (slow): 20 seeds of a JSON-schema chat request validate with jsonschema,
+plus regex and EBNF requests, a bad schema beside them, and preemption.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from detent.engine import SamplingParams
+from detent.sampling.grammar import GrammarCompilerCache
+from detent.sampling.params import StructuredOutputs
+
+from .engine_util import tiny_llm
+
+VOCAB = 96
+SCHEMA = {"type": "object",
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "b": {"enum": ["x", "yy", "zzz"]},
+                         "c": {"type": "boolean"}},
+          "required": ["a", "b"], "additionalProperties": False}
+REGEX = "[a-f]{2,6}-[0-9]{1,4}"
+EBNF = 'root ::= "(" sum ")"\nsum ::= num | num "+" num\nnum ::= [0-9] | [1-9] [0-9]'
+CHOICE = ["red", "green", "blue"]
+BAD_SCHEMA = {"type": "object", "properties": {"p": {"$ref": "#/definitions/missing"}}, "required": ["p"]}
+
+
+def parse_ebnf_output(s: str) -> bool:
+    """Recursive descent for EBNF above: "(" num ["+" num] ")" with num = 0..9 | 10..99."""
+    i = 0
+
+    def num():
+        nonlocal i
+        if i < len(s) and s[i] in "123456789" and i + 1 < len(s) and s[i + 1].isdigit():
+            i += 2
+            return True
+        if i < len(s) and s[i].isdigit():
+            i += 1
+            return True
+        return False
+
+    if not s.startswith("("):
+        return False
+    i = 1
+    if not num():
+        return False
+    if i < len(s) and s[i] == "+":
+        i += 1
+        if not num():
+            return False
+    return s[i:] == ")"
+
+
+def check(kind: str, text: str) -> bool:
+    if kind == "json":
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+            return True
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            return False
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "ebnf":
+        return parse_ebnf_output(text)
+    return text in CHOICE
+
+
+SPECS = {"json": StructuredOutputs(json=SCHEMA), "regex": StructuredOutputs(regex=REGEX),
+         "ebnf": StructuredOutputs(grammar=EBNF), "choice": StructuredOutputs(choice=CHOICE)}
+
+
+def grammar_requests(seeds=range(4), **kw):
+    reqs = []
+    for kind, spec in SPECS.items():
+        for s in seeds:
+            prompt = [(s * 13 + k * 7 + 5) % 90 + 2 for k in range(6 + s)]
+            reqs.append((kind, {"prompt_token_ids": prompt},
+                         SamplingParams(temperature=1.0, top_p=0.95, seed=s, max_tokens=60,
+                                        structured_outputs=spec, **kw)))
+    return reqs
+
+
+def run(llm, reqs):
+    outs = llm.generate([r[1] for r in reqs], [r[2] for r in reqs], use_tqdm=False)
+    return [(r[0], o) for r, o in zip(reqs, outs)]
+
+
+def assert_valid(results):
+    for kind, o in results:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", (kind, c.finish_reason, c.text, o.error)
+        assert check(kind, c.text), (kind, c.text)
+
+
+def test_constrained_outputs_are_valid_and_a_bad_schema_fails_alone():
+    llm = tiny_llm(VOCAB)
+    reqs = grammar_requests()
+    bad = ("bad", {"prompt_token_ids": [5, 6, 7]},
+           SamplingParams(seed=1, max_tokens=20, structured_outputs=StructuredOutputs(json=BAD_SCHEMA)))
+    free = ("free", {"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    results = run(llm, reqs[:7] + [bad] + reqs[7:] + [free])
+    (_, bad_out), (_, free_out) = results[7], results[-1]
+    assert bad_out.finished and bad_out.outputs[0].finish_reason == "error"
+    assert "grammar compilation failed" in bad_out.error and "definitions" in bad_out.error
+    assert free_out.outputs[0].finish_reason == "length" and len(free_out.outputs[0].token_ids) == 5
+    assert_valid(results[:7] + results[8:-1])
+    # the outputs are really sampled (not one forced string per grammar)
+    assert len({o.outputs[0].text for k, o in results if k == "json"}) > 1
+
+
+def test_preempted_grammar_request_completes_validly_and_identically():
+    reqs = grammar_requests(seeds=range(3))
+    ref = run(tiny_llm(VOCAB), reqs)
+    llm = tiny_llm(VOCAB, max_model_len=64, num_gpu_blocks=6, max_num_seqs=8)
+    got = run(llm, reqs)
+    assert llm.llm_engine.stats()["num_preemptions"] >= 1
+    preempted = [o for _, o in got if o.metrics.num_preemptions]
+    assert preempted, "no grammar request was preempted"
+    assert_valid(got)
+    assert [o.outputs[0].token_ids for _, o in got] == [o.outputs[0].token_ids for _, o in ref]
+
+
+def test_compile_timeout_fails_only_its_request(monkeypatch):
+    monkeypatch.setattr(GrammarCompilerCache, "DEFAULT_TIMEOUT_S", 0.02)
+    big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-f]{1,%d}" % (i + 3)}
+                                            for i in range(80)}}
+    llm = tiny_llm(VOCAB)
+    slow = ("slow", {"prompt_token_ids": [3, 4]}, SamplingParams(max_tokens=5,
+                                                                 structured_outputs=StructuredOutputs(json=big)))
+    free = ("free", {"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    (_, s), (_, f) = run(llm, [slow, free])
+    assert s.outputs[0].finish_reason == "error" and "timed out" in s.error
+    assert f.outputs[0].finish_reason == "length" and f.error is None
+
+
+def test_grammar_request_tokens_do_not_depend_on_neighbours():
+    reqs = grammar_requests(seeds=[7])
+    alone = [run(tiny_llm(VOCAB), [r])[0][1].outputs[0].token_ids for r in reqs]
+    together = [o.outputs[0].token_ids for _, o in run(tiny_llm(VOCAB), grammar_requests(seeds=range(5, 9)))
+               ][2::4]  # seed 7 is the third of each grammar's four
+    assert together == alone
+
+
+# ------------------------------------------------------------------ SmolLM2
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"enum": ["Paris", "Tokyo", "Lima"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+SMOL_REGEX = r"[A-Z][a-z]{1,8} [0-9]{1,3}"
+SMOL_EBNF = 'root ::= "(" sum ")"\nsum ::= num | num "+" num\nnum ::= [0-9] | [1-9] [0-9]'
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_20_seeds_regex_ebnf_bad_schema_and_preemption():
+    from detent.engine import LLM
+    llm = LLM(device="cpu", max_model_len=256, num_gpu_blocks=48, max_num_seqs=32,
+              max_num_batched_tokens=1024, block_size=16)
+    tok = llm.get_tokenizer()
+
+    def chat(text):
+        s = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return {"prompt": s, "prompt_token_ids": tok.encode(s, add_special_tokens=False)}
+
+    p_json = chat("Describe a person as JSON with name, age and city.")
+    reqs = [("json", p_json, SamplingParams(temperature=1.0, seed=s, max_tokens=48,
+                                            structured_outputs=StructuredOutputs(json=PERSON)))
+            for s in range(20)]
+    reqs += [("regex", chat("A name and a number:"), SamplingParams(
+        temperature=1.0, seed=s, max_tokens=16, structured_outputs=StructuredOutputs(regex=SMOL_REGEX)))
+        for s in range(2)]
+    reqs += [("ebnf", chat("Write a small sum in parentheses."), SamplingParams(
+        temperature=1.0, seed=s, max_tokens=16, structured_outputs=StructuredOutputs(grammar=SMOL_EBNF)))
+        for s in range(2)]
+    reqs.insert(5, ("bad", p_json, SamplingParams(seed=0, max_tokens=8,
+                                                  structured_outputs=StructuredOutputs(json=BAD_SCHEMA))))
+    outs = llm.generate([r[1] for r in reqs], [r[2] for r in reqs], use_tqdm=False)
+    bad = outs[5]
+    assert bad.outputs[0].finish_reason == "error" and "grammar compilation failed" in bad.error
+    for (kind, _, _), o in zip(reqs, outs):
+        if kind == "bad":
+            continue
+        text = o.outputs[0].text
+        assert o.outputs[0].finish_reason == "stop", (kind, text)
+        if kind == "json":
+            jsonschema.validate(json.loads(text), PERSON)
+        elif kind == "regex":
+            assert re.fullmatch(SMOL_REGEX, text), text
+        else:
+            assert parse_ebnf_output(text), text
+    assert llm.llm_engine.stats()["num_preemptions"] >= 1, "the KV pool did not force a preemption"
+    assert any(o.metrics.num_preemptions for (k, _, _), o in zip(reqs, outs) if k != "bad")
