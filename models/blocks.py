@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from detent.models.config import ModelConfig
-from detent.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+from detent.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                   QKVParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding,
                                   RowParallelLinear, Source, SourcedModule, TPInfo, VocabParallelEmbedding,
                                   _copy, _divide)

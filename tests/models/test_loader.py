@@ -1,6 +1,5 @@
 """Strict loading, sharded checkpoints, dummy weights, TP slicing, and the
 errors a user sees when a checkpoint or name is wrong."""
-import json
 import os
 import re
 
