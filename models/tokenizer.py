@@ -138,11 +138,12 @@ class Tokenizer:
             raise ChatTemplateError(f"the tokenizer at {self.path} has no chat template "
                                     f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
         from jinja2 import TemplateError
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "pad_token": self.pad_token or "", **kwargs,
+                   "messages": list(messages), "add_generation_prompt": add_generation_prompt,
+                   "tools": tools}
         try:
-            return _compile_template(template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                pad_token=self.pad_token or "", **kwargs)
+            return _compile_template(template).render(**context)
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
 

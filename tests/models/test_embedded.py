@@ -73,6 +73,16 @@ def test_conversion_is_cached(embedded_dir):
     r = resolve_model(None)
     assert r.path == embedded_dir and r.tokenizer_source == embedded_dir and r.source == "embedded"
     assert r.config.tie_word_embeddings and r.config.num_kv_heads == 3 and r.config.eos_token_ids == (2,)
+    assert resolve_model(dg.embedded_gguf_path()).path == embedded_dir  # a .gguf path: same cache
+    from detent.models.resolve import find_in_hf_cache
+    if find_in_hf_cache("HuggingFaceTB/SmolLM2-135M-Instruct") is None:  # the preset falls back to it
+        assert resolve_model("smollm2-135m-instruct").path == embedded_dir
+
+
+def test_cache_location_honours_detent_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("DETENT_CACHE", str(tmp_path))
+    assert dg.cache_root() == str(tmp_path / "models")
+    assert dg.converted_dir(dg.embedded_gguf_path()).startswith(str(tmp_path / "models" / "SmolLM2-135M"))
 
 
 def test_missing_package_error_names_the_pip_command(monkeypatch):
