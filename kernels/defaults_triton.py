@@ -126,7 +126,7 @@ class TritonDefaults:
             from detent.kernels.moe_triton import MOE_CONFIGS, nearest_row_key
             if mode == "stock":
                 return lambda **rt: {"impl": "triton_fused", "row_key": nearest_row_key(rt["num_tokens"])}
-            key = len(MOE_CONFIGS) - 1 if mode == "conservative" else 1
+            key = max(MOE_CONFIGS) if mode == "conservative" else sorted(MOE_CONFIGS)[1]
             return lambda **rt: {"impl": "triton_fused", "row_key": key}
         if family in ("norm", "rope", "act", "logsoftmax"):
             return lambda **rt: {"impl": "triton_rowwise"}

@@ -25,31 +25,36 @@ from detent.kernels.common_triton import check_device, check_dtype, empty, lazy_
 from detent.kernels.rowwise_triton import silu_and_mul_triton
 from detent.selection.registry import register
 
-# (max token count the row is tuned for, config); row_key indexes this table
-MOE_CONFIGS: tuple[tuple[int, dict], ...] = (
-    (16, dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    (128, dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    (1024, dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
-    (1 << 30, dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
-)
+# token count the row is tuned for -> config (SGLang's fused_moe table shape);
+# row_key is one of these keys, unless the selection passes the tile itself
+MOE_CONFIGS: dict[int, dict] = {
+    16: dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4),
+    128: dict(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4),
+    1024: dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3),
+    4096: dict(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3),
+}
 
 
 def nearest_row_key(num_tokens: int) -> int:
-    """Stock selection: the first table row tuned for at least this many tokens."""
-    for i, (upto, _) in enumerate(MOE_CONFIGS):
-        if num_tokens <= upto:
-            return i
-    return len(MOE_CONFIGS) - 1
+    """Stock selection: the table row whose token count is nearest (ties: the smaller)."""
+    return min(MOE_CONFIGS, key=lambda key: (abs(key - num_tokens), key))
 
 
-@lazy_jit(do_not_specialize=["R"])
-def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, blk_expert_ptr, R, N, K, TOPK_DIV,
+@lazy_jit(do_not_specialize=["R", "NUM_BLK"])
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, blk_expert_ptr, R, N, K, TOPK_DIV, NUM_BLK,
                          sa, swe, swn, sc,
                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """c[r] = a[r // TOPK_DIV] @ w[e].T for the rows r of one expert block."""
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """c[r] = a[r // TOPK_DIV] @ w[e].T for the rows r of one expert block.
+    Programs walk (row block, N tile) in GROUP_M-row-block groups (L2 reuse of
+    w tiles); the order does not enter any row's arithmetic."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first = group * GROUP_M
+    size = tl.minimum(NUM_BLK - first, GROUP_M)
+    blk = first + (pid % size)
+    pid_n = (pid % (GROUP_M * num_n)) // size
     e = tl.load(blk_expert_ptr + blk)
     if e >= 0:
         rows = tl.load(rows_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -88,7 +93,10 @@ def align(topi: torch.Tensor, num_experts: int, block_m: int):
     r = topi.numel()
     flat = topi.reshape(-1)
     order = torch.sort(flat, stable=True).indices  # rows grouped by expert, ascending row order
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E] per-expert row counts (scatter_add, not bincount: bincount sizes its
+    # output from the data, a host sync that CUDA-graph capture refuses)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_start = torch.cumsum(padded, 0) - padded  # exclusive
     start = torch.cumsum(counts, 0) - counts
@@ -108,16 +116,44 @@ def _grouped_gemm(a, w, rows, blk_expert, r, topk_div, cfg):
     e, n, k = w.shape
     c = empty((r, n), a.dtype, a.device)
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    grid = (blk_expert.numel(), triton.cdiv(n, bn))
-    _grouped_gemm_kernel[grid](a, w, c, rows, blk_expert, r, n, k, topk_div,
+    nblk = blk_expert.numel()
+    grid = (nblk * triton.cdiv(n, bn),)
+    _grouped_gemm_kernel[grid](a, w, c, rows, blk_expert, r, n, k, topk_div, nblk,
                                a.stride(0), w.stride(0), w.stride(1), c.stride(0),
                                IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                               GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"],
+                               num_stages=cfg["num_stages"])
     return c
 
 
-@register("moe", "triton_fused", params=("row_key",), devices=("cuda",))
-def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, row_key: int = 0):
+TILE_PARAMS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+
+
+def _config(name: str, row_key: int, tile: dict) -> dict:
+    given = {k: v for k, v in tile.items() if v is not None}
+    if not given:
+        if row_key not in MOE_CONFIGS:
+            raise ValueError(f"{name}: row_key={row_key} is not a row of the config table "
+                             f"(token counts {sorted(MOE_CONFIGS)}); or pass the tile itself")
+        return MOE_CONFIGS[row_key]
+    missing = [k for k in ("block_m", "block_n", "block_k") if k not in given]
+    if missing:
+        raise ValueError(f"{name}: a tile config needs block_m, block_n and block_k; missing {missing}")
+    for k in ("block_m", "block_n", "block_k"):
+        v = given[k]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name}: {k}={v} must be a power of two >= 16")
+    return {"group_m": 1, "num_warps": 4, "num_stages": 3, **given}
+
+
+@register("moe", "triton_fused", params=("row_key",) + TILE_PARAMS, devices=("cuda",))
+def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, row_key: int = 16,
+                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                     group_m: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None):
+    """row_key: the config-table row (a token count) the selection chose; the
+    tile parameters, when given, override that row's config (a SelIR program
+    with its own table passes both)."""
     name = "moe/triton_fused"
     check_device(name, x, router_logits, w13, w2)
     check_dtype(name, "x", x)
@@ -131,8 +167,8 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
                          f"{tuple(router_logits.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise TypeError(f"{name}: w13/w2 dtype ({w13.dtype}, {w2.dtype}) must equal x dtype {x.dtype}")
-    if not 0 <= row_key < len(MOE_CONFIGS):
-        raise ValueError(f"{name}: row_key={row_key} outside the config table (0..{len(MOE_CONFIGS) - 1})")
+    cfg = _config(name, row_key, dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
+                                      num_warps=num_warps, num_stages=num_stages))
     if not 1 <= top_k <= ne:
         raise ValueError(f"{name}: top_k={top_k} must be in 1..{ne}")
     for f, t in (("x", x), ("w13", w13), ("w2", w2)):
@@ -140,7 +176,6 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
             raise ValueError(f"{name}: {f} must have a contiguous last dimension")
     if m == 0:
         return x.new_empty(0, hdim)
-    cfg = MOE_CONFIGS[row_key][1]
     topw, topi = route(router_logits, top_k, renormalize, x.dtype)
     rows, blk_expert = align(topi, ne, cfg["block_m"])
     r = m * top_k

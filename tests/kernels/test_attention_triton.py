@@ -39,6 +39,16 @@ def test_matches_reference_mixed_batch(combine):
     assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
 
 
+def test_split_not_a_multiple_of_block_n():
+    # FA3-style split sizes round to a page, not to BLOCK_N: the split ends inside a tile
+    case = PagedCase([45, 7], h=4, kvh=2, d=16, block_size=8, seed=5)
+    chunks = [(0, 45), (6, 7)]
+    y, (q, k, v, meta) = _run(case, chunks, split_tokens=24, block_m=16, block_n=16, combine="sequential")
+    ref_cache = case.fresh_cache()
+    case.prefill_prefix(ref_cache, [s for s, _ in chunks])
+    assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
+
+
 @pytest.mark.parametrize("rowsum", ["mma", "sum"])
 def test_parallel_and_sequential_combine_agree_bitwise(rowsum):
     case = PagedCase([36, 9], h=2, kvh=1, d=16, block_size=8, seed=2)
@@ -78,8 +88,10 @@ def test_errors():
     case = PagedCase([8], h=4, kvh=2, d=16, block_size=8)
     cache = case.fresh_cache()
     q, k, v, meta = case.step(cache, [(0, 8)])
-    with pytest.raises(ValueError, match="split_tokens=40"):
-        attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=40, block_n=16)
+    with pytest.raises(ValueError, match="split_tokens=0"):
+        attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=0, block_n=16)
+    with pytest.raises(ValueError, match="block_m=24"):
+        attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=16, block_m=24, block_n=16)
     with pytest.raises(ValueError, match="kv_cache"):
         attention_triton_paged(q, k, v, cache[:, :, :, :1], meta, SCALE)
     with pytest.raises(ValueError, match="combine"):

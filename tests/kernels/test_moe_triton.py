@@ -23,7 +23,7 @@ def test_align_groups_rows_by_expert():
     assert all(b == -1 for b in blk_expert.tolist()[4:])
 
 
-@pytest.mark.parametrize("row_key", [0, 2])
+@pytest.mark.parametrize("row_key", [16, 1024])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_matches_reference(row_key, renormalize):
     x, logits, w13, w2 = _case(9, seed=row_key)
@@ -34,13 +34,24 @@ def test_matches_reference(row_key, renormalize):
 
 
 def test_stock_row_key_follows_token_count():
-    keys = [nearest_row_key(n) for n in (1, 16, 17, 500, 100000)]
-    assert keys == [0, 0, 1, 2, len(MOE_CONFIGS) - 1]
+    keys = [nearest_row_key(n) for n in (1, 16, 17, 500, 700, 100000)]
+    assert keys == [16, 16, 16, 128, 1024, max(MOE_CONFIGS)]
+
+
+def test_explicit_tile_overrides_the_row():
+    # a SelIR program with its own table passes row_key and the tile (odd group_m: launch order only)
+    x, logits, w13, w2 = _case(21, seed=4)
+    y = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=48, block_m=32, block_n=16, block_k=16,
+                         group_m=3, num_warps=4, num_stages=2)
+    ref = moe_reference(x, logits, w13, w2, 2, True)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def test_errors():
     x, logits, w13, w2 = _case(3)
-    with pytest.raises(ValueError, match="row_key=9"):
+    with pytest.raises(ValueError, match="row_key=9 is not a row"):
         moe_triton_fused(x, logits, w13, w2, 2, True, row_key=9)
+    with pytest.raises(ValueError, match="missing"):
+        moe_triton_fused(x, logits, w13, w2, 2, True, block_m=16)
     with pytest.raises(ValueError, match="router_logits"):
         moe_triton_fused(x, logits[:, :5], w13, w2, 2, True)
