@@ -20,8 +20,11 @@ the GPU). Both perform the same operations on the same values, so the
 choice is a launch detail (tests/gpu checks the bits agree).
 
 Why a row's bits do not depend on the batch: a row's dot products reduce
-inside one MMA per tile (its row sum too: p @ ones, so no reduction whose
-order follows the register layout), its row max is exact, and the
+inside one MMA per tile, its row max is exact, its row sum is either a
+tl.sum along its own tile row (rowsum="sum": the order follows the register
+layout, so the tile shape must be fixed) or p @ ones through the MMA
+(rowsum="mma": bits independent of BLOCK_M and num_warps, measured on the
+H200 for 16-128 rows and 4/8 warps), and the
 KV positions it visits are fixed by S and BLOCK_N. Rows sharing its tile may
 make the program visit later KV tiles that are fully masked for this row:
 those add exact zeros (p = 0, alpha = 1). Splits with no visible key merge
