@@ -197,3 +197,29 @@ def test_bad_load_format_and_dtype():
         load_model(cfg, load_format="dummy", dtype="int8")
     with pytest.raises(ValueError, match="needs path="):
         load_model(cfg, load_format="safetensors")
+
+
+def test_auto_dtype_is_fp32_on_cpu_and_checkpoint_dtype_on_gpu():
+    from detent.models.loader import resolve_dtype
+    cfg = ModelConfig.from_hf({**TINY, "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"})
+    assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", cfg, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bf16", cfg, torch.device("cpu")) == torch.bfloat16
+
+
+def test_bf16_checkpoint_loads_into_fp32(ckpt, tmp_path):
+    m = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    m.save_pretrained(tmp_path)
+    ours = _load(tmp_path)
+    w = ours.model.layers[0].mlp.gate_up_proj.weight
+    assert w.dtype == torch.float32
+    assert torch.equal(w[:48], m.model.layers[0].mlp.gate_proj.weight.float())
+
+
+def test_index_naming_a_missing_shard(ckpt, tmp_path):
+    m = tf.AutoModelForCausalLM.from_pretrained(ckpt)
+    m.save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))[1]
+    os.remove(tmp_path / shard)
+    with pytest.raises(CheckpointError, match=f"shard files that are missing: .*{shard}"):
+        _load(tmp_path)
