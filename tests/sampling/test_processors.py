@@ -1,0 +1,94 @@
+"""Sampler details: request masks, logprob modes vs float64, ranks, top-k ties, fallbacks, golden rows."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from detent.sampling.params import SamplingParams, StructuredOutputs
+from detent.sampling.sampler import SamplingRow, sample
+
+from .reference import reference_probs
+from .test_distribution import fixed_logits
+from .tiny_vocab import EOS, VOCAB, V, tiny_cache
+from .test_grammar import wait
+
+
+def rows(params, n=1, **kw):
+    return [SamplingRow(params, seed=s, position=3, **kw) for s in range(n)]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(300, 8)
+    logits[:, 1] = 30.0  # EOS dominates
+    logits[:, 5] = 29.0  # a stop token id next
+    p = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=[5])
+    early = sample(logits, rows(p, 300, eos_token_ids=(1,), output_token_ids=[3])).token_ids
+    assert 1 not in early and 5 not in early
+    late = sample(logits, rows(p, 300, eos_token_ids=(1,), output_token_ids=[3, 3])).token_ids
+    assert 1 in late
+
+
+def test_allowed_token_ids_and_logit_bias():
+    logits = fixed_logits()
+    out = sample(logits[None].expand(500, -1).contiguous(),
+                 rows(SamplingParams(allowed_token_ids=[3, 4, 40]), 500)).token_ids
+    assert set(out) <= {3, 4, 40} and len(set(out)) >= 2
+    worst = int(torch.argmin(logits))
+    greedy = sample(logits[None], rows(SamplingParams(temperature=0, logit_bias={worst: 100}))).token_ids
+    assert greedy == [worst]
+
+
+def test_processed_logprobs_equal_the_float64_reference():
+    logits = fixed_logits()
+    kw = dict(temperature=0.7, top_k=6, top_p=0.8, repetition_penalty=1.2)
+    out = sample(logits[None], rows(SamplingParams(logprobs=V, logprobs_mode="processed", seed=1, **kw),
+                                    prompt_token_ids=[1, 2, 3]))
+    got = np.full(V, -np.inf)
+    got[out.topk_ids[0]] = out.topk_logprobs[0]
+    ref = reference_probs(logits.numpy(), prompt_ids=[1, 2, 3], **kw)
+    assert np.array_equal(np.isfinite(got), ref > 0)  # the same kept set
+    assert np.allclose(np.exp(got[ref > 0]), ref[ref > 0], rtol=1e-5, atol=1e-6)
+    assert out.topk_ids[0][0] == int(np.argmax(ref))
+
+
+def test_raw_logprobs_ranks_and_topk_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, -2.0]])
+    out = sample(logits, rows(SamplingParams(temperature=0, logprobs=4)))
+    assert out.token_ids == [1]
+    assert torch.equal(torch.tensor(out.topk_logprobs[0]), torch.log_softmax(logits, -1)[0, [1, 2, 4, 0]])
+    assert out.topk_ids[0] == [1, 2, 4, 0] and out.ranks == [1]  # ties to the lower id
+    g = sample(logits, rows(SamplingParams(temperature=0, logprobs=1), golden_token=3))
+    assert g.token_ids == [3] and g.ranks == [5]  # 4 tokens have a strictly larger logprob
+    raw = sample(logits, rows(SamplingParams(temperature=0, logprobs=2, logprobs_mode="raw_logits")))
+    assert raw.logprobs == [3.0] and raw.topk_logprobs[0] == [3.0, 3.0]
+
+
+def test_golden_row_reports_the_same_as_a_greedy_row_emitting_that_token():
+    logits = fixed_logits()[None]
+    greedy = sample(logits, rows(SamplingParams(temperature=0, logprobs=5)))
+    golden = sample(logits, rows(SamplingParams(temperature=1.3, top_k=3, seed=4, logprobs=5),
+                                 golden_token=greedy.token_ids[0]))
+    assert (golden.token_ids, golden.logprobs, golden.ranks, golden.topk_ids, golden.topk_logprobs) == \
+           (greedy.token_ids, greedy.logprobs, greedy.ranks, greedy.topk_ids, greedy.topk_logprobs)
+
+
+def test_grammar_mask_wins_when_truncation_keeps_no_allowed_token():
+    """top_k=1 keeps only the argmax; the grammar allows other tokens: the allowed set is sampled."""
+    st = wait(tiny_cache().new_state(StructuredOutputs(regex="[a-f][0-9]+")))
+    logits = torch.zeros(400, V)
+    logits[:, EOS] = 20.0
+    out = sample(logits, rows(SamplingParams(temperature=1.0, top_k=1), 400, grammar=st)).token_ids
+    allowed = {VOCAB.index(c) for c in "abcdef"} | {VOCAB.index("a1"), VOCAB.index("b2")}
+    assert set(out) <= allowed and len(set(out)) > 3
+
+
+def test_seed_position_and_sample_index_key_the_draw():
+    logits = torch.zeros(1, 1000)  # uniform: the token is the noise's argmax
+    base = SamplingParams(temperature=1.0)
+
+    def tok(seed=0, position=0, sample_index=0):
+        return sample(logits, [SamplingRow(base, seed=seed, position=position, sample_index=sample_index)]).token_ids[0]
+
+    t = tok()
+    assert t == tok()
+    assert len({t, tok(seed=1), tok(position=1), tok(sample_index=1)}) == 4
