@@ -1,18 +1,53 @@
 """Kernel selection: SelIR programs, their solver, compiled selectors, the
-commitment tuple, and the `ops` façade through which every kernel is called."""
+commitment tuple, and the `ops` façade through which every kernel is called.
+
+    from detent.selection import parse_program, solve
+    sol = solve(parse_program(src), facts)      # sol.pins, sol.candidates, sol.legal, sol.graph
+    sel = sol.compile(assignment, mode="pinned")
+    sel(num_tokens=..., ...)                    # -> {"impl": ..., **params}
+"""
 from __future__ import annotations
 
 from typing import Any
 
 from detent.selection.dispatch import Dispatcher, get_dispatcher, set_dispatcher, use_dispatcher
-
-MODES = ("pinned", "stock", "conservative")
+from detent.selection.lang import SelectionError, SelIRError, SelIRSyntaxError, parse_program
+from detent.selection.solver import MODES, IllegalAssignment, Solution, solve
+from detent.selection.facts import default_facts_for, deployment_hash
+from detent.selection.commitment import CommitmentTuple, TupleError, default_tuple, tuple_hash
 
 
 def make_dispatcher(facts: dict[str, Any], mode: str = "pinned", tuple_path: str | None = None) -> Dispatcher:
-    """The dispatcher the engine installs at startup for a deployment."""
-    from detent.selection.interim import InterimProvider
-    return Dispatcher(InterimProvider(facts, mode))
+    """The dispatcher the engine installs at startup for a deployment.
+
+    mode "pinned" runs the commitment tuple at `tuple_path` (refused with a
+    TupleError if its facts differ or an assignment is illegal) or, without
+    one, the default tuple; "stock" runs the programs as written; and
+    "conservative" one fixed candidate per family."""
+    from detent.selection.facts import complete
+    from detent.selection.provider import SelIRProvider
+    if mode not in MODES:
+        raise ValueError(f"selection mode must be one of {', '.join(MODES)}; got {mode!r}")
+    facts = complete(facts)
+    t = None
+    if tuple_path is not None:
+        if mode != "pinned":
+            raise ValueError(f"a commitment tuple ({tuple_path}) only applies in selection mode 'pinned', "
+                             f"not {mode!r}")
+        t = CommitmentTuple.load(tuple_path)
+        t.validate(facts)
+    d = Dispatcher(SelIRProvider(facts, mode, t))
+    d.facts, d.tuple = facts, t
+    return d
 
 
-__all__ = ["Dispatcher", "MODES", "get_dispatcher", "make_dispatcher", "set_dispatcher", "use_dispatcher"]
+def active_tuple_hash(d: Dispatcher) -> str:
+    """The hash of the tuple a pinned dispatcher runs (the default tuple's when none was given)."""
+    t = getattr(d, "tuple", None) or default_tuple(d.facts)
+    return tuple_hash(t)
+
+
+__all__ = ["CommitmentTuple", "Dispatcher", "IllegalAssignment", "MODES", "SelIRError", "SelIRSyntaxError",
+           "SelectionError", "Solution", "TupleError", "active_tuple_hash", "default_facts_for", "default_tuple",
+           "deployment_hash", "get_dispatcher", "make_dispatcher", "parse_program", "set_dispatcher", "solve",
+           "tuple_hash", "use_dispatcher"]

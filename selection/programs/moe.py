@@ -1,0 +1,45 @@
+"""Fused MoE: SGLang/vLLM look up a tuned config table keyed by token count
+and take the row nearest the batch's M (`min(keys, key=|key - M|)`). Every
+config value follows that row key, so the cut falls on it (paper §5): one
+pin fixes all of the row's selection points.
+"""
+from detent.selection.lang import Fact, Runtime, assume  # noqa: F401
+
+# token count -> (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)
+CONFIGS = {
+    1: (16, 32, 64, 1, 4, 4), 2: (16, 32, 64, 1, 4, 4), 4: (16, 64, 64, 1, 4, 4),
+    8: (16, 64, 128, 1, 4, 4), 16: (16, 64, 128, 1, 4, 3), 24: (16, 64, 128, 1, 4, 3),
+    32: (16, 64, 128, 1, 4, 3), 48: (32, 64, 128, 1, 4, 3), 64: (32, 64, 128, 8, 4, 3),
+    96: (32, 128, 128, 8, 4, 3), 128: (64, 64, 128, 8, 4, 3), 256: (64, 128, 128, 8, 8, 3),
+    512: (64, 128, 128, 16, 8, 3), 1024: (128, 128, 64, 16, 8, 3), 1536: (128, 128, 64, 16, 8, 3),
+    2048: (128, 128, 64, 32, 8, 3), 3072: (128, 256, 64, 32, 8, 3), 4096: (128, 256, 64, 32, 8, 3),
+}
+KEYS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+
+
+def nearest_row(m):
+    best = KEYS[0]
+    for key in KEYS:
+        if abs(key - m) < abs(best - m):
+            best = key
+    return best
+
+
+def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num_experts: Fact[int],
+           top_k: Fact[int], max_num_batched_tokens: Fact[int], num_tokens: Runtime[int]):
+    assume(0 <= num_tokens <= max_num_batched_tokens, "more rows than max_num_batched_tokens")
+    row_key = nearest_row(num_tokens)
+    cfg = CONFIGS[row_key]
+    if device == "cuda" and triton:
+        return {"impl": "triton_fused", "row_key": row_key, "block_m": cfg[0], "block_n": cfg[1],
+                "block_k": cfg[2], "group_m": cfg[3], "num_warps": cfg[4], "num_stages": cfg[5]}
+    if stock_kernels:
+        return {"impl": "torch_loop", "row_key": row_key}
+    return {"impl": "torch_chunked", "chunk": cfg[0], "row_key": row_key}
+
+
+def conservative(device: Fact[str], triton: Fact[bool]):
+    if device == "cuda" and triton:
+        return {"impl": "triton_fused", "row_key": 1, "block_m": 16, "block_n": 32, "block_k": 64,
+                "group_m": 1, "num_warps": 4, "num_stages": 4}
+    return {"impl": "torch_chunked", "chunk": 1, "row_key": 1}

@@ -1,0 +1,31 @@
+"""The SelIR selector provider the dispatcher asks for one selector per
+(family, call site): the family's program specialised to the deployment
+facts plus the site facts, compiled in the deployment's selection mode."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from detent.selection import programs
+from detent.selection.commitment import CommitmentTuple, resolve
+from detent.selection.solver import MODES, solve
+
+
+class SelIRProvider:
+    def __init__(self, facts: dict[str, Any], mode: str = "pinned", tuple_: CommitmentTuple | None = None):
+        if mode not in MODES:
+            raise ValueError(f"selection mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.facts, self.mode, self.tuple = dict(facts), mode, tuple_
+        self.assignments: dict[tuple[str, str], dict] = {}  # what each site runs with (pinned mode)
+
+    def selector(self, family: str, site: dict[str, Any]) -> Callable[..., dict]:
+        try:
+            prog = programs.load(family)
+        except KeyError as e:
+            raise KeyError(str(e.args[0])) from None
+        if self.mode == "pinned":
+            sol, assignment = resolve(family, self.facts, site, self.tuple)
+            from detent.selection.facts import site_key
+            self.assignments[(family, site_key(site))] = assignment
+            return sol.compile(assignment, mode="pinned", check_legal=False)
+        sol = solve(prog, {**self.facts, **site})
+        return sol.compile(mode=self.mode)
