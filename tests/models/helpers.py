@@ -69,3 +69,34 @@ def greedy(model, prompt: list[int], n: int, stop: tuple[int, ...] = ()) -> list
             break
         logits = s.step([tok])
     return out
+
+
+@torch.no_grad()
+def batch_prefill_logits(model, seqs: list[list[int]], mode: str = "pinned") -> list[torch.Tensor]:
+    """Prefill several sequences in ONE forward step (back to back in the
+    token dimension, each in its own KV blocks); each sequence's logits."""
+    cfg, p = model.config, next(model.parameters())
+    per = [-(-len(s) // BLOCK) for s in seqs]
+    nb = sum(per)
+    kv = [torch.zeros(model.kv_cache_shape(nb, BLOCK), dtype=p.dtype) for _ in range(cfg.num_layers)]
+    width = max(per)
+    tables, slots, first = [], [], 0
+    for s, n in zip(seqs, per):
+        blocks = list(range(first, first + n))
+        tables.append(blocks + [0] * (width - n))
+        slots += [blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(len(s))]
+        first += n
+    qsl = [0]
+    for s in seqs:
+        qsl.append(qsl[-1] + len(s))
+    lens = tuple(len(s) for s in seqs)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32), slot_mapping=torch.tensor(slots),
+        num_seqs=len(seqs), num_tokens=qsl[-1], max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+        block_size=BLOCK, query_start_loc_cpu=tuple(qsl), seq_lens_cpu=lens)
+    ids = torch.tensor([t for s in seqs for t in s])
+    pos = torch.tensor([i for s in seqs for i in range(len(s))])
+    with use_dispatcher(cpu_dispatcher(mode)), forward_context(ForwardContext(attn=meta, kv_caches=kv)):
+        logits = model.compute_logits(model(ids, pos))
+    return [logits[a:b] for a, b in zip(qsl[:-1], qsl[1:])]
