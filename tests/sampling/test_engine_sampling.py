@@ -165,6 +165,8 @@ def test_n_samples_keyed_by_sample_index():
     alone = llm.generate([{"prompt_token_ids": TARGET_PROMPT}], p, use_tqdm=False)[0]
     samples = [result_of(alone, i) for i in range(3)]
     assert len({tuple(s.token_ids) for s in samples}) == 3, "samples of one request must differ"
+    # samples 2 and 3 reuse the prompt's two full blocks computed for sample 1
+    assert llm.llm_engine.stats()["prefix_cache_hits"] == 2 * 32
     llm2 = tiny_llm(VOCAB)
     outs = llm2.generate([r[0] for r in neighbours(4)] + [{"prompt_token_ids": TARGET_PROMPT}],
                          [r[1] for r in neighbours(4)] + [p], use_tqdm=False)

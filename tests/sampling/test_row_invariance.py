@@ -60,10 +60,10 @@ def _result(out, i):
     return (out.token_ids[i], out.logprobs[i], out.ranks[i], out.topk_ids[i], out.topk_logprobs[i])
 
 
-def _check(sampler, vocab: int, grammar: bool, trial_seed: int) -> bool:
+def _check(sampler, vocab: int, grammar: bool, trial_seed: int, device: str = "cpu") -> bool:
     g = torch.Generator().manual_seed(trial_seed)
-    batch_logits = torch.randn(64, vocab, generator=g) * 2
-    target_logits = torch.randn(vocab, generator=g) * 2
+    batch_logits = (torch.randn(64, vocab, generator=g) * 2).to(device)
+    target_logits = (torch.randn(vocab, generator=g) * 2).to(device)
     ok = True
     for params in TARGETS:
         row = SamplingRow(params, seed=params.seed or 0, position=123, prompt_token_ids=[1, 2, 3],
@@ -81,6 +81,12 @@ def _check(sampler, vocab: int, grammar: bool, trial_seed: int) -> bool:
 @pytest.mark.parametrize("vocab,grammar", [(64, True), (5003, False)])
 def test_sampler_row_is_batch_invariant(vocab, grammar):
     assert _check(sample, vocab, grammar, trial_seed=vocab)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab,grammar", [(64, True), (128256, False)])
+def test_sampler_row_is_batch_invariant_on_cuda(vocab, grammar):
+    assert _check(sample, vocab, grammar, trial_seed=vocab, device="cuda")
 
 
 def shared_stream_sampler(logits, rows):
