@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from detent.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from detent.scheduler.request import Request
@@ -12,6 +13,8 @@ from detent.scheduler.request import Request
 @dataclass
 class _Sample:
     req: Request
+    detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
+    num_decoded: int = 0  # output tokens fed to detok
     text: str = ""
     frozen: bool = False  # text cut at a stop string
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -33,7 +36,13 @@ class OutputProcessor:
         self.parent_of: dict[str, str] = {}  # child request id -> group id
 
     def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
-        self.groups[request_id] = _Group(request_id, prompt, [_Sample(r) for r in children])
+        samples = [_Sample(r) for r in children]
+        if self.tokenizer is not None:
+            from detent.models.tokenizer import IncrementalDetokenizer
+            for s in samples:
+                s.detok = IncrementalDetokenizer(self.tokenizer, s.req.prompt_token_ids,
+                                                 skip_special_tokens=s.req.params.skip_special_tokens)
+        self.groups[request_id] = _Group(request_id, prompt, samples)
         for r in children:
             self.parent_of[r.request_id] = request_id
 
@@ -55,7 +64,11 @@ class OutputProcessor:
             return None
         p = req.params
         prev = len(s.text)
-        s.text = self._decode(req.output_token_ids, p.skip_special_tokens)
+        for tok in req.output_token_ids[s.num_decoded:]:  # incremental: O(new tokens) per step
+            s.text += s.detok.step(tok)
+        s.num_decoded = req.num_output_tokens
+        if req.is_finished:
+            s.text += s.detok.finish()  # flush text held back for an incomplete character
         if not p.stop or req.num_output_tokens < max(p.min_tokens, 1):
             return None
         best = None

@@ -64,7 +64,7 @@ def cell_preempt(b, sel, t):
     # one max_model_len request (64 tokens = 4 blocks) fits; four growing requests do not
     llm = make_llm(b, sel, max_model_len=64, num_gpu_blocks=7)
     r = generate_target(llm, t, _others("short", 3, b.config.vocab_size, seed=5) , row=3,
-                        other_max_tokens=[40, 40, 40])
+                        other_max_tokens=[24, 24, 24])
     assert r.num_preemptions >= 1, "the target was not preempted"
     assert llm.llm_engine.stats()["num_preemptions"] >= 1
     return r
