@@ -229,7 +229,10 @@ class LLMEngine:
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 return results
-            out = self.runner.execute(plan)
+            try:
+                out = self.runner.execute(plan)
+            except (ValueError, NotImplementedError) as e:  # a request-level error: fail the step's requests
+                return results + self._fail_plan(plan, f"{type(e).__name__}: {e}")
             progressed = self.scheduler.update(plan, out)
             self._num_steps += 1
             groups: dict[str, None] = {}
@@ -242,6 +245,17 @@ class LLMEngine:
                         self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
                 groups[self.outputs.parent_of[req.request_id]] = None
             return results + [self._emit(g) for g in groups]
+
+    def _fail_plan(self, plan, message: str) -> list[RequestOutput]:
+        """Finish every request of a step that raised (finish_reason "error"); the engine goes on."""
+        groups: dict[str, None] = {}
+        for seq in plan.seqs:
+            req = self.scheduler.requests.get(seq.request_id)
+            if req is not None:
+                req.error = message
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                groups[self.outputs.parent_of[req.request_id]] = None
+        return [self._emit(g) for g in groups]
 
     def stats(self) -> dict[str, Any]:
         bm, sch = self.block_manager, self.scheduler

@@ -192,3 +192,22 @@ def test_add_and_abort_from_another_thread():
     assert len(finished) == 12
     assert {r for r, o in finished.items() if o.outputs[0].finish_reason == "abort"} == {"r0", "r3", "r6", "r9"}
     assert all(len(finished[f"r{i}"].outputs[0].token_ids) == 5 for i in range(12) if i % 3)
+
+
+def test_a_step_that_raises_fails_its_requests_only(monkeypatch):
+    llm = text_llm()
+    eng = llm.llm_engine
+    real = eng.runner.execute
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise NotImplementedError("unsupported sampling field: demo")
+        return real(plan)
+
+    monkeypatch.setattr(eng.runner, "execute", flaky)
+    outs = llm.generate(["abc"], SamplingParams(max_tokens=3, **G), use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "demo" in outs[0].error
+    outs = llm.generate(["abc"], SamplingParams(max_tokens=3, **G), use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "length" and outs[0].error is None
