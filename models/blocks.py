@@ -14,7 +14,7 @@ from detent.models.config import ModelConfig
 from detent.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                   QKVParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding,
                                   RowParallelLinear, Source, SourcedModule, TPInfo, VocabParallelEmbedding,
-                                  _copy, _divide)
+                                  _divide)
 from detent.selection import ops
 
 
@@ -76,16 +76,15 @@ class FusedExperts(SourcedModule):
 
     def weight_sources(self, leaf: str) -> dict[str, Source]:
         n, s = self.local, self.tp.rank * self.local
-        w13, w2 = self.w13, self.w2
+        w13, w2 = self.w13.data, self.w2.data
+        rows, cols = (slice(s, s + n),), (slice(None), slice(s, s + n))
+        full_13, full_2 = (self.intermediate, self.hidden), (self.hidden, self.intermediate)
         out = {}
         for e in range(self.num_experts):
             p = f"{leaf}.{e}"
-            out[f"{p}.gate_proj.weight"] = Source(
-                (self.intermediate, self.hidden), lambda t, e=e: _copy(w13.data[e, :n], t[s:s + n]))
-            out[f"{p}.up_proj.weight"] = Source(
-                (self.intermediate, self.hidden), lambda t, e=e: _copy(w13.data[e, n:], t[s:s + n]))
-            out[f"{p}.down_proj.weight"] = Source(
-                (self.hidden, self.intermediate), lambda t, e=e: _copy(w2.data[e], t[:, s:s + n]))
+            out[f"{p}.gate_proj.weight"] = Source(full_13, w13[e, :n], rows)
+            out[f"{p}.up_proj.weight"] = Source(full_13, w13[e, n:], rows)
+            out[f"{p}.down_proj.weight"] = Source(full_2, w2[e], cols)
         return out
 
 

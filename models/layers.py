@@ -2,8 +2,9 @@
 
 Every layer that owns parameters also says which checkpoint tensors fill
 them (`weight_sources`): the checkpoint name (relative to the layer's
-parent module), the tensor's full, unsharded shape, and a loader that copies
-this rank's slice into the parameter. The TP worker only supplies rank,
+parent module), the tensor's full, unsharded shape, the index of this rank's
+part of it, and the parameter view it goes to. The loader reads only that
+part from disk. The TP worker only supplies rank,
 world size and process group (`TPInfo`); the slicing lives here.
 
 All arithmetic goes through `detent.selection.ops`, never kernels/.
@@ -12,14 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from detent.selection import ops
-
-Loader = Callable[[torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -33,12 +32,23 @@ class TPInfo:
             raise ValueError(f"tp_rank must be in 0..tp_size-1, got rank {self.rank}, size {self.size}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Source:
-    """One checkpoint tensor feeding (part of) one parameter."""
+    """One checkpoint tensor feeding (part of) one parameter:
+    `dest <- checkpoint[index]`."""
     shape: tuple[int, ...]  # full (unsharded) shape in the checkpoint
-    load: Loader
+    dest: torch.Tensor  # the parameter (or the view of it) this rank fills
+    index: tuple[slice, ...] = ()  # this rank's part of the checkpoint tensor
     init: str = "normal"  # dummy init: "normal" (N(0, 0.02)), "ones", "zeros"
+
+    def load_part(self, part: torch.Tensor) -> None:
+        """Copy the already-indexed part (what `checkpoint[index]` gives)."""
+        if tuple(part.shape) != tuple(self.dest.shape):
+            raise ValueError(f"shard shape {list(part.shape)} != parameter shape {list(self.dest.shape)}")
+        _copy(self.dest, part)
+
+    def load(self, full: torch.Tensor) -> None:
+        self.load_part(full[self.index] if self.index else full)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -83,19 +93,17 @@ class MergedColumnParallelLinear(SourcedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
 
-    def _loader(self, i: int, param: torch.Tensor) -> Loader:
-        start, n = self.shard(i)
-        off = self.offsets[i]
-        return lambda t: _copy(param.data[off:off + n], t[start:start + n])
-
     def weight_sources(self, leaf: str) -> dict[str, Source]:
         names = self.sources or (leaf,)
         out = {}
         for i, name in enumerate(names):
+            start, n = self.shard(i)
+            rows, off = slice(start, start + n), self.offsets[i]
             out[f"{name}.weight"] = Source((self.full_sizes[i], self.in_features),
-                                           self._loader(i, self.weight))
+                                           self.weight.data[off:off + n], (rows,))
             if self.bias is not None:
-                out[f"{name}.bias"] = Source((self.full_sizes[i],), self._loader(i, self.bias), "zeros")
+                out[f"{name}.bias"] = Source((self.full_sizes[i],), self.bias.data[off:off + n], (rows,),
+                                             "zeros")
         return out
 
 
@@ -171,12 +179,10 @@ class RowParallelLinear(SourcedModule):
 
     def weight_sources(self, leaf: str) -> dict[str, Source]:
         s, n = self.tp.rank * self.local_in, self.local_in
-        w = self.weight
-        out = {f"{leaf}.weight": Source((self.out_features, self.in_features),
-                                        lambda t: _copy(w.data, t[:, s:s + n]))}
+        out = {f"{leaf}.weight": Source((self.out_features, self.in_features), self.weight.data,
+                                        (slice(None), slice(s, s + n)))}
         if self.bias is not None:
-            b = self.bias
-            out[f"{leaf}.bias"] = Source((self.out_features,), lambda t: _copy(b.data, t), "zeros")
+            out[f"{leaf}.bias"] = Source((self.out_features,), self.bias.data, (), "zeros")
         return out
 
 
@@ -203,12 +209,10 @@ class VocabParallelEmbedding(SourcedModule):
         x = x * mine[:, None].to(x.dtype)
         return ops.all_reduce(x, self.tp.group)
 
-    def _load(self, t: torch.Tensor) -> None:
-        n = max(0, min(self.per_rank, self.vocab_size - self.start))
-        _copy(self.weight.data[:n], t[self.start:self.start + n])
-
     def weight_sources(self, leaf: str) -> dict[str, Source]:
-        return {f"{leaf}.weight": Source((self.vocab_size, self.hidden), self._load)}
+        n = max(0, min(self.per_rank, self.vocab_size - self.start))  # the last rank's rows are padded
+        return {f"{leaf}.weight": Source((self.vocab_size, self.hidden), self.weight.data[:n],
+                                         (slice(self.start, self.start + n),))}
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -248,8 +252,7 @@ class RMSNorm(SourcedModule):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
     def weight_sources(self, leaf: str) -> dict[str, Source]:
-        w = self.weight
-        return {f"{leaf}.weight": Source(tuple(w.shape), lambda t: _copy(w.data, t), "ones")}
+        return {f"{leaf}.weight": Source(tuple(self.weight.shape), self.weight.data, (), "ones")}
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

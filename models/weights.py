@@ -88,12 +88,13 @@ def load_safetensors(model: CausalLM, path: str, *, device: str = "cpu", progres
         raise CheckpointError(_mismatch_message(path, model, missing, sorted(unexpected), bad_shape))
     bar = _progress(len(entries), progress)
     for file, name, _, handle in entries:
-        if name in sources:
-            try:
-                t = handle.get_tensor(name)
+        src = sources.get(name)
+        if src is not None:
+            try:  # read only this rank's part
+                part = handle.get_slice(name)[src.index] if src.index else handle.get_tensor(name)
             except Exception as e:  # noqa: BLE001 - report which file and tensor
                 raise CheckpointError(f"cannot read tensor {name} from {file} (truncated?): {e}") from None
-            sources[name].load(t)
+            src.load_part(part)
         bar.update(1)
     bar.close()
 

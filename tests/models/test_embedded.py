@@ -99,6 +99,7 @@ def _hf_greedy(model, ids):
     return out[: out.index(2) + 1] if 2 in out else out
 
 
+@pytest.mark.slow
 def test_weights_equal_transformers_gguf_loader(embedded_dir):
     """Oracle: transformers' own GGUF loader (its dequantization and Q/K
     unpermutation, not ours) yields bit-identical tensors, so transformers on
@@ -117,6 +118,7 @@ def test_weights_equal_transformers_gguf_loader(embedded_dir):
         assert torch.equal(v, f.get_tensor(k)), k
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers(embedded_model, embedded_tokenizer, embedded_dir):
     """Greedy continuations of three prompts, 32 tokens, token for token,
     against transformers (float32) loading the converted safetensors (equal,

@@ -223,3 +223,20 @@ def test_index_naming_a_missing_shard(ckpt, tmp_path):
     os.remove(tmp_path / shard)
     with pytest.raises(CheckpointError, match=f"shard files that are missing: .*{shard}"):
         _load(tmp_path)
+
+
+def test_tp_ranks_read_their_slices_from_safetensors(ckpt):
+    """Each rank reads only its part of each tensor from disk; the parts put
+    back together are the tp = 1 parameters."""
+    cfg = ModelConfig.from_hf(ckpt)
+    full = _load(ckpt)
+    ranks = [load_model(cfg, path=str(ckpt), dtype=torch.float32, progress=False, tp_rank=r, tp_size=2)
+             for r in range(2)]
+    cat = lambda get, dim=0: torch.cat([get(m) for m in ranks], dim)  # noqa: E731
+    layer = lambda m: m.model.layers[1]  # noqa: E731
+    gu = full.model.layers[1].mlp.gate_up_proj.weight
+    assert torch.equal(cat(lambda m: layer(m).mlp.gate_up_proj.weight[:24]), gu[:48])
+    assert torch.equal(cat(lambda m: layer(m).mlp.gate_up_proj.weight[24:]), gu[48:])
+    assert torch.equal(cat(lambda m: layer(m).mlp.down_proj.weight, 1), layer(full).mlp.down_proj.weight)
+    assert torch.equal(cat(lambda m: m.lm_head.weight), full.lm_head.weight)
+    assert torch.equal(ranks[1].model.norm.weight, full.model.norm.weight)
