@@ -79,9 +79,12 @@ def default_facts_for(model_config_like: Any, device: str = "cpu", dtype: str = 
 
 
 def complete(facts: dict[str, Any]) -> dict[str, Any]:
-    """Facts with the documented defaults filled in for keys a caller left out."""
+    """Facts with the documented defaults filled in for keys a caller left out
+    (and, on CPU, num_sms <= 0 read as the notional CPU_NUM_SMS)."""
     out = dict(DEFAULTS)
     out.update(facts)
+    if out.get("device") == "cpu" and not out.get("num_sms", 0) > 0:
+        out["num_sms"] = CPU_NUM_SMS
     return out
 
 

@@ -61,7 +61,7 @@ OPS: dict[str, tuple[Callable, str | None]] = {
     "min": (_min, None), "max": (_max, None), "abs": (abs, None), "cdiv": (lang.cdiv, None),
     "log2": (lang.log2, None), "next_pow2": (lang.next_pow2, None), "round_up": (lang.round_up, None),
     "int": (int, None), "float": (float, None), "bool": (bool, None), "len": (len, None),
-    "index": (_index, None), "tuple": (_tuple, None),
+    "index": (_index, None), "tuple": (_tuple, None), "copy": (lambda x: x, None),
 }
 COMPARES = ("eq", "ne", "lt", "le", "gt", "ge", "in", "notin", "is", "isnot")
 LEAVES = ("const", "input", "knob", "param")
@@ -137,6 +137,11 @@ class Graph:
 
     def param(self, name: str) -> int:
         return self._add("param", (), name, ("param", name))
+
+    def copy(self, i: int, tag: str) -> int:
+        """A distinct node with i's value (a selection point that is an input itself
+        gets one, so the cut can pin the point without cutting the input)."""
+        return self._add("copy", (i,), None, ("copy", i, tag), self.rng[i])
 
     def is_const(self, i: int) -> bool:
         return self.ops[i] == "const"

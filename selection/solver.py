@@ -327,6 +327,9 @@ def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: b
     t0 = time.perf_counter()
     lw = lower(prog, f, level)
     g = lw.graph
+    for k, n in list(lw.outputs.items()):
+        if g.ops[n] == "input":
+            lw.outputs[k] = g.copy(n, k)
     order = g.reachable(list(lw.outputs.values()))
     tainted, _ = taint(g, order)
     points = [k for k, n in lw.outputs.items() if n in tainted]

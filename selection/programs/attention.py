@@ -71,7 +71,7 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], arc
     assume(1 <= max_seqlen_k <= max_context, "a sequence longer than max_context")
     assume(max_seqlen_q <= max_seqlen_k, "more new queries than KV tokens")
     gqa = num_heads // num_kv_heads
-    one_mma_wg = arch == "sm90" and head_dim == 128 and max_seqlen_q * gqa <= 64
+    one_mma_wg = arch in ("sm90", "sm_90") and head_dim == 128 and max_seqlen_q * gqa <= 64
     block_m, block_n = tile_size(device, head_dim, one_mma_wg)
     num_m_blocks = cdiv(max_seqlen_q * gqa, block_m)          # PackGQA
     num_n_blocks = cdiv(max_seqlen_k, block_n)
