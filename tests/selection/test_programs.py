@@ -1,0 +1,120 @@
+"""The family programs: the selections the engine relies on, per mode, and the
+ablations (constant folding only vs the full pipeline; pinning every
+batch-dependent selection point vs the cut)."""
+import pytest
+
+from detent.selection import programs, solve
+from tests.selection.conftest import ATTN_SITE, CPU, GEMM_SITE, GPU, MOE_SITE, rt
+
+
+def sol(family, facts, site, **kw):
+    return solve(programs.load(family), {**facts, **site}, **kw)
+
+
+def test_gemm_cpu():
+    s = sol("gemm", CPU, GEMM_SITE)
+    assert s.pins == ("chunk",) and s.candidates["chunk"] == (1, 2, 4, 8, 16)
+    assert [a["chunk"] for a in s.legal] == [4, 8, 16]  # MKL: M = 1 and 2-3 run other kernels
+    stock, pinned, cons = (s.compile(mode=m) for m in ("stock", "pinned", "conservative"))
+    for m in (0, 1, 3, 17, 8192):
+        assert stock(num_tokens=m) == {"impl": "torch"}
+        assert pinned(num_tokens=m) == {"impl": "torch_chunked", "chunk": 16}
+        assert cons(num_tokens=m) == {"impl": "torch_chunked", "chunk": 1}
+    assert s.compile({"chunk": 8})(num_tokens=3) == {"impl": "torch_chunked", "chunk": 8}
+
+
+def _fa3_split(num_seqs, max_q, max_k, kvh=3, gqa=3, num_sms=8, bm=16, bn=64):
+    """FA3's num_splits_heuristic, written out independently for the CPU tile sizes."""
+    m_blocks = -(-max_q * gqa // bm)
+    n_blocks = -(-max_k // bn)
+    total = num_seqs * kvh * m_blocks
+    if total >= 0.8 * num_sms or n_blocks <= 4:
+        return 1
+    ms = min(128, num_sms, n_blocks)
+    effs = [(total * s / num_sms) / -(-total * s // num_sms) for s in range(1, ms + 1)]
+    return next(s for s, e in zip(range(1, ms + 1), effs) if e >= 0.85 * max(effs))
+
+
+def test_attention_cpu_modes():
+    s = sol("attention", CPU, ATTN_SITE)
+    assert s.pins == ("split_tokens",)
+    stock, pinned, cons = (s.compile(mode=m) for m in ("stock", "pinned", "conservative"))
+    for b, q, k in [(1, 1, 900), (1, 1, 100), (2, 1, 3000), (1, 64, 64), (4, 1, 4096), (1, 1, 257)]:
+        n = _fa3_split(b, q, k)
+        want = {"impl": "sdpa"} if n == 1 else {
+            "impl": "paged_split", "split_tokens": -(-(-(-k // n)) // 16) * 16, "q_chunk": 16}
+        assert stock(**rt(num_tokens=b * q, num_seqs=b, max_seqlen_q=q, max_seqlen_k=k)) == want
+        assert pinned(**rt(num_tokens=b * q, num_seqs=b, max_seqlen_q=q, max_seqlen_k=k)) == {
+            "impl": "paged_split", "split_tokens": 256, "q_chunk": 16}
+        assert cons(**rt(num_seqs=b, max_seqlen_q=q, max_seqlen_k=k)) == {
+            "impl": "paged_split", "split_tokens": 4096, "q_chunk": 16}
+    assert stock(**rt(max_seqlen_k=900))["impl"] == "paged_split"  # the heuristic does split here
+
+
+def test_moe_cpu_row_key():
+    s = sol("moe", CPU, MOE_SITE)
+    assert s.pins == ("row_key",)
+    stock, pinned = s.compile(mode="stock"), s.compile(mode="pinned")
+    keys = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+    for m in (0, 1, 5, 20, 100, 700, 5000):
+        assert stock(num_tokens=m) == {"impl": "torch_loop", "row_key": min(keys, key=lambda x: abs(x - m))}
+        assert pinned(num_tokens=m) == pinned(num_tokens=1)
+    assert pinned(num_tokens=1)["impl"] == "torch_chunked"
+    assert s.compile(mode="conservative")(num_tokens=7) == {"impl": "torch_chunked", "chunk": 1, "row_key": 1}
+
+
+def test_allreduce_and_rowwise():
+    ar = sol("allreduce", CPU, {"world_size": 2, "dtype": "float32"})
+    assert ar.pins == ()
+    assert ar.compile(mode="stock")(message_bytes=10) == {"impl": "native"}
+    assert ar.compile(mode="pinned")(message_bytes=10) == {"impl": "ordered_gather"}
+    g = sol("allreduce", GPU, {"world_size": 2, "dtype": "bfloat16"})
+    assert g.pins == ("impl",)
+    st = g.compile(mode="stock")
+    assert st(message_bytes=1024) == {"impl": "one_shot"} and st(message_bytes=8 << 20) == {"impl": "two_shot"}
+    pinned = g.compile(mode="pinned")
+    assert pinned(message_bytes=1024) == pinned(message_bytes=8 << 20)
+    for fam in ("norm", "rope", "act", "embedding", "logsoftmax", "sampling"):
+        s = sol(fam, CPU, {"dtype": "float32"})
+        assert s.pins == () and s.graph.batch_dependent_points == ()
+        assert s.compile()(num_tokens=3) == {"impl": "torch_rowwise"}
+    assert sol("norm", GPU, {}).compile()() == {"impl": "triton_rowwise"}
+    assert sol("norm", dict(GPU, triton=False), {}).compile()() == {"impl": "torch_rowwise"}
+    assert sol("logsoftmax", GPU, {}).compile()() == {"impl": "torch_rowwise"}
+
+
+def test_gpu_programs():
+    a = sol("attention", GPU, dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"))
+    assert set(a.pins) == {"block_m", "split_tokens"}
+    assert a.compile(mode="stock")(**rt(num_seqs=1, max_seqlen_q=1, max_seqlen_k=8192))["impl"] == "triton_paged"
+    pinned = a.compile(mode="pinned")
+    assert pinned(**rt(num_seqs=1, max_seqlen_k=100)) == pinned(**rt(num_seqs=64, max_seqlen_q=500, max_seqlen_k=9000))
+    gm = sol("gemm", GPU, dict(GEMM_SITE, dtype="bfloat16"))
+    assert gm.compile(mode="stock")(num_tokens=3) == {"impl": "torch"}
+    p = gm.compile(mode="pinned")
+    assert p(num_tokens=1)["impl"] == "triton_persistent" and p(num_tokens=1) == p(num_tokens=4000)
+    mo = sol("moe", GPU, MOE_SITE)
+    assert mo.pins == ("row_key",) and len(mo.graph.batch_dependent_points) == 7
+
+
+# ablations recorded: (pins with constant folding only, pins with the full pipeline,
+#                      batch-dependent selection points = pins without the cut)
+ABLATIONS = {
+    ("gemm", "cpu"): (1, 1, 1), ("gemm", "gpu"): (1, 1, 5),
+    ("attention", "cpu"): (1, 1, 1), ("attention", "gpu"): (2, 2, 2),
+    ("moe", "cpu"): (1, 1, 2), ("moe", "gpu"): (1, 1, 7),
+    ("allreduce", "cpu"): (0, 0, 0), ("allreduce", "gpu-small"): (1, 0, 0),
+}
+
+
+@pytest.mark.parametrize("family,dev", list(ABLATIONS))
+def test_ablations(family, dev):
+    facts = {"cpu": CPU, "gpu": GPU, "gpu-small": dict(GPU, hidden=576, max_num_batched_tokens=256)}[dev]
+    site = {"gemm": GEMM_SITE, "attention": ATTN_SITE if dev == "cpu" else dict(
+        ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128), "moe": MOE_SITE,
+        "allreduce": {"world_size": 2, "dtype": "bfloat16"}}[family]
+    fold = sol(family, facts, site, level="fold", cache=False)
+    full = sol(family, facts, site, level="full", cache=False)
+    every = sol(family, facts, site, cut=False, cache=False)
+    assert (len(fold.pins), len(full.pins), len(every.pins)) == ABLATIONS[(family, dev)]
+    assert full.graph.nodes <= fold.graph.nodes
