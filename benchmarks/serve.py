@@ -6,6 +6,7 @@ HTTP overhead is visible side by side.
     python benchmarks/serve.py                       # embedded SmolLM2, concurrency 1 16 64
     python benchmarks/serve.py --model PATH --concurrency 1 8 --max-tokens 32
     python benchmarks/serve.py --url http://127.0.0.1:8000   # an already running server
+    python benchmarks/serve.py --tiny                # a tiny random Llama: the HTTP overhead stands out
 
 Workload: closed loop, C clients each sending its next request when the
 previous one ends; prompts of --prompt-len tokens of seeded random text;
@@ -99,7 +100,10 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
             "--max-num-seqs", str(max(a.concurrency)), "--max-queue-len", "100000", *a.engine_args]
     if a.model:
         argv += ["--model", a.model]
-    proc = subprocess.Popen(argv)
+    env = dict(os.environ)
+    if a.threads:
+        env["OMP_NUM_THREADS"] = str(a.threads)  # torch's intra-op threads in the server process
+    proc = subprocess.Popen(argv, env=env)
     url = f"http://127.0.0.1:{port}"
     import httpx
     for _ in range(3000):
@@ -149,6 +153,27 @@ def bench_offline(engine, tok, c: int, ps: list[str], max_tokens: int) -> dict:
     return summarize("offline", c, ttft, tpot, sum(ntok.values()), wall)
 
 
+def make_tiny_model(path: str) -> str:
+    """A 2-layer, hidden-64 random Llama with the embedded SmolLM2's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from detent.models import resolve_model
+
+    src = resolve_model(None).tokenizer_source
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(path, name))
+    return path
+
+
 def table(rows: list[dict]) -> str:
     head = ("| mode | C | requests | TTFT p50 | p90 | p99 (ms) | TPOT p50 | p90 | p99 (ms) | tok/s |\n"
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -164,6 +189,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
+    p.add_argument("--tiny", action="store_true", help="build and use a tiny random Llama (in a temp dir)")
     p.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--requests-per-client", type=int, default=2)
@@ -172,9 +198,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-server", action="store_true")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for both the server and the offline engine (same for both)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("engine_args", nargs="*", help="after --: extra detent-serve / LLM flags for the server")
     a = p.parse_args()
+    if a.tiny:
+        import tempfile
+        a.model = make_tiny_model(tempfile.mkdtemp(prefix="detent-tiny-"))
     rows = []
     n_for = lambda c: max(a.min_requests, c * a.requests_per_client)  # noqa: E731
     if not a.skip_server:
@@ -189,6 +220,9 @@ def main() -> None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
     if not a.skip_offline:
+        if a.threads:
+            import torch
+            torch.set_num_threads(a.threads)
         from detent.engine import LLM
         llm = LLM(model=a.model, max_num_seqs=max(a.concurrency))
         eng, tok = llm.llm_engine, llm.get_tokenizer()
@@ -197,7 +231,8 @@ def main() -> None:
             rows.append(bench_offline(eng, tok, c, prompts(n_for(c), a.prompt_words, c), a.max_tokens))
             print(table(rows[-1:]), flush=True)
     rows.sort(key=lambda r: (r["concurrency"], r["mode"]))
-    print(f"\n{os.cpu_count()} CPUs; prompt {a.prompt_words} words, {a.max_tokens} tokens per request\n")
+    print(f"\n{os.cpu_count()} CPUs, {a.threads or 'default'} torch threads; prompt {a.prompt_words} words, "
+          f"{a.max_tokens} tokens per request\n")
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:

@@ -85,7 +85,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body = state.metrics.render(state.engine.stats(), state.engine.running)
+        body = state.metrics.render(state.engine.stats(), state.engine.running, state.engine.step_times)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/version")

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 import traceback
 from typing import Any, AsyncIterator
 
@@ -38,6 +39,7 @@ class AsyncEngine:
         self._pending_adds = 0
         self.dead: str | None = None
         self.steps = 0
+        self.step_times: collections.deque = collections.deque(maxlen=4096)  # seconds, for /metrics
         self._stats: dict[str, Any] = self._read_stats()
 
     # ---- lifecycle (event loop side) ----
@@ -173,7 +175,9 @@ class AsyncEngine:
             while not self._stop:
                 self._apply_commands()
                 if self.engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
                     outputs = self.engine.step()
+                    self.step_times.append(time.perf_counter() - t0)
                     self.steps += 1
                     for out in outputs:
                         self._deliver(out.request_id, out)

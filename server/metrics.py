@@ -52,6 +52,8 @@ class Metrics:
                               ["model_name"], buckets=_TPOT, registry=r).labels(**lab)
         self.e2e = Histogram("detent_e2e_request_latency_seconds", "Request latency",
                              ["model_name"], buckets=_LATENCY, registry=r).labels(**lab)
+        self.step = Histogram("detent_engine_step_seconds", "Duration of one engine step",
+                              ["model_name"], buckets=_TPOT, registry=r).labels(**lab)
         g = lambda name, doc: Gauge(name, doc, ["model_name"], registry=r).labels(**lab)  # noqa: E731
         self.kv_usage = g("detent_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)")
         self.prefix_hit_rate = g("detent_prefix_cache_hit_rate", "Prefix-cache hit rate over queried tokens (0..1)")
@@ -63,12 +65,14 @@ class Metrics:
     def outcome(self, outcome: str) -> None:
         self.requests.labels(model_name=self.model_name, outcome=outcome).inc()
 
-    def render(self, stats: dict[str, Any], alive: bool) -> bytes:
+    def render(self, stats: dict[str, Any], alive: bool, step_times: Any = ()) -> bytes:
         self.kv_usage.set(kv_usage(stats))
         self.prefix_hit_rate.set(stat(stats, "prefix_cache_hit_rate"))
         self.waiting.set(stat(stats, "num_waiting") + stat(stats, "num_pending"))
         self.running.set(stat(stats, "num_running"))
         self.engine_up.set(1.0 if alive else 0.0)
+        while step_times:
+            self.step.observe(step_times.popleft())
         return generate_latest(self.registry)
 
 
