@@ -12,6 +12,9 @@ _LAZY = {
     "RequestOutput": "detent.engine.outputs",
     "CompletionOutput": "detent.engine.outputs",
     "Logprob": "detent.engine.outputs",
+    "LLMEngine": "detent.engine.llm_engine",
+    "EngineConfig": "detent.engine.config",
+    "TrainerForward": "detent.engine.trainer",
 }
 
 

@@ -20,7 +20,6 @@ import torch
 from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from detent.sampling import sampler as sampling
 from detent.scheduler.outputs import ModelOutput, SampledToken, SchedulerOutput
-from detent.selection import ops
 from detent.selection.dispatch import Dispatcher, use_dispatcher
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt rows scored per log-softmax call (bounds the [rows, vocab] buffer)
@@ -131,19 +130,17 @@ class ModelRunner:
 
 def score_rows(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
                k: int) -> list[tuple[float, int, tuple[int, ...], tuple[float, ...]]]:
-    """Logprob, rank and top-k of `targets[i]` under the logits of `hidden[rows[i]]`.
-
-    The rank is 1 + the number of tokens with a strictly larger logprob (vLLM's)."""
+    """Raw logprob, rank and top-k of `targets[i]` under the logits of
+    `hidden[rows[i]]` — through the sampler's own scoring (`logprobs_of`), so
+    prompt logprobs and decode logprobs are one computation (same
+    log-softmax, same rank rule, same top-k tie order)."""
     out = []
+    tg_all = targets.tolist()
     for c in range(0, rows.numel(), PROMPT_LOGPROBS_ROWS):
-        r, tg = rows[c:c + PROMPT_LOGPROBS_ROWS], targets[c:c + PROMPT_LOGPROBS_ROWS]
-        lp = ops.log_softmax(model.compute_logits(hidden.index_select(0, r)))  # [n, V] fp32
-        tok_lp = lp.gather(1, tg[:, None])  # [n, 1]
-        ranks = ((lp > tok_lp).sum(-1) + 1).tolist()
-        if k:
-            vals, idx = torch.topk(lp, k, dim=-1)
-            vals, idx = vals.tolist(), idx.tolist()
-        else:
-            vals = idx = [[] for _ in range(r.numel())]
-        out += [(a, b, tuple(c_), tuple(d)) for a, b, c_, d in zip(tok_lp[:, 0].tolist(), ranks, idx, vals)]
+        r = rows[c:c + PROMPT_LOGPROBS_ROWS]
+        logits = model.compute_logits(hidden.index_select(0, r))  # [n, V] fp32
+        so = sampling.logprobs_of(logits, tg_all[c:c + PROMPT_LOGPROBS_ROWS], k)
+        out += [(lp, rk, tuple(ids), tuple(vals)) for lp, rk, ids, vals in
+                zip(so.logprobs, so.ranks, so.topk_ids or [()] * len(so.logprobs),
+                    so.topk_logprobs or [()] * len(so.logprobs))]
     return out

@@ -44,19 +44,14 @@ class TrainerForward:
                 raise ValueError(f"sequence {j} has {len(s)} tokens, more than max_model_len={limit}")
             if not all(0 <= t < vocab for t in s):
                 raise ValueError(f"sequence {j} has token ids outside the vocabulary [0, {vocab})")
-        out: list[torch.Tensor | None] = [None] * len(seqs)
-        batch: list[int] = []
-        for j in range(len(seqs) + 1):  # whole sequences per forward, up to the token budget
-            if j == len(seqs) or (batch and sum(len(seqs[i]) for i in batch) + len(seqs[j]) > self.max_tokens):
-                if batch:
-                    for i, t in zip(batch, self._score([seqs[i] for i in batch])):
-                        out[i] = t
-                batch = []
-            if j < len(seqs):
-                batch.append(j)
-        return out  # type: ignore[return-value]
+        out, g = [], self.engine.config.max_num_seqs
+        for i in range(0, len(seqs), g):  # a scratch KV cache per group of sequences
+            out += self._score(seqs[i:i + g])
+        return out
 
     def _score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Prefill the sequences in chunks under the engine's token budget
+        (the dispatcher's selectors assume it), scoring every row."""
         eng = self.engine
         bs = eng.config.block_size
         mc = eng.model_config
@@ -64,11 +59,26 @@ class TrainerForward:
         need = [-(-len(s) // bs) for s in seqs]
         caches = allocate_kv_caches(spec, sum(need) + 1, eng.state.device)  # block 0: null
         runner = ModelRunner(eng.runner.model, caches, bs, eng.dispatcher, eng.state.device)
-        planned, first = [], 1
-        for i, (s, n) in enumerate(zip(seqs, need)):
-            planned.append(ScheduledSeq(str(i), tuple(s), 0, tuple(range(first, first + n)), None,
-                                        prompt_logprobs_k=0, prompt_rows_start=0, prompt_targets=tuple(s[1:])))
+        tables, first = [], 1
+        for n in need:
+            tables.append(tuple(range(first, first + n)))
             first += n
-        res = runner.execute(SchedulerOutput(tuple(planned), sum(len(s) for s in seqs)))
-        return [torch.tensor([row[0] for row in res.prompt_logprobs[str(i)]], dtype=torch.float32)
-                for i in range(len(seqs))]
+        done = [0] * len(seqs)
+        rows: list[list[float]] = [[] for _ in seqs]
+        while any(d < len(s) for d, s in zip(done, seqs)):
+            budget, planned = self.max_tokens, []
+            for i, s in enumerate(seqs):
+                if done[i] == len(s) or budget == 0:
+                    continue
+                n = min(len(s) - done[i], budget)
+                lo, hi = done[i], min(done[i] + n, len(s) - 1)
+                planned.append(ScheduledSeq(str(i), tuple(s[lo:lo + n]), lo, tables[i], None,
+                                            prompt_logprobs_k=0, prompt_rows_start=lo,
+                                            prompt_targets=tuple(s[lo + 1:hi + 1])))
+                done[i] += n
+                budget -= n
+            res = runner.execute(SchedulerOutput(tuple(planned), self.max_tokens - budget))
+            for q in planned:
+                if q.prompt_targets:
+                    rows[int(q.request_id)] += [r[0] for r in res.prompt_logprobs[q.request_id]]
+        return [torch.tensor(r, dtype=torch.float32) for r in rows]
