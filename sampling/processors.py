@@ -88,6 +88,11 @@ def inclusive_scan(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+def count(mask: torch.Tensor) -> torch.Tensor:
+    """Per-row number of True entries, [B, 1] int32 (an exact integer sum; bool .sum() is slow on CPU)."""
+    return mask.to(torch.int32).sum(dim=-1, keepdim=True)
+
+
 def ordered_topk(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries per row, ordered by value descending, ties to the lower id.
 
@@ -100,8 +105,8 @@ def ordered_topk(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     thr = torch.topk(v, k, dim=-1, sorted=False).values.min(dim=-1, keepdim=True).values
     greater = v > thr
     eq = v == thr
-    need = k - greater.sum(dim=-1, keepdim=True)
-    if bool((eq.sum(dim=-1, keepdim=True) <= need).all()):
+    need = k - count(greater)
+    if bool((count(eq) <= need).all()):
         sel = greater | eq  # no row has surplus ties (same result as below, without the scan)
     else:
         sel = greater | (eq & (torch.cumsum(eq.to(torch.int32), dim=-1) <= need))
@@ -128,8 +133,9 @@ def truncation_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         keep = keep & _top_p_keep(torch.where(keep, x, NEG_INF), top_p)
     # min-p relative to the most likely token (always kept above):
     # p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p), exact elementwise ops only
-    log_min_p = torch.where(min_p > 0, torch.log(min_p), float("-inf"))
-    keep = keep & ((x - x_max).double() >= log_min_p[:, None])
+    if bool((min_p > 0).any()):
+        log_min_p = torch.where(min_p > 0, torch.log(min_p), float("-inf"))
+        keep = keep & ((x - x_max).double() >= log_min_p[:, None])
     return keep
 
 

@@ -70,6 +70,23 @@ def random_bits(seeds: Sequence[int], positions: Sequence[int], sample_indices: 
     return out.reshape(out.shape[0], nblk * 4)[:, :vocab]
 
 
+def random_bits_at(seeds: Sequence[int], positions: Sequence[int], sample_indices: Sequence[int],
+                   token_ids: torch.Tensor, role: int = ROLE_SAMPLE) -> torch.Tensor:
+    """The draws of `random_bits` at the given token ids only: [R, C] for token_ids [R, C] (long, >= 0).
+
+    Element (i, j) equals random_bits(...)[i, token_ids[i, j]] exactly (same key, same counter)."""
+    dev = token_ids.device
+
+    def col(vals):
+        return torch.tensor([int(v) & _MASK32 for v in vals], dtype=torch.int64, device=dev)[:, None]
+    seeds64 = [int(s) % 2**64 for s in seeds]
+    c1, c2 = col(positions), col(sample_indices)
+    words = philox4x32((token_ids // 4, c1, c2, torch.full_like(c1, role & _MASK32)),
+                       (col(seeds64), col([s >> 32 for s in seeds64])))
+    words = torch.stack(torch.broadcast_tensors(*words), dim=-1)  # [R, C, 4]
+    return words.gather(2, (token_ids % 4)[..., None])[..., 0]
+
+
 def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
     """float64 uniforms in the open interval (0, 1): (w + 0.5) / 2**32."""
     return (bits.double() + 0.5) * (1.0 / 4294967296.0)

@@ -30,7 +30,7 @@ import torch
 
 from detent.sampling import processors as P
 from detent.sampling.params import SamplingParams
-from detent.sampling.rng import ROLE_SAMPLE, gumbel_from_bits, random_bits
+from detent.sampling.rng import ROLE_SAMPLE, gumbel_from_bits, random_bits, random_bits_at
 from detent.selection import ops
 
 
@@ -69,20 +69,41 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     if R == 0:
         return out
     logits = logits.float()
-    noise = None
-    if any(_needs_noise(r) for r in rows):
-        roles = {r.role for r in rows}
-        if len(roles) != 1:
-            raise ValueError(f"sample: one role per call, got {sorted(roles)}")
-        bits = random_bits([r.seed for r in rows], [r.position for r in rows],
-                           [r.sample_index for r in rows], V, role=roles.pop(), device=logits.device)
-        noise = gumbel_from_bits(bits)  # [R, V] float64
-    _sample_block(logits, list(rows), noise, out)
+    if len({r.role for r in rows}) != 1:
+        raise ValueError(f"sample: one role per call, got {sorted({r.role for r in rows})}")
+    _sample_block(logits, list(rows), out)
     return out
 
 
-def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], noise: torch.Tensor | None,
-                  out: SamplerOutput) -> None:
+def _gumbel_max(z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """argmax(z + g) per row, g the keyed Gumbel noise; z = -inf marks excluded tokens.
+
+    When truncation leaves few candidates, the noise is drawn at the candidates'
+    ids only (`random_bits_at`): each draw depends on (key, token id) alone, and
+    the candidates keep ascending id order, so the token is the same as with
+    noise over the whole vocabulary (first maximum, ties to the lower id)."""
+    B, V = z.shape
+    keys = ([r.seed for r in rows], [r.position for r in rows], [r.sample_index for r in rows])
+    role = rows[0].role
+    finite = torch.isfinite(z)
+    counts = P.count(finite)[:, 0].tolist()
+    C = max(max(counts), 1)
+    if C > V // 8:
+        g = gumbel_from_bits(random_bits(*keys, V, role=role, device=z.device))
+        return torch.argmax(z.double() + g, dim=-1)
+    r_idx, ids = finite.nonzero(as_tuple=True)  # row-major: ascending ids within each row
+    starts = torch.tensor([0] + counts[:-1], device=z.device).cumsum(0)  # [B] (B small ints: exact)
+    slot = torch.arange(r_idx.numel(), device=z.device) - starts[r_idx]
+    cand = torch.zeros(B, C, dtype=torch.long, device=z.device)
+    cand[r_idx, slot] = ids
+    valid = torch.zeros(B, C, dtype=torch.bool, device=z.device)
+    valid[r_idx, slot] = True
+    g = gumbel_from_bits(random_bits_at(*keys, cand, role=role))
+    score = torch.where(valid, z.gather(1, cand).double() + g, float("-inf"))
+    return cand.gather(1, torch.argmax(score, dim=-1, keepdim=True))[:, 0]
+
+
+def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], out: SamplerOutput) -> None:
     B, V = x_raw.shape
     dev = x_raw.device
     raw_lp = ops.log_softmax(x_raw)  # [B, V] fp32
@@ -106,7 +127,8 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], noise: torch.Ten
         for alt in (x, x_raw / temp):
             empty = ~torch.isfinite(z).any(dim=-1, keepdim=True)
             z = torch.where(empty, torch.where(allowed, alt, P.NEG_INF), z)
-    sampled = torch.argmax(z.double() + noise, dim=-1) if noise is not None else None
+    noisy = [j for j, r in enumerate(rows) if _needs_noise(r)]
+    sampled = dict(zip(noisy, _gumbel_max(z[noisy], [rows[j] for j in noisy]).tolist())) if noisy else {}
     greedy_tok = torch.argmax(z, dim=-1)  # first maximum: ties to the lowest id
     toks = []
     for j, r in enumerate(rows):
@@ -115,7 +137,7 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], noise: torch.Ten
                 raise ValueError(f"golden token {r.golden_token} outside the vocabulary [0, {V})")
             toks.append(int(r.golden_token))
         elif _needs_noise(r):
-            toks.append(int(sampled[j]))
+            toks.append(sampled[j])
         else:
             toks.append(int(greedy_tok[j]))
     lp = raw_lp
@@ -126,7 +148,7 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], noise: torch.Ten
         lp = torch.where(torch.tensor([m == mode for m in modes], device=dev)[:, None], alt, lp)
     tok_t = torch.tensor(toks, dtype=torch.long, device=dev)[:, None]
     chosen = lp.gather(1, tok_t)  # [B, 1]
-    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    ranks = (P.count(lp > chosen)[:, 0] + 1).tolist()
     chosen_l = chosen[:, 0].tolist()
     kmax = max((r.params.logprobs or 0) for r in rows)
     if kmax:

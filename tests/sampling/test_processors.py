@@ -92,3 +92,13 @@ def test_seed_position_and_sample_index_key_the_draw():
     t = tok()
     assert t == tok()
     assert len({t, tok(seed=1), tok(position=1), tok(sample_index=1)}) == 4
+
+
+def test_candidate_noise_path_equals_full_vocabulary_path():
+    """top_k=5 alone draws noise at 5 ids; beside an untruncated row the whole vocabulary is drawn."""
+    logits = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0)) * 2
+    for s in range(100):
+        row = SamplingRow(SamplingParams(temperature=1.0, top_k=5), seed=s, position=s)
+        wide = SamplingRow(SamplingParams(temperature=1.0), seed=s, position=s)
+        alone = sample(logits[:1], [row]).token_ids[0]
+        assert sample(logits, [row, wide]).token_ids[0] == alone

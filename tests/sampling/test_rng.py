@@ -51,6 +51,14 @@ def test_random_bits_match_pure_python_reference():
         assert bits[i].tolist() == want
 
 
+def test_bits_at_token_ids_equal_the_full_vocabulary_draw():
+    from detent.sampling.rng import random_bits_at
+    seeds, pos, smp = [3, 2**40 + 1], [17, 900], [0, 2]
+    full = random_bits(seeds, pos, smp, 1000, role=1)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 999, 517], [998, 5, 5, 6, 7, 0, 250]])
+    assert torch.equal(random_bits_at(seeds, pos, smp, ids, role=1), full.gather(1, ids))
+
+
 def test_row_bits_do_not_depend_on_the_batch():
     V = 1000
     alone = random_bits([42], [17], [0], V)
