@@ -211,3 +211,30 @@ def test_a_step_that_raises_fails_its_requests_only(monkeypatch):
     assert outs[0].outputs[0].finish_reason == "error" and "demo" in outs[0].error
     outs = llm.generate(["abc"], SamplingParams(max_tokens=3, **G), use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "length" and outs[0].error is None
+
+
+def test_abort_waiting_and_unknown_requests():
+    b = bundle("llama")
+    eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64, max_num_seqs=1),
+                    model=b.model, model_config=b.config)
+    eng.add_request("run", prompt(1, 8, 160), SamplingParams(max_tokens=5, **G))
+    eng.add_request("wait", prompt(2, 8, 160), SamplingParams(max_tokens=5, **G))
+    eng.step()
+    assert eng.stats()["num_running"] == 1 and eng.stats()["num_waiting"] == 1
+    eng.abort_request(["wait", "nope"])
+    outs = eng.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs if o.finished] == [("wait", "abort")]
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def test_prefix_cache_hit_rate_is_reported(llm):
+    p = {"prompt_token_ids": prompt(3, 40, 160)}
+    llm.reset_prefix_cache()
+    a = llm.generate([p], SamplingParams(max_tokens=2, **G), use_tqdm=False)[0]
+    q0 = llm.llm_engine.stats()
+    b2 = llm.generate([p], SamplingParams(max_tokens=2, **G), use_tqdm=False)[0]
+    q1 = llm.llm_engine.stats()
+    assert (a.num_cached_tokens, b2.num_cached_tokens) == (0, 32)
+    assert (q1["prefix_cache_queries"] - q0["prefix_cache_queries"], q1["prefix_cache_hits"] - q0["prefix_cache_hits"]) == (40, 32)
+    assert 0 < q1["prefix_cache_hit_rate"] < 1
