@@ -89,7 +89,7 @@ class Solution:
 
     def _as_dict(self, pv: tuple, kv: tuple) -> dict:
         d = dict(zip(self.pins, pv))
-        d.update(zip(self.vra.knob_names, kv))
+        d.update(zip(self.lowered.knobs, kv))
         return d
 
     def _save(self) -> None:
@@ -147,6 +147,18 @@ class Solution:
     def default_assignment(self, profile: list[dict] | None = None) -> dict:
         """Each pin at the legal value the unpinned program takes most often on the
         profile (ties: the smaller value), knobs at default."""
+        if profile is None:
+            if "default" not in self._vra_data:
+                self._vra_data["default"] = self._default(None)
+                self._judged().add(jitcache.canonical(self._vra_data["default"]))
+                self._save()
+            return dict(self._vra_data["default"])
+        return self._default(profile)
+
+    def _judged(self) -> set:
+        return self._vra_data.setdefault("judged", set())
+
+    def _default(self, profile: list[dict] | None) -> dict:
         prof = self.profile() if profile is None else profile
         kv = self.vra.default_knobs()
         if not self.pins:
@@ -201,9 +213,12 @@ class Solution:
             assignment = self.default_assignment()
         pv, kv = self.split(assignment)
         if check_legal:
-            why = self.why_illegal(assignment)
-            if why is not None:
-                raise IllegalAssignment(why)
+            key = jitcache.canonical(self._as_dict(pv, kv))
+            if key not in self._judged():
+                why = self.why_illegal(assignment)
+                if why is not None:
+                    raise IllegalAssignment(why)
+                self._judged().add(key)
         pins = {self.pin_nodes[p]: v for p, v in zip(self.pins, pv)}
         knobs = dict(zip(self.lowered.knobs, kv))
         return build_selector(self.lowered, self.program, pins, knobs, "pinned", self._as_dict(pv, kv))
