@@ -167,7 +167,8 @@ class Graph:
             if s is not None:
                 return s
             # an operation on a phi of constants is a phi of constants
-            phis = [j for j, a in enumerate(args) if self.ops[a] == "phi"]
+            # (not for a phi used as a table key: the cut should be able to fall on the key)
+            phis = [j for j, a in enumerate(args) if self.ops[a] == "phi" and not (name == "index" and j == 1)]
             if len(phis) == 1 and name != "tuple" and all(self.ops[a] == "const" for j, a in enumerate(args)
                                                           if j != phis[0]):
                 j = phis[0]

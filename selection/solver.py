@@ -356,9 +356,18 @@ def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: b
     out_names = {}
     for k, n in lw.outputs.items():
         out_names.setdefault(n, k)
+    users: dict[int, int] = {}
+    for n in order:
+        for a in g.args[n]:
+            users.setdefault(a, n)
     pins: dict[str, int] = {}
     for n in nodes:
-        name = out_names.get(n) or (g.names[n][0] if g.names[n] else f"v{n}")
+        name = out_names.get(n) or (g.names[n][0] if g.names[n] else None)
+        if name is None:  # an unnamed value (e.g. a condition): name it after the value it feeds
+            u, hops = users.get(n), 0
+            while u is not None and not (out_names.get(u) or g.names[u]) and hops < 50:
+                u, hops = users.get(u), hops + 1
+            name = f"{out_names.get(u) or g.names[u][0]}.cond" if u is not None else f"v{n}"
         base, i = name, 2
         while name in pins:
             name, i = f"{base}_{i}", i + 1
