@@ -145,6 +145,28 @@ def test_compile_timeout_fails_only_its_request(monkeypatch):
     assert f.outputs[0].finish_reason == "length" and f.error is None
 
 
+def test_a_compiling_grammar_does_not_hold_up_other_requests():
+    """While a ~1 s compilation runs in the worker, a plain request is served to the end."""
+    big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-f]{1,%d}" % (i + 3)}
+                                            for i in range(80)}}
+    llm = tiny_llm(VOCAB)
+    run(llm, [grammar_requests(seeds=[0])[1]])  # warm up: first-step setup and the grammar cache
+    eng = llm.llm_engine
+    eng.add_request("g", [3, 4], SamplingParams(seed=0, max_tokens=6, structured_outputs=StructuredOutputs(json=big)))
+    eng.add_request("f", [8, 9], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    done, g_pending_when_f_done = {}, None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+                if o.request_id == "f":
+                    g = eng.scheduler.requests.get("g")
+                    g_pending_when_f_done = g is not None and not g.grammar.ready and g.num_output_tokens == 0
+    assert g_pending_when_f_done, "the plain request waited for the compilation"
+    assert len(done["f"].outputs[0].token_ids) == 4
+    assert done["g"].error is None and done["g"].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("selection", ["pinned", "stock"])
 def test_grammar_requests_do_not_depend_on_neighbours(selection):
     """Each grammar's seed-7 request alone vs beside 15 other grammar requests: equal under pinned
