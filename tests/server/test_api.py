@@ -125,6 +125,19 @@ def test_logprobs_match_prefill_scoring(client):
     assert echo.choices[0].text.startswith(PROMPT)
 
 
+def test_golden_tokens_and_prompt_logprobs(client, server):
+    forced = httpx.post(server.url + "/v1/tokenize", json={"prompt": " purple elephants", "add_special_tokens": False},
+                        headers=AUTH).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=len(forced) + 2, temperature=0, logprobs=2,
+                                  extra_body={"golden_token_ids": forced, "prompt_logprobs": 1})
+    c = r.choices[0]
+    assert c.text.startswith(" purple elephants") and len(c.logprobs.tokens) == len(forced) + 2
+    assert all(v <= 0 for v in c.logprobs.token_logprobs)
+    plp = c.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r.usage.prompt_tokens
+    assert all(isinstance(v["logprob"], float) and v["rank"] >= 1 for d in plp[1:] for v in d.values())
+
+
 def test_chat_top_logprobs_shape(client):
     r = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
                                        messages=[{"role": "user", "content": "Count: 1, 2,"}])
