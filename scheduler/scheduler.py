@@ -135,6 +135,8 @@ class Scheduler:
         end = start + n
         sample = None
         if end == req.num_tokens:
+            # prompt/output ids are the request's own lists (read-only views, valid for this
+            # step): copying them every step would cost O(length) per request per step
             sample = SamplingRow(params=req.params, seed=req.seed, position=req.num_tokens,
                                  sample_index=req.sample_index,
                                  prompt_token_ids=req.prompt_token_ids,
