@@ -8,6 +8,7 @@ through every ``forward`` signature.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -37,7 +38,7 @@ class AttentionMetadata:
     query_start_loc_cpu: tuple[int, ...] = ()
     seq_lens_cpu: tuple[int, ...] = ()
 
-    @property
+    @functools.cached_property  # read on every ops call of the step: sum once
     def total_kv(self) -> int:
         return sum(self.seq_lens_cpu)
 
