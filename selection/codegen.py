@@ -88,7 +88,7 @@ class Emitter:
         return seen
 
     _SAFE = {"add", "sub", "mul", "eq", "ne", "lt", "le", "gt", "ge", "is", "isnot", "not", "neg", "pos",
-             "abs", "bool", "tuple", "phi", "copy"}
+             "abs", "bool", "tuple", "phi", "copy", "neutral"}
     _DIVS = {"truediv", "floordiv", "mod", "cdiv", "round_up"}
 
     def _values(self, n: int, limit: int = 256) -> set | None:
@@ -286,7 +286,7 @@ class Emitter:
             e = f"(not {r[0]})"
         elif op == "index":
             e = f"{r[0]}[{r[1]}]"
-        elif op == "copy":
+        elif op in ("copy", "neutral"):
             e = r[0]
         elif op == "tuple":
             e = "(" + "".join(x + ", " for x in r) + ")"

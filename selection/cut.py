@@ -50,6 +50,8 @@ def taint(g: Graph, order: list[int]) -> tuple[set[int], set[int]]:
                 unpin.add(n)
             continue
         args = g.args[n]
+        if op == "neutral":
+            continue  # numerics-neutral: the batch may reach it, the kernel's bits do not depend on it
         if any(a in tainted for a in args):
             tainted.add(n)
         data = args[1:] if op == "phi" else args

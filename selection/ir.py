@@ -62,6 +62,7 @@ OPS: dict[str, tuple[Callable, str | None]] = {
     "log2": (lang.log2, None), "next_pow2": (lang.next_pow2, None), "round_up": (lang.round_up, None),
     "int": (int, None), "float": (float, None), "bool": (bool, None), "len": (len, None),
     "index": (_index, None), "tuple": (_tuple, None), "copy": (lambda x: x, None),
+    "neutral": (lang.neutral, None),
 }
 COMPARES = ("eq", "ne", "lt", "le", "gt", "ge", "in", "notin", "is", "isnot")
 LEAVES = ("const", "input", "knob", "param")
@@ -169,7 +170,7 @@ class Graph:
             # an operation on a phi of constants is a phi of constants
             # (not for a phi used as a table key: the cut should be able to fall on the key)
             phis = [j for j, a in enumerate(args) if self.ops[a] == "phi" and not (name == "index" and j == 1)]
-            if len(phis) == 1 and name != "tuple" and all(self.ops[a] == "const" for j, a in enumerate(args)
+            if len(phis) == 1 and name not in ("tuple", "neutral") and all(self.ops[a] == "const" for j, a in enumerate(args)
                                                           if j != phis[0]):
                 j = phis[0]
                 c, ta, fa = self.args[args[j]]

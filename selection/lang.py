@@ -98,9 +98,16 @@ def round_up(a, b):
     return -(-a // b) * b
 
 
+def neutral(x):
+    """Mark a value the selected kernel's bits do not depend on (a tile shape a
+    test has shown to be numerics-neutral): it may follow the batch, so taint
+    stops here and it is never pinned."""
+    return x
+
+
 BUILTINS: dict[str, Any] = {
     "min": min, "max": max, "abs": abs, "cdiv": cdiv, "log2": log2, "next_pow2": next_pow2,
-    "round_up": round_up, "int": int, "float": float, "bool": bool, "len": len,
+    "round_up": round_up, "int": int, "float": float, "bool": bool, "len": len, "neutral": neutral,
 }
 
 

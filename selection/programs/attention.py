@@ -1,6 +1,6 @@
 """Attention: FlashAttention-3's split-KV heuristic (hopper/heuristics.h
 num_splits_heuristic, hopper/tile_size.h), transcribed to SelIR and adapted
-to Detent's paged split-KV kernels.
+to Detent's paged split-KV kernels (kernels/attention.py, attention_triton.py).
 
 Stock FA3 picks a number of KV splits from the batch size, the SM count and
 the KV length, and a query tile from the longest query; the split size in KV
@@ -9,29 +9,21 @@ kernels take that split size in KV tokens, so a row reduces over the same
 KV segments in the same order however the batch looks once it is pinned.
 On stock kernels a single split is FA3's unsplit kernel (`sdpa` on CPU).
 """
-from detent.selection.lang import Fact, Runtime, assume, cdiv, knob, require, round_up  # noqa: F401
+from detent.selection.lang import Fact, Runtime, assume, cdiv, knob, neutral, require, round_up  # noqa: F401
 
 L2_BYTES = 50 * 1024 * 1024
 MAX_SPLITS = 128
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_BLOCK_GPU = 64  # the Triton kernel's KV block (BLOCK_N)
 
 
-def tile_size(device, head_dim, one_mma_wg):
-    """(kBlockM, kBlockN) of FA3's sm90 causal, paged (non-TMA) bf16 kernels; the
-    CPU kernels use 16-query chunks against 64-key blocks."""
+def tile_size(device):
+    """(kBlockM, kBlockN) the split heuristic counts blocks with: FA3's 64-row
+    (PackGQA) query tiles and 128-key blocks on GPU; the CPU kernel's 16-query
+    chunks against 64-key blocks."""
     if device == "cpu":
         return (16, 64)
-    if head_dim <= 64:
-        return (192, 128)
-    if head_dim <= 96:
-        return (192, 128)
-    if head_dim <= 128:
-        if one_mma_wg:
-            return (64, 128)
-        return (128, 128)
-    if head_dim <= 192:
-        return (128, 96)
-    return (128, 64)
+    return (64, 128)
 
 
 def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, num_m_blocks, size_one_kv_head, is_causal,
@@ -61,18 +53,18 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, num_m_blocks, siz
     return 1
 
 
-def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], arch: Fact[str],
-           num_sms: Fact[int], dtype: Fact[str], num_heads: Fact[int], num_kv_heads: Fact[int],
-           head_dim: Fact[int], block_size: Fact[int], max_context: Fact[int],
-           max_num_batched_tokens: Fact[int], max_num_seqs: Fact[int],
-           num_seqs: Runtime[int], max_seqlen_q: Runtime[int], max_seqlen_k: Runtime[int]):
+def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num_sms: Fact[int],
+           dtype: Fact[str], num_heads: Fact[int], num_kv_heads: Fact[int], head_dim: Fact[int],
+           block_size: Fact[int], max_context: Fact[int], max_num_batched_tokens: Fact[int],
+           max_num_seqs: Fact[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
+           max_seqlen_k: Runtime[int]):
     assume(1 <= num_seqs <= max_num_seqs, "more sequences in the step than max_num_seqs")
     assume(1 <= max_seqlen_q <= max_num_batched_tokens, "a query chunk longer than max_num_batched_tokens")
     assume(1 <= max_seqlen_k <= max_context, "a sequence longer than max_context")
     assume(max_seqlen_q <= max_seqlen_k, "more new queries than KV tokens")
+    gpu = device == "cuda" and triton
     gqa = num_heads // num_kv_heads
-    one_mma_wg = arch in ("sm90", "sm_90") and head_dim == 128 and max_seqlen_q * gqa <= 64
-    block_m, block_n = tile_size(device, head_dim, one_mma_wg)
+    block_m, block_n = tile_size(device)
     num_m_blocks = cdiv(max_seqlen_q * gqa, block_m)          # PackGQA
     num_n_blocks = cdiv(max_seqlen_k, block_n)
     size_one_kv_head = max_seqlen_k * head_dim * 2 * DTYPE_BYTES[dtype]
@@ -80,14 +72,21 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], arc
     num_splits = num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, num_m_blocks, size_one_kv_head,
                                       True, MAX_SPLITS)
     if stock_kernels:
-        stride = block_size
+        stride = KV_BLOCK_GPU if gpu else block_size
     else:
-        # Detent's split stride (a knob the tuner sets, paper §7)
-        stride = knob("split_stride", (block_size, 64, 256, 1024), 256 if device == "cpu" else 1024)
+        # Detent's split stride: a knob the tuner sets (paper §7)
+        stride = knob("split_stride", (block_size, 64, 256, 1024), 256)
     split_tokens = round_up(cdiv(max_seqlen_k, num_splits), stride)
     require(split_tokens % block_size == 0, "a split must cover whole KV pages")
-    if device == "cuda" and triton:
-        return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": block_m, "block_n": block_n}
+    if gpu:
+        # query tile by query length; with the MMA row sum its bits do not depend
+        # on the tile (tests/gpu block_m neutrality): neutral when pinned
+        q_tile, warps = (16, 4) if max_seqlen_q * gqa <= 16 else (64, 4)
+        if stock_kernels:
+            return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": q_tile,
+                    "block_n": KV_BLOCK_GPU, "num_warps": warps, "rowsum": "sum"}
+        return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": neutral(q_tile),
+                "block_n": KV_BLOCK_GPU, "num_warps": neutral(warps), "rowsum": "mma"}
     if stock_kernels and num_splits == 1:
         return {"impl": "sdpa"}
     return {"impl": "paged_split", "split_tokens": split_tokens, "q_chunk": 16}
@@ -95,7 +94,7 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], arc
 
 def conservative(device: Fact[str], triton: Fact[bool], block_size: Fact[int], max_context: Fact[int]):
     # no split-KV: one split covers the longest possible sequence
-    split = round_up(max_context, block_size)
     if device == "cuda" and triton:
-        return {"impl": "triton_paged", "split_tokens": split, "block_m": 64, "block_n": 64}
-    return {"impl": "paged_split", "split_tokens": split, "q_chunk": 16}
+        return {"impl": "triton_paged", "split_tokens": round_up(max_context, KV_BLOCK_GPU), "block_m": 64,
+                "block_n": KV_BLOCK_GPU, "num_warps": 4, "combine": "sequential", "rowsum": "sum"}
+    return {"impl": "paged_split", "split_tokens": round_up(max_context, block_size), "q_chunk": 16}

@@ -1,39 +1,42 @@
 """GEMM: the library GEMM picks its kernel by M (MKL fp32: M = 1, 2-3, >= 4;
 cuBLAS: tile by M), so its row bits follow the batch. Detent's candidates fix
 the shape a row sees: `torch_chunked` calls the library on fixed chunks of
-rows; on GPU a Triton persistent matmul with a fixed tile config (no
-split-K). The stock transcription picks the chunk and the Triton config by
-M, as tuned tables do; the batch reaches the selection only through them.
+rows (CPU); on GPU a Triton persistent matmul (fp32 accumulation, K in
+ascending order, no split-K) whose tile configs were measured bit-identical
+on the H200 (tests/gpu): its config may follow M, declared `neutral`, and the
+GPU GEMM has no pin (as in the paper, §8.2).
 """
-from detent.selection.lang import Fact, Runtime, assume, next_pow2, require  # noqa: F401
+from detent.selection.lang import Fact, Runtime, assume, neutral, next_pow2, require  # noqa: F401
 
 CHUNK_MAX = 16
-# (block_m, block_n, block_k, num_warps, num_stages) by M bucket, like a tuned table
-TRITON_CONFIGS = {
-    16: (16, 64, 64, 4, 4),
-    32: (32, 64, 64, 4, 4),
-    64: (64, 64, 64, 4, 3),
-    128: (128, 128, 64, 8, 3),
-}
+# (block_m, block_n, block_k, num_warps, num_stages) by max M and N width:
+# the table of kernels/gemm_triton.py (config_for)
+WIDE = (128, 256, 64, 8, 3)
+GEMM_TABLE = (
+    (16, {"narrow": (16, 32, 256, 4, 5), "mid": (16, 64, 256, 4, 4), "wide": (16, 128, 128, 4, 4)}),
+    (64, {"narrow": (64, 64, 128, 4, 4), "mid": (64, 64, 128, 4, 4), "wide": (64, 256, 64, 8, 4)}),
+    (2 ** 30, {"narrow": WIDE, "mid": WIDE, "wide": WIDE}),
+)
 
 
-def m_bucket(m):
-    b = 16
-    for k in (16, 32, 64, 128):
-        if m > k:
-            b = min(k * 2, 128)
-    return b
+def triton_config(m, n):
+    width = "narrow" if n <= 4096 else ("wide" if n >= 16384 else "mid")
+    for upto, row in GEMM_TABLE:
+        if m <= upto:
+            return row[width]
+    return WIDE
 
 
 def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], n: Fact[int], k: Fact[int],
            max_num_batched_tokens: Fact[int], num_tokens: Runtime[int]):
     assume(0 <= num_tokens <= max_num_batched_tokens, "more rows than max_num_batched_tokens")
     if stock_kernels:
-        return {"impl": "torch"}
+        return {"impl": "torch"}  # the library on the real M (MKL / cuBLAS pick a kernel by M)
     if device == "cuda" and triton:
-        cfg = TRITON_CONFIGS[m_bucket(num_tokens)]
+        cfg = neutral(triton_config(num_tokens, n))
         return {"impl": "triton_persistent", "block_m": cfg[0], "block_n": cfg[1], "block_k": cfg[2],
                 "num_warps": cfg[3], "num_stages": cfg[4]}
+    # rows per library call: the batch's M rounded up to a power of two, at most CHUNK_MAX
     chunk = min(next_pow2(num_tokens), CHUNK_MAX)
     require(chunk >= 4, "MKL fp32 runs other kernels for M = 1 and M = 2-3: a fixed chunk must be >= 4")
     return {"impl": "torch_chunked", "chunk": chunk}
@@ -41,6 +44,6 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], n: 
 
 def conservative(device: Fact[str], triton: Fact[bool]):
     if device == "cuda" and triton:
-        return {"impl": "triton_persistent", "block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4,
-                "num_stages": 2}
+        return {"impl": "triton_persistent", "block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8,
+                "num_stages": 3}
     return {"impl": "torch_chunked", "chunk": 1}

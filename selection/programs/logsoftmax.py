@@ -1,10 +1,12 @@
-"""logsoftmax: a row-wise kernel with one candidate; its selection reads no batch value."""
+"""logsoftmax: a row-wise kernel; its selection reads no batch value (no pins)."""
 from detent.selection.lang import Fact  # noqa: F401
 
 
-def select(device: Fact[str]):
+def select(device: Fact[str], triton: Fact[bool]):
+    if device == "cuda" and triton:
+        return {"impl": "triton_rowwise"}
     return {"impl": "torch_rowwise"}
 
 
-def conservative(device: Fact[str]):
-    return {"impl": "torch_rowwise"}
+def conservative(device: Fact[str], triton: Fact[bool]):
+    return select(device, triton)

@@ -15,11 +15,13 @@ CONFIGS = {
     2048: (128, 128, 64, 32, 8, 3), 3072: (128, 256, 64, 32, 8, 3), 4096: (128, 256, 64, 32, 8, 3),
 }
 KEYS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+# the rows of the Triton kernel's own table (kernels/moe_triton.py MOE_CONFIGS)
+GPU_KEYS = (16, 128, 1024, 4096)
 
 
-def nearest_row(m):
-    best = KEYS[0]
-    for key in KEYS:
+def nearest_row(m, keys):
+    best = keys[0]
+    for key in keys:
         if abs(key - m) < abs(best - m):
             best = key
     return best
@@ -28,11 +30,11 @@ def nearest_row(m):
 def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num_experts: Fact[int],
            top_k: Fact[int], max_num_batched_tokens: Fact[int], num_tokens: Runtime[int]):
     assume(0 <= num_tokens <= max_num_batched_tokens, "more rows than max_num_batched_tokens")
-    row_key = nearest_row(num_tokens)
-    cfg = CONFIGS[row_key]
     if device == "cuda" and triton:
-        return {"impl": "triton_fused", "row_key": row_key, "block_m": cfg[0], "block_n": cfg[1],
-                "block_k": cfg[2], "group_m": cfg[3], "num_warps": cfg[4], "num_stages": cfg[5]}
+        # the kernel takes its tile config from its table row: the row key is the selection
+        return {"impl": "triton_fused", "row_key": nearest_row(num_tokens, GPU_KEYS)}
+    row_key = nearest_row(num_tokens, KEYS)
+    cfg = CONFIGS[row_key]
     if stock_kernels:
         return {"impl": "torch_loop", "row_key": row_key}
     return {"impl": "torch_chunked", "chunk": cfg[0], "row_key": row_key}
@@ -40,6 +42,5 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
 
 def conservative(device: Fact[str], triton: Fact[bool]):
     if device == "cuda" and triton:
-        return {"impl": "triton_fused", "row_key": 1, "block_m": 16, "block_n": 32, "block_k": 64,
-                "group_m": 1, "num_warps": 4, "num_stages": 4}
+        return {"impl": "triton_fused", "row_key": GPU_KEYS[-1]}
     return {"impl": "torch_chunked", "chunk": 1, "row_key": 1}

@@ -80,29 +80,65 @@ def test_allreduce_and_rowwise():
         assert s.compile()(num_tokens=3) == {"impl": "torch_rowwise"}
     assert sol("norm", GPU, {}).compile()() == {"impl": "triton_rowwise"}
     assert sol("norm", dict(GPU, triton=False), {}).compile()() == {"impl": "torch_rowwise"}
-    assert sol("logsoftmax", GPU, {}).compile()() == {"impl": "torch_rowwise"}
+    assert sol("logsoftmax", GPU, {}).compile()() == {"impl": "triton_rowwise"}
+    assert sol("embedding", GPU, {}).compile()() == {"impl": "torch_rowwise"}
 
 
 def test_gpu_programs():
     a = sol("attention", GPU, dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"))
-    assert set(a.pins) == {"block_m", "split_tokens"}
-    assert a.compile(mode="stock")(**rt(num_seqs=1, max_seqlen_q=1, max_seqlen_k=8192))["impl"] == "triton_paged"
+    assert a.pins == ("split_tokens",)  # the query tile is declared neutral (MMA row sum)
+    stock = a.compile(mode="stock")
+    assert stock(**rt(num_seqs=1, max_seqlen_q=1, max_seqlen_k=8192)) == {
+        "impl": "triton_paged", "split_tokens": 576, "block_m": 16, "block_n": 64, "num_warps": 4, "rowsum": "sum"}
+    # against the GPU helper's plain-Python FA3 transcription (kernels/defaults_triton.py), if present
+    dt = pytest.importorskip("detent.kernels.defaults_triton")
+    for b, q, k in [(1, 1, 8192), (3, 1, 40000), (1, 7, 131072), (64, 1, 2048), (2, 300, 5000)]:
+        n = dt.fa3_num_splits(b, 8, q, k, 4, 132)
+        assert stock(**rt(num_seqs=b, max_seqlen_q=q, max_seqlen_k=k))["split_tokens"] == -(-(-(-k // n)) // 64) * 64
     pinned = a.compile(mode="pinned")
-    assert pinned(**rt(num_seqs=1, max_seqlen_k=100)) == pinned(**rt(num_seqs=64, max_seqlen_q=500, max_seqlen_k=9000))
+    d1, d2 = pinned(**rt(num_seqs=1, max_seqlen_k=100)), pinned(**rt(num_seqs=64, max_seqlen_q=500, max_seqlen_k=9000))
+    assert d1["split_tokens"] == d2["split_tokens"] == 256 and d1["rowsum"] == d2["rowsum"] == "mma"
+    assert (d1["block_m"], d2["block_m"]) == (16, 64)  # neutral: follows the query length
     gm = sol("gemm", GPU, dict(GEMM_SITE, dtype="bfloat16"))
-    assert gm.compile(mode="stock")(num_tokens=3) == {"impl": "torch"}
+    assert gm.pins == () and gm.compile(mode="stock")(num_tokens=3) == {"impl": "torch"}
     p = gm.compile(mode="pinned")
-    assert p(num_tokens=1)["impl"] == "triton_persistent" and p(num_tokens=1) == p(num_tokens=4000)
+    assert p(num_tokens=1) == {"impl": "triton_persistent", "block_m": 16, "block_n": 32, "block_k": 256,
+                               "num_warps": 4, "num_stages": 5}
     mo = sol("moe", GPU, MOE_SITE)
-    assert mo.pins == ("row_key",) and len(mo.graph.batch_dependent_points) == 7
+    assert mo.pins == ("row_key",) and mo.candidates["row_key"] == (16, 128, 1024, 4096)
+    assert mo.compile(mode="stock")(num_tokens=600) == {"impl": "triton_fused", "row_key": 1024}
+
+
+def test_gpu_selections_match_the_registered_triton_candidates():
+    gemm_triton = pytest.importorskip("detent.kernels.gemm_triton")
+    moe_triton = pytest.importorskip("detent.kernels.moe_triton")
+    from detent.selection import registry
+    gpu_keys = sol("moe", GPU, MOE_SITE).candidates["row_key"]
+    assert gpu_keys == tuple(sorted(moe_triton.MOE_CONFIGS))
+    g = sol("gemm", GPU, dict(GEMM_SITE, n=14336, dtype="bfloat16")).compile(mode="pinned")
+    for m in (1, 16, 17, 64, 65, 5000):
+        sel = dict(g(num_tokens=m))
+        assert sel.pop("impl") == "triton_persistent" and sel == gemm_triton.config_for(m, 14336)
+    for fam, facts, site, r in [
+            ("attention", GPU, dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128), rt(max_seqlen_k=900)),
+            ("gemm", GPU, GEMM_SITE, rt()), ("moe", GPU, MOE_SITE, rt()),
+            ("norm", GPU, {}, rt()), ("logsoftmax", GPU, {}, rt()),
+            ("allreduce", GPU, {"world_size": 2, "dtype": "bfloat16"}, rt())]:
+        s = sol(fam, facts, site)
+        for mode in ("stock", "pinned", "conservative"):
+            sel = dict(s.compile(mode=mode)(**r))
+            cand = registry.candidates(fam).get(sel.pop("impl"))
+            if cand is None:
+                pytest.skip("Triton candidates are not registered on this machine")
+            assert set(sel) <= set(cand.params), (fam, mode, sel, cand.params)
 
 
 # ablations recorded: (pins with constant folding only, pins with the full pipeline,
 #                      batch-dependent selection points = pins without the cut)
 ABLATIONS = {
-    ("gemm", "cpu"): (1, 1, 1), ("gemm", "gpu"): (1, 1, 5),
-    ("attention", "cpu"): (1, 1, 1), ("attention", "gpu"): (2, 2, 2),
-    ("moe", "cpu"): (1, 1, 2), ("moe", "gpu"): (1, 1, 7),
+    ("gemm", "cpu"): (1, 1, 1), ("gemm", "gpu"): (0, 0, 0),
+    ("attention", "cpu"): (1, 1, 1), ("attention", "gpu"): (1, 1, 1),
+    ("moe", "cpu"): (1, 1, 2), ("moe", "gpu"): (1, 1, 1),
     ("allreduce", "cpu"): (0, 0, 0), ("allreduce", "gpu-small"): (1, 0, 0),
 }
 
