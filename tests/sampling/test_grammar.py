@@ -105,10 +105,10 @@ def test_compile_error_is_reported_on_the_state_only():
 
 
 def test_compile_timeout_fails_only_that_state_and_does_not_block():
-    cache = tiny_cache(timeout_s=0.05, max_workers=2)
+    cache = tiny_cache(timeout_s=0.5, max_workers=2)  # a regex compiles in ms even on a busy machine
     big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-f]{1,%d}" % (i + 3)}
-                                            for i in range(60)}}
-    spec = StructuredOutputs(json=big)  # compiling takes ~1 s on this vocabulary
+                                            for i in range(150)}}
+    spec = StructuredOutputs(json=big)  # compiling takes ~2 s on this vocabulary
     slow = cache.new_state(spec)
     assert not slow.ready and slow.error is None  # submission returned before the compilation ended
     fast = cache.new_state(StructuredOutputs(regex="[0-9]+"))
