@@ -69,11 +69,14 @@ def apply_penalties(x: torch.Tensor, rows) -> torch.Tensor:
     rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
     freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
     pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
+    use_rep, use_freq = bool((rep != 1.0).any()), bool((freq != 0.0).any() or (pres != 0.0).any())
+    if not (use_rep or use_freq):
+        return x
     out_counts = token_presence([r.output_token_ids for r in rows], V, dev)
-    if bool((rep != 1.0).any()):
+    if use_rep:
         seen = (token_presence([r.prompt_token_ids for r in rows], V, dev) > 0) | (out_counts > 0)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    if bool((freq != 0.0).any() or (pres != 0.0).any()):
+    if use_freq:
         x = x - freq * out_counts.to(x.dtype) - pres * (out_counts > 0).to(x.dtype)
     return x
 
