@@ -80,11 +80,18 @@ def default_facts_for(model_config_like: Any, device: str = "cpu", dtype: str = 
 
 def complete(facts: dict[str, Any]) -> dict[str, Any]:
     """Facts with the documented defaults filled in for keys a caller left out
-    (and, on CPU, num_sms <= 0 read as the notional CPU_NUM_SMS)."""
+    (on CPU, num_sms <= 0 reads as the notional CPU_NUM_SMS; on CUDA a missing
+    `triton` fact is whether triton imports)."""
     out = dict(DEFAULTS)
     out.update(facts)
     if out.get("device") == "cpu" and not out.get("num_sms", 0) > 0:
         out["num_sms"] = CPU_NUM_SMS
+    if out.get("device") == "cuda" and "triton" not in facts:
+        try:  # the Triton candidates run where triton imports
+            import triton  # noqa: F401
+            out["triton"] = True
+        except ImportError:
+            out["triton"] = False
     return out
 
 

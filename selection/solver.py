@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
 from typing import Any, Callable
 
 from detent.selection import jitcache, lang
