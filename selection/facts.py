@@ -65,7 +65,7 @@ def default_facts_for(model_config_like: Any, device: str = "cpu", dtype: str = 
     facts = {
         "device": device, "arch": arch or "cpu", "num_sms": int(num_sms or CPU_NUM_SMS), "dtype": dtype, "tp": tp,
         "page_size": page_size, "max_context": max_context,
-        "max_num_batched_tokens": int(max_num_batched_tokens or max(8192, max_context)),
+        "max_num_batched_tokens": int(max_num_batched_tokens or 8192),  # chunked prefill's token budget
         "max_num_seqs": max_num_seqs, "triton": bool(triton) if device == "cuda" else False,
         "hidden": hidden, "num_heads": heads // tp, "num_kv_heads": max(1, kv_heads // tp), "head_dim": head_dim,
         "intermediate": int(_get(c, "intermediate_size", "intermediate", default=0)) // tp,

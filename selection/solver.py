@@ -185,8 +185,10 @@ class Solution:
         for _, _, combo in scored:
             if self.vra.check(combo, kv) is None:
                 return self._as_dict(combo, kv)
+        first = self._as_dict(best, kv) if best is not None else None
+        why = self.why_illegal(first) if first is not None else None
         raise IllegalAssignment(f"program {self.program.name!r}: no legal assignment for these facts "
-                                f"(candidates: {cands})")
+                                f"(candidates: {cands}){'; e.g. ' + why if why else ''}")
 
     # ---- selectors
     def stock_lowered(self) -> Lowered:
