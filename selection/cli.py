@@ -32,12 +32,21 @@ def _facts(args: argparse.Namespace) -> dict[str, Any]:
         return complete(facts)
     if not args.model:
         raise SystemExit("error: give --facts FILE or --model PATH")
-    cfg_path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: --model {args.model}: cannot read a config.json ({e})")
+    if args.model == "embedded" or args.model.endswith(".gguf"):
+        from gguf import GGUFReader
+        from detent.models.gguf import embedded_gguf_path, gguf_config
+        path = embedded_gguf_path() if args.model == "embedded" else args.model
+        try:
+            cfg = gguf_config(GGUFReader(path))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --model {args.model}: cannot read the GGUF metadata ({e})")
+    else:
+        cfg_path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
+        try:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: --model {args.model}: cannot read a config.json ({e})")
     cfg = cfg.get("text_config", cfg)
     max_ctx = args.max_context or int(cfg.get("max_position_embeddings", 4096))
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -48,7 +57,8 @@ def _facts(args: argparse.Namespace) -> dict[str, Any]:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--facts", help="deployment facts (JSON object)")
-    p.add_argument("--model", help="HF model directory (config.json) to derive facts from")
+    p.add_argument("--model", help="HF model directory (config.json), a .gguf file, or 'embedded' "
+                   "(the bundled SmolLM2) to derive facts from")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default=None)

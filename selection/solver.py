@@ -8,6 +8,7 @@ deployment; `Solution.compile` turns an assignment into a selector.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from typing import Any, Callable
@@ -173,7 +174,6 @@ class Solution:
         if best is not None and self.vra.check(best, kv) is None:
             return self._as_dict(best, kv)
         scored = []
-        import itertools
         limit = 0
         for combo in itertools.product(*ranked):
             limit += 1

@@ -83,3 +83,9 @@ def test_cli_solve_and_tuple(tmp_path, capsys):
     assert main(["tuple", "check", str(t), "--model", str(cfg)]) == 0
     assert main(["tuple", "check", str(t), "--model", str(cfg), "--max-num-seqs", "8"]) == 1
     assert "deployment fact 'max_num_seqs' differs" in capsys.readouterr().err
+
+
+def test_cli_reads_the_embedded_gguf(capsys):
+    assert main(["solve", "--family", "gemm", "--model", "embedded", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "site dtype=float32,k=576,n=1728" in out and "pins (1): chunk" in out and "3 legal" in out
