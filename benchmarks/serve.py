@@ -8,6 +8,9 @@ HTTP overhead is visible side by side.
     python benchmarks/serve.py --url http://127.0.0.1:8000   # an already running server
     python benchmarks/serve.py --tiny                # a tiny random Llama: the HTTP overhead stands out
 
+Modes alternate run by run (server, offline, offline, server, ...) so both
+see the same machine load; samples of the repeats are pooled.
+
 Workload: closed loop, C clients each sending its next request when the
 previous one ends; prompts of --prompt-len tokens of seeded random text;
 greedy, `ignore_eos`, exactly --max-tokens tokens each. TTFT is measured
@@ -89,7 +92,7 @@ async def bench_server(url: str, c: int, ps: list[str], max_tokens: int) -> dict
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(c)))
         wall = time.perf_counter() - t0
-    return summarize("server", c, ttft, tpot, total, wall)
+    return ttft, tpot, total, wall
 
 
 def start_server(a) -> tuple[subprocess.Popen, str]:
@@ -150,7 +153,7 @@ def bench_offline(engine, tok, c: int, ps: list[str], max_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     ttft = [t_first[r] - t_add[r] for r in t_first]
     tpot = [(t_last[r] - t_first[r]) / max(ntok[r] - 1, 1) for r in t_first]
-    return summarize("offline", c, ttft, tpot, sum(ntok.values()), wall)
+    return ttft, tpot, sum(ntok.values()), wall
 
 
 def make_tiny_model(path: str) -> str:
@@ -196,6 +199,7 @@ def main() -> None:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="runs per (mode, concurrency), alternating modes")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-server", action="store_true")
     p.add_argument("--threads", type=int, default=None,
@@ -206,30 +210,42 @@ def main() -> None:
     if a.tiny:
         import tempfile
         a.model = make_tiny_model(tempfile.mkdtemp(prefix="detent-tiny-"))
-    rows = []
     n_for = lambda c: max(a.min_requests, c * a.requests_per_client)  # noqa: E731
-    if not a.skip_server:
-        proc, url = (None, a.url) if a.url else start_server(a)
-        try:
-            asyncio.run(bench_server(url, 1, prompts(2, a.prompt_words, 99), a.max_tokens))  # warm-up
-            for c in a.concurrency:
-                rows.append(asyncio.run(bench_server(url, c, prompts(n_for(c), a.prompt_words, c), a.max_tokens)))
-                print(table(rows[-1:]), flush=True)
-        finally:
-            if proc is not None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
-    if not a.skip_offline:
-        if a.threads:
-            import torch
-            torch.set_num_threads(a.threads)
-        from detent.engine import LLM
-        llm = LLM(model=a.model, max_num_seqs=max(a.concurrency))
-        eng, tok = llm.llm_engine, llm.get_tokenizer()
-        bench_offline(eng, tok, 1, prompts(2, a.prompt_words, 99), a.max_tokens)  # warm-up
+    modes = [m for m, skip in (("server", a.skip_server), ("offline", a.skip_offline)) if not skip]
+    proc, url, eng, tok = None, a.url, None, None
+    try:
+        if "server" in modes and url is None:
+            proc, url = start_server(a)
+        if "offline" in modes:
+            if a.threads:
+                import torch
+                torch.set_num_threads(a.threads)
+            from detent.engine import LLM
+            llm = LLM(model=a.model, max_num_seqs=max(a.concurrency))
+            eng, tok = llm.llm_engine, llm.get_tokenizer()
+
+        def once(mode: str, c: int, ps: list[str]):
+            if mode == "server":
+                return asyncio.run(bench_server(url, c, ps, a.max_tokens))
+            return bench_offline(eng, tok, c, ps, a.max_tokens)
+
+        for mode in modes:  # warm-up
+            once(mode, 1, prompts(2, a.prompt_words, 99))
+        rows = []
         for c in a.concurrency:
-            rows.append(bench_offline(eng, tok, c, prompts(n_for(c), a.prompt_words, c), a.max_tokens))
-            print(table(rows[-1:]), flush=True)
+            acc = {m: ([], [], 0, 0.0) for m in modes}
+            for rep in range(a.repeats):  # alternate, so both modes see the same machine load
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                    t1, t2, n, w = once(mode, c, prompts(n_for(c), a.prompt_words, 1000 * rep + c))
+                    x = acc[mode]
+                    acc[mode] = (x[0] + t1, x[1] + t2, x[2] + n, x[3] + w)
+            for mode in modes:
+                rows.append(summarize(mode, c, *acc[mode]))
+                print(table(rows[-1:]), flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
     rows.sort(key=lambda r: (r["concurrency"], r["mode"]))
     print(f"\n{os.cpu_count()} CPUs, {a.threads or 'default'} torch threads; prompt {a.prompt_words} words, "
           f"{a.max_tokens} tokens per request\n")

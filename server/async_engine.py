@@ -132,6 +132,13 @@ class AsyncEngine:
         if q is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _fan_out(self, outputs: list[Any]) -> None:
+        """On the event loop: each output to its request's queue (gone requests are skipped)."""
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
     def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
         def set_() -> None:
             if fut.done():
@@ -179,8 +186,8 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     self.step_times.append(time.perf_counter() - t0)
                     self.steps += 1
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
+                    if outputs and self._loop is not None:  # one wake-up of the event loop per step
+                        self._loop.call_soon_threadsafe(self._fan_out, outputs)
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()

@@ -90,6 +90,11 @@ def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout
                             log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=graceful_timeout)
     server = Server(config)
+    # The engine thread runs Python between torch calls; with the default 5 ms
+    # GIL switch interval every event-loop wake-up (accept, read, write) can
+    # wait that long behind it, and at 64 streams requests queued for seconds
+    # before their handler ran (benchmarks/serve.py, docs/performance.md).
+    sys.setswitchinterval(0.001)
     print(f"detent-serve: serving {state.model_name!r} on http://{host}:{port} "
           f"(tuple {state.tuple_hash[:16]}, deployment {state.deployment_hash[:16]}, {state.selection})",
           file=sys.stderr, flush=True)

@@ -108,10 +108,6 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     return APIError(400, "invalid request: " + "; ".join(msgs) + more, param=next(iter(groups), None))
 
 
-async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
-
-
 async def request_validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
     return validation_error(exc).response()
 
