@@ -64,7 +64,7 @@ def build_state(a: argparse.Namespace):
     llm = LLM(**kw)
     engine = llm.llm_engine
     tok = llm.get_tokenizer()
-    tuple_hash, deployment_hash = fingerprint(engine, model=a.model, tuple_path=a.tuple, selection=a.selection)
+    tuple_hash, deployment_hash = fingerprint(engine, tuple_path=a.tuple, selection=a.selection)
     names = a.served_model_name or [a.model or "smollm2-135m-instruct"]
     return ServerState(
         engine=AsyncEngine(engine, max_queue_len=a.max_queue_len), tokenizer=tok, served_model_names=names,
