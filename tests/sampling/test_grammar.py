@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -105,16 +106,23 @@ def test_compile_error_is_reported_on_the_state_only():
 
 
 def test_compile_timeout_fails_only_that_state_and_does_not_block():
-    cache = tiny_cache(timeout_s=0.5, max_workers=2)  # a regex compiles in ms even on a busy machine
-    big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-f]{1,%d}" % (i + 3)}
-                                            for i in range(150)}}
-    spec = StructuredOutputs(json=big)  # compiling takes ~2 s on this vocabulary
-    slow = cache.new_state(spec)
+    cache = tiny_cache(timeout_s=0.5, max_workers=2)
+    real_compile = cache._compile
+    release = threading.Event()
+
+    def compile_slowly(spec):  # a compilation that outlives the timeout, whatever the machine's speed
+        if spec.kind == "json":
+            release.wait(10)
+        return real_compile(spec)
+
+    cache._compile = compile_slowly
+    slow = cache.new_state(StructuredOutputs(json={"type": "object"}))
     assert not slow.ready and slow.error is None  # submission returned before the compilation ended
     fast = cache.new_state(StructuredOutputs(regex="[0-9]+"))
     wait(fast)
+    assert fast.ready and not slow.ready  # the fast grammar did not wait behind the slow one
     wait(slow)
-    assert fast.ready
+    release.set()
     assert slow.error is not None and "timed out" in slow.error
 
 
