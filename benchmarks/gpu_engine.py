@@ -51,27 +51,22 @@ def build(model_name: str, *, max_model_len: int, max_num_seqs: int, max_num_bat
 
 
 def dispatcher_for(eng, mode: str):
-    """The project's dispatcher if its selection picks CUDA candidates here,
-    else the Triton defaults (kernels/defaults_triton.py). Returns (d, source)."""
+    """The project's dispatcher for `mode` (SelIR, selection/programs). Returns
+    (d, source); refuses to time anything but the Triton attention on CUDA."""
     from detent.selection import make_dispatcher
     f = eng.facts
-    try:
-        d = make_dispatcher(f, mode, None)
-        site = {"num_heads": f["num_heads"], "num_kv_heads": f["num_kv_heads"], "head_dim": f["head_dim"],
-                "block_size": f["page_size"], "dtype": f["dtype"]}
-        sel = d.provider.selector("attention", site)(num_tokens=1, num_seqs=1, max_seqlen_q=1,
-                                                      max_seqlen_k=1, total_kv=1)
-        if sel["impl"] == "triton_paged":
-            return d, "selection (SelIR)"
-    except Exception:  # noqa: BLE001  (no GPU programs yet)
-        pass
-    from detent.kernels.defaults_triton import make_triton_dispatcher
-    return make_triton_dispatcher(eng.facts, mode), "kernels/defaults_triton.py"
+    d = make_dispatcher(f, mode, None)
+    site = (("num_heads", f["num_heads"]), ("num_kv_heads", f["num_kv_heads"]), ("head_dim", f["head_dim"]),
+            ("block_size", f["page_size"]), ("dtype", f["dtype"]))
+    sel = d.select("attention", site, dict(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1, total_kv=1))
+    if f["device"] == "cuda" and sel["impl"] != "triton_paged":
+        raise RuntimeError(f"SelIR selected {sel} for attention on CUDA: is triton importable? facts={f}")
+    return d, "selection (SelIR)"
 
 
 def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = None) -> dict:
     """mode: "stock" | "pinned" | "conservative", optionally with environment
-    settings for kernels/defaults_triton.py: "pinned+DETENT_PINNED_GEMM=big"."""
+    settings read by the kernels: "pinned+VAR=VAL"."""
     import os
     from detent.engine.cuda_graph import enable_cuda_graphs
     eng = llm.llm_engine

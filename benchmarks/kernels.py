@@ -95,7 +95,12 @@ def attn_case(batch, ctx, q_len, h=32, kvh=8, d=128, bs=16):
 
 
 def attn_sweep():
-    from detent.kernels.defaults_triton import fa3_num_splits
+    import importlib.util, pathlib
+    spec = importlib.util.spec_from_file_location(
+        "fa3_reference", pathlib.Path(__file__).resolve().parents[1] / "tests" / "selection" / "fa3_reference.py")
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    fa3_num_splits = ref.fa3_num_splits
     res = []
     for batch, ctx, q_len in ((1, 1024, 1), (8, 1024, 1), (64, 1024, 1), (256, 1024, 1), (1, 2048, 2048),
                               (1, 8192, 2048)):

@@ -44,12 +44,9 @@ class AllReduceOverride:
 def rank_set_mode(st, mode: str, graphs: bool, capture_sizes: list[int], max_num_seqs: int,
                   allreduce: str | None) -> dict:
     """Runs on every rank (TPExecutor.collective_rpc): install `mode`'s GPU
-    selection (SelIR's when it picks CUDA candidates, else
-    kernels/defaults_triton.py, as benchmarks/gpu_engine.py does), then
-    recapture the decode graphs."""
+    selection (SelIR's, selection/programs), then recapture the decode graphs."""
     import torch
 
-    from detent.kernels.defaults_triton import make_triton_dispatcher
     from detent.selection import make_dispatcher
     from detent.selection.dispatch import Dispatcher
     f = st.info.facts
@@ -65,7 +62,7 @@ def rank_set_mode(st, mode: str, graphs: bool, capture_sizes: list[int], max_num
     except Exception:  # noqa: BLE001
         sel = {}
     if sel.get("impl") != "triton_paged":
-        d, source = make_triton_dispatcher(f, mode), "kernels/defaults_triton.py"
+        raise RuntimeError(f"SelIR selected {sel} for attention on CUDA: is triton importable? facts={f}")
     if allreduce:
         d, source = Dispatcher(AllReduceOverride(d.provider, allreduce)), source + f" + allreduce={allreduce}"
     st.runner.dispatcher = d

@@ -4,10 +4,11 @@ import torch
 
 from detent.engine.cuda_graph import CudaGraphRunner
 from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from detent.kernels.defaults_triton import make_triton_dispatcher
 from detent.models.config import ModelConfig
 from detent.models.loader import load_model
+from detent.selection import make_dispatcher
 from detent.selection.dispatch import use_dispatcher
+from detent.selection.facts import default_facts_for
 
 pytestmark = pytest.mark.gpu
 BS = 16
@@ -39,7 +40,8 @@ def test_graph_replay_matches_eager():
     cfg = ModelConfig.from_hf(CFG)
     model = load_model(cfg, device=dev, dtype=torch.bfloat16, load_format="dummy", progress=False)
     caches = [torch.zeros(2, 40, BS, 2, 64, dtype=torch.bfloat16, device=dev) for _ in range(2)]
-    disp = make_triton_dispatcher({"max_context": 512, "num_sms": 132}, mode)
+    facts = default_facts_for(cfg, device="cuda", dtype="bfloat16", tp=1, page_size=BS, max_context=512)
+    disp = make_dispatcher(facts, mode, None)
     tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     lens = [40, 17, 60]
     ids = [torch.randint(3, 1000, (n + 1,), device=dev) for n in lens]

@@ -84,21 +84,15 @@ def test_one_shot_and_two_shot_agree(nccl_ranks, dt):
 # ---------------------------------------------------------------- the engine at tp = 2
 def _rank_set_mode(st, mode: str, graphs: bool, max_num_seqs: int) -> str:
     """Install `mode`'s GPU selection on this rank (and recapture its decode
-    graphs): SelIR's dispatcher when it picks CUDA candidates, else
-    kernels/defaults_triton.py (as benchmarks/gpu_engine.py does)."""
-    from detent.kernels.defaults_triton import make_triton_dispatcher
+    graphs): SelIR's dispatcher (selection/programs)."""
     from detent.selection import make_dispatcher
     f = st.info.facts
     d = make_dispatcher(f, mode, None)
     site = {"num_heads": f["num_heads"] // f["tp"], "num_kv_heads": max(1, f["num_kv_heads"] // f["tp"]),
             "head_dim": f["head_dim"], "block_size": f["page_size"], "dtype": f["dtype"]}
-    try:
-        sel = d.provider.selector("attention", site)(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1,
-                                                      total_kv=1)
-    except Exception:  # noqa: BLE001
-        sel = {}
-    if sel.get("impl") != "triton_paged":
-        d = make_triton_dispatcher(f, mode)
+    sel = d.provider.selector("attention", site)(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1,
+                                                  total_kv=1)
+    assert sel["impl"] == "triton_paged", f"SelIR selected {sel} for attention on CUDA"
     st.runner.dispatcher = d
     if not graphs:
         return "eager"
