@@ -53,6 +53,23 @@ def test_200_requests_quarter_disconnect_mid_stream(server):
     print(f"200 requests (50 disconnecting) in {time.time() - t0:.1f}s")
 
 
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    aborted0 = _count(server, "abort")
+    for i in range(3):
+        try:
+            httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=0.3,
+                       json={"prompt": f"Long story {i}", "max_tokens": 900, "ignore_eos": True, "temperature": 0})
+            raise AssertionError("the request should not have finished within 0.3 s")
+        except httpx.TimeoutException:
+            pass
+    deadline = time.time() + 30
+    while time.time() < deadline and (_count(server, "abort") - aborted0 < 3
+                                      or server.metric("detent_kv_cache_usage_perc") != 0):
+        time.sleep(0.2)
+    assert _count(server, "abort") - aborted0 == 3
+    assert server.metric("detent_kv_cache_usage_perc") == 0.0
+
+
 def _count(server, outcome):
     return sum(v for k, v in server.metrics().items()
                if k.startswith("detent_requests_total{") and f'outcome="{outcome}"' in k)
