@@ -49,10 +49,17 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the step loop, then the engine's own workers (TP ranks, grammar threads)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the engine thread did not stop within %.0f s; not shutting the engine down", timeout)
+                return
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     @property
     def running(self) -> bool:
