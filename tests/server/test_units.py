@@ -117,3 +117,16 @@ def test_async_engine_refusal_and_death():
         ae.shutdown()
 
     asyncio.run(main())
+
+
+def test_cli_flags(monkeypatch):
+    from detent.server.cli import parse_args
+    monkeypatch.setenv("DETENT_API_KEY", "from-env")
+    a = parse_args([])
+    assert (a.api_key, a.host, a.port, a.selection, a.tp) == ("from-env", "127.0.0.1", 8000, "pinned", 1)
+    assert parse_args(["--api-key", "flag"]).api_key == "flag"
+    a = parse_args(["--served-model-name", "a", "b", "--max-queue-len", "0", "--tuple", "t.json"])
+    assert a.served_model_name == ["a", "b"] and a.max_queue_len == 0 and a.tuple == "t.json"
+    for bad in (["--max-request-bytes", "0"], ["--tp", "0"], ["--selection", "fast"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
