@@ -54,7 +54,7 @@ def rank_set_mode(st, mode: str, graphs: bool, capture_sizes: list[int], max_num
     if f["device"] != "cuda":  # CPU smoke run of this script: the project's selection as is
         st.runner.dispatcher = d
         return {"mode": mode, "selection_source": source, "cuda_graphs": "eager (CPU)"}
-    site = {"num_heads": f["num_heads"] // f["tp"], "num_kv_heads": max(1, f["num_kv_heads"] // f["tp"]),
+    site = {"num_heads": f["num_heads"], "num_kv_heads": f["num_kv_heads"],  # per rank
             "head_dim": f["head_dim"], "block_size": f["page_size"], "dtype": f["dtype"]}
     try:
         sel = d.provider.selector("attention", site)(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1,

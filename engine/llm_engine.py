@@ -28,30 +28,22 @@ from detent.engine.model_runner import ModelRunner
 from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
 from detent.sampling.params import SamplingParams
+from detent.selection.facts import default_facts_for
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
 
 
 def deployment_facts(config: EngineConfig, mc: Any, state: EngineState) -> dict[str, Any]:
-    """The deployment facts SelIR partially evaluates against (DESIGN §3)."""
+    """The deployment facts SelIR partially evaluates against (DESIGN §3).
+
+    One recipe for the engine and for `detent tuple default --model ...`
+    (`selection.facts.default_facts_for`), so a tuple made offline matches
+    the engine that loads it. Head counts and widths are per rank."""
     dev = state.device
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        arch, num_sms = f"sm_{props.major}{props.minor}", props.multi_processor_count
-    else:
-        arch, num_sms = "cpu", 0
-    return {
-        "device": dev.type, "arch": arch, "num_sms": num_sms,
-        "dtype": str(state.dtype).removeprefix("torch."), "tp": config.tensor_parallel_size,
-        "page_size": state.block_size, "max_context": state.max_model_len,
-        "hidden": mc.hidden_size, "vocab": mc.vocab_size, "num_layers": mc.num_layers,
-        "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
-        "intermediate": getattr(mc, "intermediate_size", 0),
-        "num_experts": getattr(mc, "num_experts", 0),
-        "experts_per_tok": getattr(mc, "num_experts_per_tok", 0),
-        "moe_intermediate": getattr(mc, "moe_intermediate_size", 0),
-        "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
-    }
+    return default_facts_for(
+        mc, device=dev.type, dtype=str(state.dtype).removeprefix("torch."), tp=config.tensor_parallel_size,
+        page_size=state.block_size, max_context=state.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
 
 
 class LLMEngine:

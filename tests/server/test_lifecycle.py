@@ -142,9 +142,6 @@ def test_bad_tuple_refuses_startup(tmp_path, tiny_model):
         assert "refusing to start" in err and path.name in err, err[-2000:]
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="integration gap outside server/: `detent tuple default --model` writes an "
-                   "'engine_version' fact that the engine's deployment facts lack, so the engine refuses the "
-                   "tuple; remove this mark when they agree")
 def test_good_tuple_serves_and_reports_its_hash(tmp_path, tiny_model):
     t = tmp_path / "t.json"
     p = subprocess.run([sys.executable, "-m", "detent.cli", "tuple", "default", "--model", tiny_model,

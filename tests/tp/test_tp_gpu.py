@@ -88,7 +88,7 @@ def _rank_set_mode(st, mode: str, graphs: bool, max_num_seqs: int) -> str:
     from detent.selection import make_dispatcher
     f = st.info.facts
     d = make_dispatcher(f, mode, None)
-    site = {"num_heads": f["num_heads"] // f["tp"], "num_kv_heads": max(1, f["num_kv_heads"] // f["tp"]),
+    site = {"num_heads": f["num_heads"], "num_kv_heads": f["num_kv_heads"],  # per rank
             "head_dim": f["head_dim"], "block_size": f["page_size"], "dtype": f["dtype"]}
     sel = d.provider.selector("attention", site)(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1,
                                                   total_kv=1)
