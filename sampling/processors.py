@@ -66,6 +66,9 @@ def apply_penalties(x: torch.Tensor, rows) -> torch.Tensor:
     """vLLM semantics: repetition over prompt+output tokens; frequency/presence over output tokens."""
     B, V = x.shape
     dev = x.device
+    if all(r.params.repetition_penalty == 1.0 and r.params.frequency_penalty == 0.0
+           and r.params.presence_penalty == 0.0 for r in rows):
+        return x  # decided on the host: no tensors, no device sync
     rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
     freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
     pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]

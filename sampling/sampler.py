@@ -113,13 +113,17 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], out: SamplerOutp
     temp = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
                         dtype=x.dtype, device=dev)[:, None]
     x = x / temp  # temperature-scaled; x / 1.0 == x exactly for greedy rows
-    top_k = torch.tensor([-1 if g else r.params.top_k for g, r in zip(greedy, rows)], device=dev)
-    top_p = torch.tensor([1.0 if g else r.params.top_p for g, r in zip(greedy, rows)],
-                         dtype=torch.float64, device=dev)
-    min_p = torch.tensor([0.0 if g else r.params.min_p for g, r in zip(greedy, rows)],
-                         dtype=torch.float64, device=dev)
-    keep = P.truncation_mask(x, top_k, top_p, min_p)
-    z = torch.where(keep, x, P.NEG_INF)  # processed logits [B, V]
+    k_l = [-1 if g else r.params.top_k for g, r in zip(greedy, rows)]
+    p_l = [1.0 if g else r.params.top_p for g, r in zip(greedy, rows)]
+    m_l = [0.0 if g else r.params.min_p for g, r in zip(greedy, rows)]
+    if any(0 < k < V for k in k_l) or any(p < 1.0 for p in p_l) or any(m > 0.0 for m in m_l):
+        top_k = torch.tensor(k_l, device=dev)
+        top_p = torch.tensor(p_l, dtype=torch.float64, device=dev)
+        min_p = torch.tensor(m_l, dtype=torch.float64, device=dev)
+        keep = P.truncation_mask(x, top_k, top_p, min_p)
+        z = torch.where(keep, x, P.NEG_INF)  # processed logits [B, V]
+    else:
+        z = x  # no row truncates: truncation_mask would keep every token
     if any(r.grammar is not None for r in rows):
         allowed = _grammar_allowed(rows, V, dev)
         z = torch.where(allowed, z, P.NEG_INF)
@@ -129,7 +133,7 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], out: SamplerOutp
             z = torch.where(empty, torch.where(allowed, alt, P.NEG_INF), z)
     noisy = [j for j, r in enumerate(rows) if _needs_noise(r)]
     sampled = dict(zip(noisy, _gumbel_max(z[noisy], [rows[j] for j in noisy]).tolist())) if noisy else {}
-    greedy_tok = torch.argmax(z, dim=-1)  # first maximum: ties to the lowest id
+    greedy_tok = torch.argmax(z, dim=-1).tolist()  # first maximum: ties to the lowest id
     toks = []
     for j, r in enumerate(rows):
         if r.golden_token is not None:
@@ -139,7 +143,7 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], out: SamplerOutp
         elif _needs_noise(r):
             toks.append(sampled[j])
         else:
-            toks.append(int(greedy_tok[j]))
+            toks.append(greedy_tok[j])
     lp = raw_lp
     modes = [r.params.logprobs_mode for r in rows]
     for mode in set(modes) - {"raw"}:
