@@ -40,6 +40,8 @@ def _facts(args: argparse.Namespace) -> dict[str, Any]:
             cfg = gguf_config(GGUFReader(path))
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: --model {args.model}: cannot read the GGUF metadata ({e})")
+    elif not os.path.exists(args.model) and _preset_config(args.model) is not None:
+        cfg = _preset_config(args.model)  # a preset name: its built-in config (as load_format="dummy")
     else:
         cfg_path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
         try:
@@ -55,9 +57,15 @@ def _facts(args: argparse.Namespace) -> dict[str, Any]:
                              max_num_seqs=args.max_num_seqs)
 
 
+def _preset_config(name: str) -> dict | None:
+    from detent.models.presets import preset
+    p = preset(name)
+    return None if p is None else dict(p["config"])
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--facts", help="deployment facts (JSON object)")
-    p.add_argument("--model", help="HF model directory (config.json), a .gguf file, or 'embedded' "
+    p.add_argument("--model", help="HF model directory (config.json), a .gguf file, a preset name (llama-3.1-8b, ...), or 'embedded' "
                    "(the bundled SmolLM2) to derive facts from")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

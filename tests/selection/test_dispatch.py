@@ -89,3 +89,11 @@ def test_cli_reads_the_embedded_gguf(capsys):
     assert main(["solve", "--family", "gemm", "--model", "embedded", "--no-cache"]) == 0
     out = capsys.readouterr().out
     assert "site dtype=float32,k=576,n=960" in out and "site dtype=float32,k=576,n=3072" in out and "pins (1): chunk" in out and "3 legal" in out
+
+
+def test_cli_takes_a_preset_name(tmp_path, capsys):
+    t = tmp_path / "t.json"
+    assert main(["tuple", "default", "--model", "llama-3.1-8b", "--device", "cuda", "--dtype", "bfloat16",
+                 "-o", str(t)]) == 0
+    facts = json.loads(t.read_text())["deployment"]["facts"]
+    assert (facts["hidden"], facts["num_kv_heads"], facts["device"]) == (4096, 8, "cuda")
