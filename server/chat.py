@@ -10,10 +10,10 @@ from fastapi.responses import JSONResponse, Response
 
 from detent.server.errors import APIError, bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
-from detent.server.generation import Generation, output_error, seeds
+from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs
 from detent.server.protocol import ChatCompletionRequest, ChatMessage
-from detent.server.serving import ClientGone, ServerState, SSEResponse, sse, unless_disconnected
+from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -72,7 +72,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
     ctx = dict(id=rid, created=int(time.time()), model=model, system_fingerprint=state.system_fingerprint)
     if req.stream:
-        return SSEResponse(_stream(req, state, gen, tok, k, ctx), on_close=gen.close)
+        return SSEResponse(_stream(req, gen, tok, k, ctx), on_close=gen.close)
     try:
         (out,) = await unless_disconnected(request, gen.run())
     except ClientGone:
@@ -94,38 +94,34 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     return JSONResponse(body)
 
 
-async def _stream(req: ChatCompletionRequest, state: ServerState, gen: Generation, tok: TokenText,
-                  k: int | None, ctx: dict) -> AsyncIterator[str]:
+def _stream(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
+            ctx: dict) -> AsyncIterator[str]:
     ctx = {**ctx, "object": "chat.completion.chunk"}
-    deltas: dict[int, ChoiceDelta] = {}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return sse_events(_chunks(req, gen, tok, k, ctx), gen, ctx, include_usage)
+
+
+async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
+                  ctx: dict) -> AsyncIterator[dict]:
+    deltas: dict[int, ChoiceDelta] = {}
     stop = list([req.stop] if isinstance(req.stop, str) else (req.stop or []))
-    try:
-        for j in range(req.n):
-            deltas[j] = ChoiceDelta(stop, req.include_stop_str_in_output)
-            yield sse({**ctx, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}], "usage": None})
-        async for _, out in gen:
-            err = output_error(out)
-            if err is not None:
-                raise err
-            for c in out.outputs:
-                d, done = deltas[c.index], c.finish_reason is not None
-                text, t0, t1 = d.next(c.text, len(c.token_ids), done)
-                if not text and t0 == t1 and not done:
-                    continue
-                lps = None
-                if k is not None:
-                    lps = chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], k, tok)
-                yield sse({**ctx, "choices": [{
-                    "index": c.index, "delta": {"content": text} if text or not done else {},
-                    "logprobs": lps, "finish_reason": c.finish_reason if done else None,
-                    "stop_reason": getattr(c, "stop_reason", None) if done else None}], "usage": None})
-        if include_usage:
-            yield sse({**ctx, "choices": [], "usage": usage(gen.prompt_tokens, gen.completion_tokens),
-                       "detent": {**state.fingerprint(), "seeds": seeds(gen.final)}})
-    except APIError as e:
-        yield sse(e.body())
-    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-        yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
-    yield "data: [DONE]\n\n"
+    for j in range(req.n):
+        deltas[j] = ChoiceDelta(stop, req.include_stop_str_in_output)
+        yield {**ctx, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}], "usage": None}
+    async for _, out in gen:
+        err = output_error(out)
+        if err is not None:
+            raise err
+        for c in out.outputs:
+            d, done = deltas[c.index], c.finish_reason is not None
+            text, t0, t1 = d.next(c.text, len(c.token_ids), done)
+            if not text and t0 == t1 and not done:
+                continue
+            lps = None
+            if k is not None:
+                lps = chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], k, tok)
+            yield {**ctx, "choices": [{
+                "index": c.index, "delta": {"content": text} if text or not done else {},
+                "logprobs": lps, "finish_reason": c.finish_reason if done else None,
+                "stop_reason": getattr(c, "stop_reason", None) if done else None}], "usage": None}

@@ -8,12 +8,12 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from detent.server.errors import APIError, bad_request
+from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, completion_logprobs, prompt_logprobs_json, usage
-from detent.server.generation import Generation, output_error, seeds
+from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs
 from detent.server.protocol import CompletionRequest
-from detent.server.serving import ClientGone, ServerState, SSEResponse, sse, unless_disconnected
+from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
 
 
 def _prompts(req: CompletionRequest, state: ServerState) -> list[tuple[str | None, list[int]]]:
@@ -101,46 +101,42 @@ def _choice(req, state, tok, index, text0, ids, out, c) -> dict[str, Any]:
     return ch
 
 
-async def _stream(req: CompletionRequest, state: ServerState, gen: Generation,
-                  prompts: list[tuple[str | None, list[int]]], tok: TokenText, ctx: dict) -> AsyncIterator[str]:
-    deltas: dict[int, ChoiceDelta] = {}
+def _stream(req: CompletionRequest, state: ServerState, gen: Generation,
+            prompts: list[tuple[str | None, list[int]]], tok: TokenText, ctx: dict) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return sse_events(_chunks(req, state, gen, prompts, tok, ctx), gen, ctx, include_usage)
+
+
+async def _chunks(req: CompletionRequest, state: ServerState, gen: Generation,
+                  prompts: list[tuple[str | None, list[int]]], tok: TokenText, ctx: dict) -> AsyncIterator[dict]:
+    deltas: dict[int, ChoiceDelta] = {}
     stop = list([req.stop] if isinstance(req.stop, str) else (req.stop or []))
-    try:
-        async for i, out in gen:
-            err = output_error(out)
-            if err is not None:
-                raise err
-            text0, ids = prompts[i]
-            for c in out.outputs:
-                index = i * req.n + c.index
-                d = deltas.get(index)
-                first = d is None
-                if first:
-                    d = deltas[index] = ChoiceDelta(stop, req.include_stop_str_in_output)
-                done = c.finish_reason is not None
-                text, t0, t1 = d.next(c.text, len(c.token_ids), done)
-                if not text and t0 == t1 and not done and not (first and req.echo):
-                    continue
-                lps = None
-                if req.logprobs is not None:
-                    tids, tlps = list(c.token_ids[t0:t1]), list((c.logprobs or [])[t0:t1])
-                    if first and req.echo:
-                        tids, tlps = list(ids) + tids, list(out.prompt_logprobs or [None] * len(ids)) + tlps
-                    lps = completion_logprobs(tids, tlps, tok)
+    async for i, out in gen:
+        err = output_error(out)
+        if err is not None:
+            raise err
+        text0, ids = prompts[i]
+        for c in out.outputs:
+            index = i * req.n + c.index
+            d = deltas.get(index)
+            first = d is None
+            if first:
+                d = deltas[index] = ChoiceDelta(stop, req.include_stop_str_in_output)
+            done = c.finish_reason is not None
+            text, t0, t1 = d.next(c.text, len(c.token_ids), done)
+            if not text and t0 == t1 and not done and not (first and req.echo):
+                continue
+            lps = None
+            if req.logprobs is not None:
+                tids, tlps = list(c.token_ids[t0:t1]), list((c.logprobs or [])[t0:t1])
                 if first and req.echo:
-                    text = _prompt_text(state, text0, ids) + text
-                ch = {"index": index, "text": text, "logprobs": lps,
-                      "finish_reason": c.finish_reason if done else None,
-                      "stop_reason": getattr(c, "stop_reason", None) if done else None}
-                if first and req.prompt_logprobs is not None:
-                    ch["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, tok)
-                yield sse({**ctx, "choices": [ch], "usage": None})
-        if include_usage:
-            yield sse({**ctx, "choices": [], "usage": usage(gen.prompt_tokens, gen.completion_tokens),
-                       "detent": {**state.fingerprint(), "seeds": seeds(gen.final)}})
-    except APIError as e:
-        yield sse(e.body())
-    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-        yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
-    yield "data: [DONE]\n\n"
+                    tids, tlps = list(ids) + tids, list(out.prompt_logprobs or [None] * len(ids)) + tlps
+                lps = completion_logprobs(tids, tlps, tok)
+            if first and req.echo:
+                text = _prompt_text(state, text0, ids) + text
+            ch = {"index": index, "text": text, "logprobs": lps,
+                  "finish_reason": c.finish_reason if done else None,
+                  "stop_reason": getattr(c, "stop_reason", None) if done else None}
+            if first and req.prompt_logprobs is not None:
+                ch["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, tok)
+            yield {**ctx, "choices": [ch], "usage": None}

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from detent.server.errors import APIError
+from detent.server.formatting import usage
 from detent.server.metrics import RequestTimer
-from detent.server.serving import ServerState, merge
+from detent.server.serving import ServerState, merge, sse
 
 
 def _generated(out: Any) -> int:
@@ -40,6 +41,23 @@ def output_error(out: Any) -> APIError | None:
             return APIError(400, f"the request failed in the engine: {why or 'unknown error'}",
                             param="structured_outputs" if why and "grammar" in str(why).lower() else None)
     return None
+
+
+async def sse_events(chunks: AsyncIterator[dict], gen: "Generation", ctx: dict,
+                     include_usage: bool) -> AsyncIterator[str]:
+    """An OpenAI event stream: each chunk, then the usage chunk when asked for;
+    an error after the stream started is reported in-band; always ends [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+        if include_usage:
+            yield sse({**ctx, "choices": [], "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+                       "detent": {**gen.state.fingerprint(), "seeds": seeds(gen.final)}})
+    except APIError as e:
+        yield sse(e.body())
+    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+        yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+    yield "data: [DONE]\n\n"
 
 
 class Generation:
