@@ -96,14 +96,6 @@ class ModelConfig:
         return (self.is_moe and i not in self.mlp_only_layers
                 and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
     def replace(self, **changes) -> "ModelConfig":
         from dataclasses import replace
         return replace(self, **changes)

@@ -148,14 +148,6 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         head = self.tp.rank // self.kv_replicas * self.num_kv_heads
         return head * d, self.num_kv_heads * d
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
 
 class RowParallelLinear(SourcedModule):
     """y = x @ W.T with W's columns (the input dim) split across ranks; the
