@@ -26,26 +26,36 @@ def measure_copy_bw() -> float:
 
 
 def build(model_name: str, *, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int = 8192,
-          gpu_memory_utilization: float = 0.9, seed: int = 0):
-    cfg = preset(model_name)
-    if cfg is None:
-        raise ValueError(f"unknown preset {model_name!r}")
-    mc = ModelConfig.from_hf(cfg["config"])
+          gpu_memory_utilization: float = 0.9, seed: int = 0, enable_prefix_caching: bool = False,
+          hf_config: dict | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """Dummy weights (models/weights.init_dummy: norms 1, biases 0, matrices
+    N(0, 0.02)) at the preset's shapes. `hf_config` replaces the preset's
+    config (tiny models for CPU runs of the harnesses); `device="cpu"` runs
+    without CUDA (tests)."""
+    if hf_config is None:
+        cfg = preset(model_name)
+        if cfg is None:
+            raise ValueError(f"unknown preset {model_name!r}")
+        hf_config = cfg["config"]
+    mc = ModelConfig.from_hf(hf_config)
+    cuda = torch.device(device).type == "cuda"
     t0 = time.time()
-    torch.cuda.reset_peak_memory_stats()
-    model = load_model(mc, device="cuda", dtype=torch.bfloat16, load_format="dummy", seed=seed, progress=False)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model = load_model(mc, device=device, dtype=dtype, load_format="dummy", seed=seed, progress=False)
+    if cuda:
+        torch.cuda.synchronize()
     load_s = time.time() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     llm = LLM.from_model(model, mc, selection="pinned", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
-                         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True, device="cuda")
+                         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True, device=device)
     eng = llm.llm_engine
     kv_bytes = sum(t.numel() * t.element_size() for t in eng.runner.kv_caches)
     info = {"model": model_name, "weight_bytes": weight_bytes, "load_s": load_s,
             "kv_pool_tokens": (eng.state.num_blocks - 1) * eng.state.block_size, "kv_pool_bytes": kv_bytes,
             "kv_bytes_per_token": kv_bytes // (eng.state.num_blocks * eng.state.block_size),
-            "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory,
+            "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
             "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len}
     return llm, mc, info
 
