@@ -1,9 +1,23 @@
 """`LLMEngine`: the engine core loop.
 
     step():  plan = scheduler.schedule()          # which tokens, which blocks
-             out  = runner.execute(plan)           # one forward, sample, prompt logprobs
-             done = scheduler.update(plan, out)    # counters, stop checks, free blocks
-             return outputs for the requests that progressed
+             h    = runner.launch(plan, prev)      # queue forward + sampling on the device
+             out  = runner.collect(prev)           # wait for the previous step's tokens
+             done = scheduler.update(prev, out)    # stop checks, free blocks, outputs
+             prev = h
+
+With `async_scheduling` (on by default on CUDA at tp = 1) the host plans and
+launches step N+1 before it waits for step N, so scheduling, input
+preparation and output processing run while the device computes (vLLM's
+async scheduling). Step N+1's rows then take the tokens step N sampled
+straight from the device (`PLACEHOLDER` inputs); a request that finishes at
+step N has one extra row in step N+1, whose token is dropped. The tokens,
+logprobs and their bits are the same as without overlap: every row is
+computed from the same inputs, and the extra rows are neighbours, which a
+batch-invariant step does not see. The engine collects first (no overlap)
+whenever a request needs its token on the host before its next step
+(grammar, penalties, min_tokens, golden tokens, prompt logprobs). Without
+`async_scheduling` each step launches and collects its own plan.
 
 Threading: `add_request` and `abort_request` may be called from any thread
 (e.g. a server's event loop) while another thread runs `step()`. They
@@ -17,6 +31,7 @@ from __future__ import annotations
 import random
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -29,6 +44,7 @@ from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
 from detent.sampling.params import SamplingParams
 from detent.selection.facts import default_facts_for
+from detent.scheduler.outputs import ModelOutput, SchedulerOutput
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
 
@@ -44,6 +60,13 @@ def deployment_facts(config: EngineConfig, mc: Any, state: EngineState) -> dict[
         mc, device=dev.type, dtype=str(state.dtype).removeprefix("torch."), tp=config.tensor_parallel_size,
         page_size=state.block_size, max_context=state.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """A step the runner executed synchronously (the tensor-parallel executor)."""
+    plan: SchedulerOutput
+    out: ModelOutput
 
 
 class LLMEngine:
@@ -83,6 +106,10 @@ class LLMEngine:
         self._pending_ids: set[str] = set()  # added, not yet drained
         self._live_ids: set[str] = set()  # drained, not yet finished
         self._num_steps = 0
+        self._inflight = None  # the launched step not yet collected (async scheduling)
+        local = hasattr(self.runner, "launch")
+        self.async_scheduling = (local and self.state.device.type == "cuda" if config.async_scheduling is None
+                                 else bool(config.async_scheduling) and local)
         self._grammars = None  # GrammarCompilerCache, made on the first structured_outputs request
 
     def _build_local(self, model: torch.nn.Module, mc: Any, device: torch.device) -> None:
@@ -213,30 +240,57 @@ class LLMEngine:
     # ------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step; outputs (cumulative) of the
-        requests that got a token or finished, `finished` set on the last."""
+        requests that got a token or finished, `finished` set on the last.
+        With async scheduling the tokens returned are those of the step
+        launched by the previous call."""
         with self._step_lock:
             results = self._drain_inbox()
             failed = {self.outputs.parent_of[r.request_id]: None for r in self.scheduler.fail_grammar_errors()}
             results += [self._emit(g) for g in failed]
+            prev, self._inflight = self._inflight, None
+            if prev is not None and self._needs_tokens_first(prev):
+                results += self._finish_step(prev)
+                prev = None
             plan = self.scheduler.schedule()
-            if plan.is_empty:
-                return results
-            try:
-                out = self.runner.execute(plan)
-            except (ValueError, NotImplementedError) as e:  # a request-level error: fail the step's requests
-                return results + self._fail_plan(plan, f"{type(e).__name__}: {e}")
-            progressed = self.scheduler.update(plan, out)
-            self._num_steps += 1
-            groups: dict[str, None] = {}
-            for req in progressed:
-                stop = self.outputs.update_text(req)
-                if stop is not None:
-                    if req.is_finished:  # it also hit a length limit or EOS: the stop string wins
-                        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                    else:
-                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
-                groups[self.outputs.parent_of[req.request_id]] = None
-            return results + [self._emit(g) for g in groups]
+            handle = None
+            if not plan.is_empty:
+                try:
+                    if hasattr(self.runner, "launch"):
+                        handle = self.runner.launch(plan, prev)
+                    else:  # tensor-parallel executor: one synchronous call
+                        handle = _Ran(plan, self.runner.execute(plan))
+                except (ValueError, NotImplementedError) as e:  # a request-level error: fail the step's requests
+                    results += self._fail_plan(plan, f"{type(e).__name__}: {e}")
+            if prev is not None:
+                results += self._finish_step(prev)
+            if handle is not None:
+                if self.async_scheduling and not isinstance(handle, _Ran):
+                    self._inflight = handle
+                else:
+                    results += self._finish_step(handle)
+            return results
+
+    def _needs_tokens_first(self, handle) -> bool:
+        """Must `handle`'s tokens reach the host before the next plan is made?"""
+        reqs = self.scheduler.requests
+        return any(s.sample is not None and s.request_id in reqs and reqs[s.request_id].needs_token_feedback
+                   for s in handle.plan.seqs)
+
+    def _finish_step(self, handle) -> list[RequestOutput]:
+        """Collect a launched step, advance the requests, emit their outputs."""
+        out = handle.out if isinstance(handle, _Ran) else self.runner.collect(handle)
+        progressed = self.scheduler.update(handle.plan, out)
+        self._num_steps += 1
+        groups: dict[str, None] = {}
+        for req in progressed:
+            stop = self.outputs.update_text(req)
+            if stop is not None:
+                if req.is_finished:  # it also hit a length limit or EOS: the stop string wins
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                else:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+            groups[self.outputs.parent_of[req.request_id]] = None
+        return [self._emit(g) for g in groups]
 
     def _fail_plan(self, plan, message: str) -> list[RequestOutput]:
         """Finish every request of a step that raised (finish_reason "error"); the engine goes on."""

@@ -19,10 +19,20 @@ import torch
 
 from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from detent.sampling import sampler as sampling
-from detent.scheduler.outputs import ModelOutput, SampledToken, SchedulerOutput
+from detent.sampling.rng import to_device
+from detent.scheduler.outputs import PLACEHOLDER, ModelOutput, SampledToken, SchedulerOutput
 from detent.selection.dispatch import Dispatcher, use_dispatcher
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt rows scored per log-softmax call (bounds the [rows, vocab] buffer)
+
+
+@dataclass(frozen=True)
+class StepHandle:
+    """A launched step: its plan and its results, still on the device."""
+    plan: SchedulerOutput
+    sampled: "sampling.PendingSample | None"
+    sample_row: dict[str, int]  # request id -> its row in `sampled`
+    prompt_logprobs: dict
 
 
 @dataclass(frozen=True)
@@ -46,15 +56,34 @@ class ModelRunner:
         self.device = device
 
     # ------------------------------------------------------------ step
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
-        batch = self.prepare(plan)
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, prev: "StepHandle | None" = None) -> "StepHandle":
+        """Queue the step's forward and sampling on the device; do not wait for them.
+
+        Input tokens the host does not know yet (`PLACEHOLDER`, the tokens `prev`
+        sampled) are taken from `prev`'s device tensor. Prompt logprobs, top-k/p
+        truncation and grammar masks still wait for the device inside."""
+        batch = self.prepare(plan, prev)
         ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches)
         with use_dispatcher(self.dispatcher), forward_context(ctx):
             hidden = self._forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
             sampled = self._sample(plan, hidden, batch)
             prompt_lps = self._prompt_logprobs(plan, hidden, batch)
-        return ModelOutput(sampled, prompt_lps)
+        ids = [s.request_id for s in plan.seqs if s.sample is not None]
+        return StepHandle(plan, sampled, {rid: i for i, rid in enumerate(ids)}, prompt_lps)
+
+    @staticmethod
+    def collect(handle: "StepHandle") -> ModelOutput:
+        """Wait for `handle`'s results and hand them over as host values."""
+        if handle.sampled is None:
+            return ModelOutput({}, handle.prompt_logprobs)
+        out = handle.sampled.resolve()
+        return ModelOutput({rid: SampledToken(out.token_ids[i], (out.logprobs[i], out.ranks[i],
+                                                                 tuple(out.topk_ids[i]), tuple(out.topk_logprobs[i])))
+                            for rid, i in handle.sample_row.items()}, handle.prompt_logprobs)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
@@ -62,7 +91,7 @@ class ModelRunner:
         return self.model(input_ids, positions)
 
     # ------------------------------------------------------------ host side
-    def prepare(self, plan: SchedulerOutput) -> Batch:
+    def prepare(self, plan: SchedulerOutput, prev: "StepHandle | None" = None) -> Batch:
         seqs = plan.seqs
         bs = self.block_size
         qlens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -85,15 +114,22 @@ class ModelRunner:
                   for i, s in enumerate(seqs) if s.prompt_targets]
         p_rows = np.concatenate(p_rows) if p_rows else np.zeros(0, dtype=np.int64)
         p_tgts = np.fromiter((tok for s in seqs for tok in s.prompt_targets), dtype=np.int64)
+        holes = np.flatnonzero(ids == PLACEHOLDER)  # tokens sampled by `prev`, not on the host yet
+        if holes.size and prev is None:
+            raise RuntimeError("the plan has placeholder tokens but no previous step to take them from")
+        src = np.fromiter((prev.sample_row[seqs[i].request_id] for i in seq_of[holes]), dtype=np.int64,
+                          count=holes.size) if holes.size else holes
 
         # one host -> device copy for everything
-        parts = [ids, positions, slots, qsl, seq_lens, tables.reshape(-1), sample_rows, p_rows, p_tgts]
-        flat = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
+        parts = [ids, positions, slots, qsl, seq_lens, tables.reshape(-1), sample_rows, p_rows, p_tgts, holes, src]
+        flat = to_device(torch.from_numpy(np.concatenate(parts)), self.device)
         views, o = [], 0
         for p in parts:
             views.append(flat[o:o + p.size])
             o += p.size
-        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, srows_t, prows_t, ptg_t = views
+        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, srows_t, prows_t, ptg_t, holes_t, src_t = views
+        if holes.size:
+            ids_t = ids_t.index_copy(0, holes_t, prev.sampled.tokens.index_select(0, src_t))
         attn = AttentionMetadata(
             query_start_loc=qsl_t.to(torch.int32), seq_lens=lens_t.to(torch.int32),
             block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32), slot_mapping=slots_t,
@@ -103,16 +139,12 @@ class ModelRunner:
         return Batch(ids_t, pos_t, attn, srows_t, prows_t, ptg_t)
 
     # ------------------------------------------------------------ outputs
-    def _sample(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> dict[str, SampledToken]:
+    def _sample(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> "sampling.PendingSample | None":
         rows = [s.sample for s in plan.seqs if s.sample is not None]
         if not rows:
-            return {}
+            return None
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [R, V] fp32
-        out = sampling.sample(logits, rows)
-        ids = [s.request_id for s in plan.seqs if s.sample is not None]
-        return {rid: SampledToken(out.token_ids[i], (out.logprobs[i], out.ranks[i],
-                                                     tuple(out.topk_ids[i]), tuple(out.topk_logprobs[i])))
-                for i, rid in enumerate(ids)}
+        return sampling.sample_async(logits, rows)
 
     def _prompt_logprobs(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> dict:
         if batch.prompt_rows.numel() == 0:

@@ -102,24 +102,21 @@ def count(mask: torch.Tensor) -> torch.Tensor:
 def ordered_topk(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries per row, ordered by value descending, ties to the lower id.
 
-    torch.topk's choice among tied values is unspecified, so it only supplies the
-    k-th largest value; the selection and order below use exact comparisons and
-    an integer running count, nothing that depends on other rows.
+    torch.topk's choice among tied values is unspecified, so it never sees the
+    values themselves: each entry becomes one int64 key, (its value's bits in an
+    order-preserving int32) * 2^32 + (V - 1 - id), so no two keys tie and the
+    larger key is the larger value, or the lower id among equal values. The
+    result is exact, per row, and needs no device sync (no .item(), no nonzero).
     """
     B, V = v.shape
     k = max(1, min(k, V))
-    thr = torch.topk(v, k, dim=-1, sorted=False).values.min(dim=-1, keepdim=True).values
-    greater = v > thr
-    eq = v == thr
-    need = k - count(greater)
-    if bool((count(eq) <= need).all()):
-        sel = greater | eq  # no row has surplus ties (same result as below, without the scan)
-    else:
-        sel = greater | (eq & (torch.cumsum(eq.to(torch.int32), dim=-1) <= need))
-    ids = sel.nonzero()[:, 1].view(B, k)  # ascending ids, exactly k per row
-    vals = v.gather(1, ids)
-    vals, order = torch.sort(vals, dim=-1, descending=True, stable=True)
-    return vals, ids.gather(1, order)
+    if v.dtype != torch.float32:
+        raise TypeError(f"ordered_topk takes float32 rows, got {v.dtype}")
+    bits = (v + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ties with +0.0
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: flip the magnitude bits
+    keys = bits * (1 << 32) + torch.arange(V - 1, -1, -1, dtype=torch.int64, device=v.device)
+    ids = torch.topk(keys, k, dim=-1, sorted=True).indices
+    return v.gather(1, ids), ids
 
 
 def truncation_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

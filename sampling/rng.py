@@ -49,12 +49,28 @@ def philox4x32(ctr: Sequence[torch.Tensor], key: Sequence[torch.Tensor],
     return [c0, c1, c2, c3]
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy host tensor `t` to `device` without waiting for the device's queue.
+
+    torch.tensor(..., device="cuda") and .to("cuda") synchronize the stream, so
+    the host would wait for every kernel already queued: on CUDA the copy goes
+    through pinned memory (torch's caching host allocator keeps the block until
+    the copy is done) and is asynchronous."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def host_column(vals: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """[R, 1] int64 on `device` from host ints (asynchronous, see `to_device`)."""
+    return to_device(torch.tensor(vals, dtype=torch.int64)[:, None], device)
+
+
 def random_bits(seeds: Sequence[int], positions: Sequence[int], sample_indices: Sequence[int],
                 vocab: int, role: int = ROLE_SAMPLE, device: torch.device | str = "cpu") -> torch.Tensor:
     """uint32 values (in int64) [R, vocab]: row i, column t is the draw for token t of key i."""
-    def col(vals, bits=32):
-        return torch.tensor([int(v) & ((1 << bits) - 1) for v in vals], dtype=torch.int64,
-                            device=device)[:, None]
+    def col(vals):
+        return host_column([int(v) & _MASK32 for v in vals], device)
     for p in positions:
         if not 0 <= int(p) < 2**32:
             raise ValueError(f"position {p} outside [0, 2**32) for the keyed RNG")
@@ -78,7 +94,7 @@ def random_bits_at(seeds: Sequence[int], positions: Sequence[int], sample_indice
     dev = token_ids.device
 
     def col(vals):
-        return torch.tensor([int(v) & _MASK32 for v in vals], dtype=torch.int64, device=dev)[:, None]
+        return host_column([int(v) & _MASK32 for v in vals], dev)
     seeds64 = [int(s) % 2**64 for s in seeds]
     c1, c2 = col(positions), col(sample_indices)
     words = philox4x32((token_ids // 4, c1, c2, torch.full_like(c1, role & _MASK32)),

@@ -30,7 +30,7 @@ import torch
 
 from detent.sampling import processors as P
 from detent.sampling.params import SamplingParams
-from detent.sampling.rng import ROLE_SAMPLE, gumbel_from_bits, random_bits, random_bits_at
+from detent.sampling.rng import ROLE_SAMPLE, gumbel_from_bits, random_bits, random_bits_at, to_device
 from detent.selection import ops
 
 
@@ -61,18 +61,58 @@ def _needs_noise(r: SamplingRow) -> bool:
     return r.golden_token is None and not r.params.greedy
 
 
+class PendingSample:
+    """A step's sampled tokens and logprobs while they are still on the device.
+
+    `tokens` [R] (long, on the device) can feed the next step's input ids
+    before the host has seen them (engine overlap, docs/architecture.md); the
+    rest travels to the host in two asynchronous copies into pinned memory,
+    and `resolve()` waits for those copies only."""
+
+    def __init__(self, tokens: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ks: list[int]):
+        self.tokens = tokens
+        self._ks = ks
+        if tokens.is_cuda:
+            self._ints = torch.empty(ints.shape, dtype=ints.dtype, pin_memory=True).copy_(ints, non_blocking=True)
+            self._floats = torch.empty(floats.shape, dtype=floats.dtype, pin_memory=True).copy_(
+                floats, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._ints, self._floats, self._done = ints, floats, None
+
+    def resolve(self) -> SamplerOutput:
+        """Wait for the copies; the per-row results as host lists."""
+        if self._done is not None:
+            self._done.synchronize()
+        ints, floats = self._ints.tolist(), self._floats.tolist()
+        out = SamplerOutput([r[0] for r in ints], [r[0] for r in floats], [r[1] for r in ints],
+                            [[] for _ in ints], [[] for _ in ints])
+        for j, k in enumerate(self._ks):
+            if k:
+                out.topk_ids[j], out.topk_logprobs[j] = ints[j][2:2 + k], floats[j][1:1 + k]
+        return out
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    return sample_async(logits, rows).resolve()
+
+
+def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
+    """`sample` without waiting for the device where the rows allow it: no
+    truncation (top-k/p, min-p), no grammar. Those still synchronize inside."""
     R, V = logits.shape
     if R != len(rows):
         raise ValueError(f"sample: {R} logits rows but {len(rows)} SamplingRows")
-    out = SamplerOutput([0] * R, [0.0] * R, [0] * R, [[] for _ in rows], [[] for _ in rows])
     if R == 0:
-        return out
-    logits = logits.float()
+        empty = torch.zeros(0, 2, dtype=torch.long)
+        return PendingSample(empty[:, 0], empty, torch.zeros(0, 1), [])
     if len({r.role for r in rows}) != 1:
         raise ValueError(f"sample: one role per call, got {sorted({r.role for r in rows})}")
-    _sample_block(logits, list(rows), out)
-    return out
+    for r in rows:
+        if r.golden_token is not None and not 0 <= r.golden_token < V:
+            raise ValueError(f"golden token {r.golden_token} outside the vocabulary [0, {V})")
+    return _sample_block(logits.float(), list(rows))
 
 
 def _gumbel_max(z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -81,14 +121,17 @@ def _gumbel_max(z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     When truncation leaves few candidates, the noise is drawn at the candidates'
     ids only (`random_bits_at`): each draw depends on (key, token id) alone, and
     the candidates keep ascending id order, so the token is the same as with
-    noise over the whole vocabulary (first maximum, ties to the lower id)."""
+    noise over the whole vocabulary (first maximum, ties to the lower id).
+    Without truncation (`dense`) every token is a candidate: no count, no sync."""
     B, V = z.shape
     keys = ([r.seed for r in rows], [r.position for r in rows], [r.sample_index for r in rows])
     role = rows[0].role
-    finite = torch.isfinite(z)
-    counts = P.count(finite)[:, 0].tolist()
-    C = max(max(counts), 1)
-    if C > V // 8:
+    truncated = any(_truncates(r.params, V) for r in rows) or any(r.grammar is not None for r in rows)
+    if truncated:
+        finite = torch.isfinite(z)
+        counts = P.count(finite)[:, 0].tolist()
+        C = max(max(counts), 1)
+    if not truncated or C > V // 8:
         g = gumbel_from_bits(random_bits(*keys, V, role=role, device=z.device))
         return torch.argmax(z.double() + g, dim=-1)
     r_idx, ids = finite.nonzero(as_tuple=True)  # row-major: ascending ids within each row
@@ -103,24 +146,32 @@ def _gumbel_max(z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return cand.gather(1, torch.argmax(score, dim=-1, keepdim=True))[:, 0]
 
 
-def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], out: SamplerOutput) -> None:
+def _truncates(p: SamplingParams, V: int) -> bool:
+    return not p.greedy and (0 < p.top_k < V or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+def _rows_to(vals: list, dtype: torch.dtype, dev) -> torch.Tensor:
+    return to_device(torch.tensor(vals, dtype=dtype), dev)
+
+
+def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
     B, V = x_raw.shape
     dev = x_raw.device
     raw_lp = ops.log_softmax(x_raw)  # [B, V] fp32
     x = P.apply_request_masks(x_raw.clone(), rows)
     x = P.apply_penalties(x, rows)
     greedy = [r.params.greedy for r in rows]
-    temp = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
-                        dtype=x.dtype, device=dev)[:, None]
-    x = x / temp  # temperature-scaled; x / 1.0 == x exactly for greedy rows
-    k_l = [-1 if g else r.params.top_k for g, r in zip(greedy, rows)]
-    p_l = [1.0 if g else r.params.top_p for g, r in zip(greedy, rows)]
-    m_l = [0.0 if g else r.params.min_p for g, r in zip(greedy, rows)]
-    if any(0 < k < V for k in k_l) or any(p < 1.0 for p in p_l) or any(m > 0.0 for m in m_l):
-        top_k = torch.tensor(k_l, device=dev)
-        top_p = torch.tensor(p_l, dtype=torch.float64, device=dev)
-        min_p = torch.tensor(m_l, dtype=torch.float64, device=dev)
-        keep = P.truncation_mask(x, top_k, top_p, min_p)
+    temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)]
+    # temperature-scaled; x / 1.0 == x exactly, so rows at 1.0 need no division at all
+    temp = _rows_to(temps, x.dtype, dev)[:, None] if any(t != 1.0 for t in temps) else None
+    if temp is not None:
+        x = x / temp
+    if any(_truncates(r.params, V) for r in rows):
+        k_l = [-1 if g else r.params.top_k for g, r in zip(greedy, rows)]
+        p_l = [1.0 if g else r.params.top_p for g, r in zip(greedy, rows)]
+        m_l = [0.0 if g else r.params.min_p for g, r in zip(greedy, rows)]
+        keep = P.truncation_mask(x, _rows_to(k_l, torch.long, dev), _rows_to(p_l, torch.float64, dev),
+                                 _rows_to(m_l, torch.float64, dev))
         z = torch.where(keep, x, P.NEG_INF)  # processed logits [B, V]
     else:
         z = x  # no row truncates: truncation_mask would keep every token
@@ -128,41 +179,35 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], out: SamplerOutp
         allowed = _grammar_allowed(rows, V, dev)
         z = torch.where(allowed, z, P.NEG_INF)
         # fallbacks (never stall a constrained request): drop truncation, then request masks
-        for alt in (x, x_raw / temp):
+        for alt in (x, x_raw if temp is None else x_raw / temp):
             empty = ~torch.isfinite(z).any(dim=-1, keepdim=True)
             z = torch.where(empty, torch.where(allowed, alt, P.NEG_INF), z)
+    toks = torch.argmax(z, dim=-1)  # greedy rows: first maximum, ties to the lowest id
     noisy = [j for j, r in enumerate(rows) if _needs_noise(r)]
-    sampled = dict(zip(noisy, _gumbel_max(z[noisy], [rows[j] for j in noisy]).tolist())) if noisy else {}
-    greedy_tok = torch.argmax(z, dim=-1).tolist()  # first maximum: ties to the lowest id
-    toks = []
-    for j, r in enumerate(rows):
-        if r.golden_token is not None:
-            if not 0 <= r.golden_token < V:
-                raise ValueError(f"golden token {r.golden_token} outside the vocabulary [0, {V})")
-            toks.append(int(r.golden_token))
-        elif _needs_noise(r):
-            toks.append(sampled[j])
-        else:
-            toks.append(greedy_tok[j])
+    if len(noisy) == B:
+        toks = _gumbel_max(z, rows)
+    elif noisy:
+        idx = _rows_to(noisy, torch.long, dev)
+        toks = toks.index_copy(0, idx, _gumbel_max(z.index_select(0, idx), [rows[j] for j in noisy]))
+    golden = [j for j, r in enumerate(rows) if r.golden_token is not None]
+    if golden:
+        toks = toks.index_copy(0, _rows_to(golden, torch.long, dev),
+                               _rows_to([rows[j].golden_token for j in golden], torch.long, dev))
     lp = raw_lp
     modes = [r.params.logprobs_mode for r in rows]
     for mode in set(modes) - {"raw"}:
         alt = {"processed": lambda: ops.log_softmax(z), "raw_logits": lambda: x_raw,
                "processed_logits": lambda: z}[mode]()
-        lp = torch.where(torch.tensor([m == mode for m in modes], device=dev)[:, None], alt, lp)
-    tok_t = torch.tensor(toks, dtype=torch.long, device=dev)[:, None]
-    chosen = lp.gather(1, tok_t)  # [B, 1]
-    ranks = (P.count(lp > chosen)[:, 0] + 1).tolist()
-    chosen_l = chosen[:, 0].tolist()
-    kmax = max((r.params.logprobs or 0) for r in rows)
-    if kmax:
-        vals, order = P.ordered_topk(lp, kmax)  # ties -> lower id
-        vals_l, order_l = vals.tolist(), order.tolist()
-    for j, r in enumerate(rows):
-        out.token_ids[j], out.logprobs[j], out.ranks[j] = toks[j], chosen_l[j], ranks[j]
-        k = r.params.logprobs or 0
-        if k:
-            out.topk_ids[j], out.topk_logprobs[j] = order_l[j][:k], vals_l[j][:k]
+        lp = torch.where(_rows_to([m == mode for m in modes], torch.bool, dev)[:, None], alt, lp)
+    chosen = lp.gather(1, toks[:, None])  # [B, 1]
+    ranks = P.count(lp > chosen).to(torch.long) + 1  # [B, 1]
+    ks = [r.params.logprobs or 0 for r in rows]
+    ints, floats = [toks[:, None], ranks], [chosen]
+    if max(ks):
+        vals, order = P.ordered_topk(lp, max(ks))  # ties -> lower id
+        ints.append(order)
+        floats.append(vals)
+    return PendingSample(toks, torch.cat(ints, dim=1), torch.cat(floats, dim=1), ks)
 
 
 def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from detent.sampling.sampler import SamplingRow
 
 
+PLACEHOLDER = -1  # an input token the previous (still running) step samples; filled on the device
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     """One request's share of a step: compute `token_ids` at positions

@@ -46,7 +46,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.num_computed_tokens = 0  # tokens whose KV is in block_ids
+        self.num_computed_tokens = 0  # tokens whose KV is in block_ids (or is being written by a launched step)
+        self.num_pending = 0  # tokens sampled by launched steps, not yet seen by the host
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet scheduled)
         self.num_preemptions = 0
         self.block_ids: list[int] = []
@@ -82,6 +83,16 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
+
+    @property
+    def needs_token_feedback(self) -> bool:
+        """Its next step cannot be planned before the host has its last token:
+        a grammar advances on it; penalties, min_tokens and golden tokens read
+        the output so far; prompt logprobs arrive with the step."""
+        p = self.params
+        return (self.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0 or p.min_tokens > 0 or p.golden_token_ids is not None
+                or self.wants_prompt_logprobs)
 
     @property
     def golden_token(self) -> int | None:

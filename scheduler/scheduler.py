@@ -15,6 +15,16 @@ kernel is batch-invariant it produces exactly the tokens it would have.
 
 The scheduler never touches tensors: it hands the runner a frozen
 `SchedulerOutput` and takes back a frozen `ModelOutput`.
+
+Overlap (the engine plans step N+1 while step N runs on the device):
+`schedule()` advances `num_computed_tokens` as it plans, and a request that
+samples gets `num_pending = 1` until `update()` brings the token. The next
+plan may then include that request with a `PLACEHOLDER` for the token, which
+the runner fills from step N's device tensor. A request whose pending token
+must be its last (max_tokens, max_model_len) is not planned again; one that
+needs its token on the host (`Request.needs_token_feedback`) waits for it; a
+request that turns out finished when its token arrives is dropped from the
+step already launched for it (that row's token is discarded).
 """
 from __future__ import annotations
 
@@ -23,7 +33,7 @@ from dataclasses import dataclass
 
 from detent.engine.block_manager import BlockManager
 from detent.sampling.sampler import SamplingRow
-from detent.scheduler.outputs import ModelOutput, ScheduledSeq, SchedulerOutput
+from detent.scheduler.outputs import PLACEHOLDER, ModelOutput, ScheduledSeq, SchedulerOutput
 from detent.scheduler.request import Request, RequestStatus
 
 
@@ -92,9 +102,9 @@ class Scheduler:
         decodes = [r for r in self.running if not r.is_prefill]
         prefills = [r for r in self.running if r.is_prefill]
         for req in decodes + prefills:
-            if req.status != RequestStatus.RUNNING or budget == 0:
+            if req.status != RequestStatus.RUNNING or budget == 0 or not self._plannable(req):
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             while not self.bm.allocate(req, n):
                 victim = self.running[-1]  # the most recently admitted
                 self._preempt(victim)
@@ -108,7 +118,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             # a request whose grammar is still compiling waits; the ready ones behind it go first
-            req = next((r for r in self.waiting if r.grammar is None or r.grammar.ready), None)
+            # (a preempted request whose last token is still on the device waits for it too)
+            req = next((r for r in self.waiting if (r.grammar is None or r.grammar.ready) and not r.num_pending),
+                       None)
             if req is None:
                 break
             # prompt logprobs need every prompt row computed, so they skip the cache
@@ -127,17 +139,33 @@ class Scheduler:
             planned[req.request_id] = n
             budget -= n
 
-        seqs = tuple(self._plan(self.requests[rid], n) for rid, n in planned.items())
-        return SchedulerOutput(seqs, self.limits.max_num_batched_tokens - budget, tuple(preempted))
+        seqs = []
+        for rid, n in planned.items():
+            req = self.requests[rid]
+            seqs.append(self._plan(req, n))
+            req.num_computed_tokens += n
+            if seqs[-1].sample is not None:
+                req.num_pending += 1
+        return SchedulerOutput(tuple(seqs), self.limits.max_num_batched_tokens - budget, tuple(preempted))
+
+    def _plannable(self, req: Request) -> bool:
+        """False while its pending token is needed on the host first, or will be its last."""
+        if not req.num_pending:
+            return True
+        p = req.params
+        last = (req.num_tokens + req.num_pending >= self.limits.max_model_len
+                or (p.max_tokens is not None and req.num_output_tokens + req.num_pending >= p.max_tokens))
+        return not last and not req.needs_token_feedback
 
     def _plan(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         end = start + n
+        known = req.num_tokens  # tokens the host has; the pending one is a placeholder
         sample = None
-        if end == req.num_tokens:
+        if end == known + req.num_pending:
             # prompt/output ids are the request's own lists (read-only views, valid for this
             # step): copying them every step would cost O(length) per request per step
-            sample = SamplingRow(params=req.params, seed=req.seed, position=req.num_tokens,
+            sample = SamplingRow(params=req.params, seed=req.seed, position=end,
                                  sample_index=req.sample_index,
                                  prompt_token_ids=req.prompt_token_ids,
                                  output_token_ids=req.output_token_ids,
@@ -151,8 +179,8 @@ class Scheduler:
             if hi > lo:
                 k = req.params.prompt_logprobs
                 targets = tuple(req.prompt_token_ids[lo + 1:hi + 1])
-        return ScheduledSeq(req.request_id, tuple(req.all_token_ids[start:end]), start,
-                            tuple(req.block_ids), sample, k, lo, targets)
+        ids = tuple(req.all_token_ids[start:end]) + (PLACEHOLDER,) * max(0, end - max(start, known))
+        return ScheduledSeq(req.request_id, ids, start, tuple(req.block_ids), sample, k, lo, targets)
 
     # ------------------------------------------------------------ results
     def update(self, plan: SchedulerOutput, out: ModelOutput) -> list[Request]:
@@ -160,12 +188,14 @@ class Scheduler:
         that got a token (finished ones included, already freed)."""
         progressed = []
         for seq in plan.seqs:
-            req = self.requests[seq.request_id]
-            req.num_computed_tokens += seq.num_tokens
+            req = self.requests.get(seq.request_id)
+            if req is None:  # finished (or aborted) after this step was launched: drop its row
+                continue
             if seq.prompt_targets:
                 req.prompt_logprobs.extend(out.prompt_logprobs[seq.request_id])
             if seq.sample is None:
                 continue
+            req.num_pending -= 1
             st = out.sampled[seq.request_id]
             req.append_output_token(st.token_id)
             req.output_logprobs.append(st.logprobs)

@@ -197,16 +197,16 @@ def test_add_and_abort_from_another_thread():
 def test_a_step_that_raises_fails_its_requests_only(monkeypatch):
     llm = text_llm()
     eng = llm.llm_engine
-    real = eng.runner.execute
+    real = eng.runner.launch
     calls = {"n": 0}
 
-    def flaky(plan):
+    def flaky(plan, prev=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise NotImplementedError("unsupported sampling field: demo")
-        return real(plan)
+        return real(plan, prev)
 
-    monkeypatch.setattr(eng.runner, "execute", flaky)
+    monkeypatch.setattr(eng.runner, "launch", flaky)
     outs = llm.generate(["abc"], SamplingParams(max_tokens=3, **G), use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and "demo" in outs[0].error
     outs = llm.generate(["abc"], SamplingParams(max_tokens=3, **G), use_tqdm=False)

@@ -152,3 +152,46 @@ def test_prompt_logprob_rows_skip_cache_and_cover_prompt():
 def test_limits_are_validated():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerLimits(1, 0, 10)
+
+
+def _out(plan, tok=7):
+    return ModelOutput({q.request_id: SampledToken(tok, (0.0, 1, (), ())) for q in plan.seqs if q.sample}, {})
+
+
+def test_plans_ahead_with_placeholders_for_pending_tokens():
+    """Async scheduling: the next plan is made before the previous step's tokens arrive."""
+    from detent.scheduler.outputs import PLACEHOLDER
+    s = make(budget=64)
+    a, b = req("a", 5, max_tokens=3), req("b", 3, max_tokens=1)
+    c = req("c", 4, max_tokens=5, repetition_penalty=1.2)  # reads its outputs: waits for its token
+    for r in (a, b, c):
+        s.add(r)
+    p1 = s.schedule()
+    assert [(q.request_id, q.num_tokens, q.sample.position) for q in p1.seqs] == [("a", 5, 5), ("b", 3, 3),
+                                                                                  ("c", 4, 4)]
+    assert (a.num_computed_tokens, a.num_pending) == (5, 1)
+    p2 = s.schedule()  # b's pending token is its last; c needs its token on the host first
+    assert [(q.request_id, q.start, q.token_ids, q.sample.position) for q in p2.seqs] == [
+        ("a", 5, (PLACEHOLDER,), 6)]
+    assert a.num_pending == 2
+    s.update(p1, _out(p1, 8))
+    assert a.output_token_ids == [8] and a.num_pending == 1 and b.is_finished and c.num_pending == 0
+    p3 = s.schedule()
+    assert [(q.request_id, q.start, q.token_ids) for q in p3.seqs] == [("a", 6, (PLACEHOLDER,)), ("c", 4, (8,))]
+    s.update(p2, _out(p2, 9))
+    s.update(p3, _out(p3, 10))
+    assert a.output_token_ids == [8, 9, 10] and a.is_finished  # max_tokens=3
+    assert c.output_token_ids == [8, 10] and not c.is_finished
+
+
+def test_a_preempted_request_with_a_pending_token_waits_for_it():
+    s = make(budget=64)
+    a = req("a", 5, max_tokens=8)
+    s.add(a)
+    p1 = s.schedule()
+    s._preempt(a)
+    assert a.num_pending == 1 and s.schedule().is_empty  # not re-admitted before its token arrives
+    s.update(p1, _out(p1, 8))
+    p2 = s.schedule()
+    # recomputes prompt + the token (its first full block is a prefix-cache hit)
+    assert [(q.request_id, q.start, q.token_ids) for q in p2.seqs] == [("a", 4, (14, 8))]

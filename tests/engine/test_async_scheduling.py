@@ -1,0 +1,158 @@
+"""Async scheduling (engine overlap): the engine plans and launches step N+1
+before it collects step N, feeding step N's sampled tokens to step N+1 on the
+device (PLACEHOLDER inputs).
+
+Contract: every request's outputs are the same with and without overlap.
+Comparator: token ids, finish reasons and stop reasons with `==`; chosen and
+top-k logprobs and prompt logprobs as Python floats with `==` (bit-equal
+float32 values). The workload mixes everything the overlap has to get right:
+stop tokens and stop strings found one step late, max_tokens 1 and 2 (a
+pending token that must be the last), n = 2, seeded sampling with and without
+top-p, requests that need their token on the host (penalties, min_tokens,
+prompt logprobs), chunked prefill, and a KV pool small enough to preempt.
+"""
+from __future__ import annotations
+
+import pytest
+
+from detent.engine import SamplingParams
+from detent.scheduler.outputs import PLACEHOLDER
+from engine_helpers import prompt, text_llm
+
+
+def workload() -> list[tuple[list[int], SamplingParams]]:
+    out = []
+    for i in range(14):
+        p = prompt(100 + i, 5 + (i * 11) % 60, 160)
+        kind = i % 7
+        if kind == 0:
+            sp = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+        elif kind == 1:
+            sp = SamplingParams(temperature=0.8, seed=i, max_tokens=10, logprobs=2, ignore_eos=True)
+        elif kind == 2:
+            sp = SamplingParams(temperature=0.9, top_p=0.8, seed=i, max_tokens=9, ignore_eos=True)
+        elif kind == 3:
+            sp = SamplingParams(temperature=0, max_tokens=1 + i % 2, ignore_eos=True)
+        elif kind == 4:
+            sp = SamplingParams(temperature=0, max_tokens=14, repetition_penalty=1.3, min_tokens=2,
+                                ignore_eos=True)
+        elif kind == 5:
+            sp = SamplingParams(temperature=0.7, seed=i, n=2, max_tokens=8, stop=["~", "a"], ignore_eos=True)
+        else:
+            sp = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2, logprobs=1, ignore_eos=True)
+        out.append((p, sp))
+    return out
+
+
+def run(llm, items, stop_tokens: bool = False):
+    eng = llm.llm_engine
+    params = []
+    for p, sp in items:
+        params.append(sp)
+    if stop_tokens:  # stop at a token the free run produces mid-way (found by a first run)
+        params = [SamplingParams(**{**_fields(sp), "stop_token_ids": [t]}) if t is not None else sp
+                  for sp, t in zip(params, stop_tokens)]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in items], params, use_tqdm=False)
+    return [summary(o) for o in outs], eng
+
+
+def _fields(sp: SamplingParams) -> dict:
+    keys = ("temperature", "top_p", "seed", "n", "max_tokens", "logprobs", "prompt_logprobs", "stop",
+            "ignore_eos", "repetition_penalty", "min_tokens")
+    return {k: getattr(sp, k) for k in keys}
+
+
+def summary(o):
+    rows = []
+    for c in o.outputs:
+        lps = None if c.logprobs is None else [sorted((t, lp.logprob, lp.rank) for t, lp in d.items())
+                                              for d in c.logprobs]
+        rows.append((c.token_ids, c.finish_reason, c.stop_reason, c.text, lps))
+    plps = None if o.prompt_logprobs is None else [
+        None if d is None else sorted((t, lp.logprob, lp.rank) for t, lp in d.items()) for d in o.prompt_logprobs]
+    return rows, plps, o.error
+
+
+def _llm(async_scheduling: bool, selection: str = "pinned"):
+    # 24 usable blocks of 16 tokens for up to 16 running requests: preemption happens
+    return text_llm(selection, async_scheduling=async_scheduling, num_gpu_blocks=25, max_num_seqs=16,
+                    max_num_batched_tokens=64)
+
+
+def _record_placeholders(eng) -> list[int]:
+    seen = []
+    real = eng.scheduler.schedule
+
+    def schedule():
+        plan = real()
+        seen.append(sum(t == PLACEHOLDER for s in plan.seqs for t in s.token_ids))
+        return plan
+    eng.scheduler.schedule = schedule
+    return seen
+
+
+@pytest.fixture(scope="module")
+def serial():
+    llm = _llm(False)
+    first, _ = run(llm, workload())
+    # stop tokens: the 4th token each request produced in the free run (stops mid-stream, one step early)
+    stops = [rows[0][0][3] if len(rows[0][0]) > 4 else None for rows, _, _ in first]
+    again, eng = run(llm, workload(), stops)
+    return first, stops, again, eng.stats()["num_preemptions"]
+
+
+def test_overlap_gives_the_same_outputs_as_serial(serial):
+    first, stops, again, preemptions = serial
+    llm = _llm(True)
+    eng = llm.llm_engine
+    assert eng.async_scheduling
+    holes = _record_placeholders(eng)
+    got_first, _ = run(llm, workload())
+    got_again, _ = run(llm, workload(), stops)
+    assert got_first == first
+    assert got_again == again
+    # the overlap really happened, and so did preemption and early stops
+    assert sum(holes) >= 10, holes
+    assert preemptions > 0 and eng.stats()["num_preemptions"] > 0
+    assert any(rows[0][1] == "stop" for rows, _, _ in again)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+def test_comparison_detects_a_wrong_placeholder_token(serial, monkeypatch):
+    """The check above can fail: feed step N+1 a token other than the one step N sampled."""
+    first = serial[0]
+    llm = _llm(True)
+    runner = llm.llm_engine.runner
+    real = runner.prepare
+
+    def prepare(plan, prev=None):
+        batch = real(plan, prev)
+        if prev is not None and any(PLACEHOLDER in s.token_ids for s in plan.seqs):
+            batch.input_ids.add_(1).remainder_(160)  # every input token of the step shifted
+        return batch
+    monkeypatch.setattr(runner, "prepare", prepare)
+    got, _ = run(llm, workload())
+    assert got != first
+
+
+def test_abort_while_a_token_is_in_flight_frees_everything():
+    llm = _llm(True)
+    eng = llm.llm_engine
+    for i in range(6):
+        eng.add_request(f"r{i}", prompt(200 + i, 20, 160), SamplingParams(temperature=0, max_tokens=30,
+                                                                           ignore_eos=True))
+    done = {}
+    for _ in range(6):
+        for o in eng.step():
+            done[o.request_id] = o
+    assert eng._inflight is not None  # a launched step holds pending tokens of every request
+    eng.abort_request(["r1", "r4"])
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = o
+    assert {r: o.outputs[0].finish_reason for r, o in done.items() if o.finished} == {
+        "r0": "length", "r1": "abort", "r2": "length", "r3": "length", "r4": "abort", "r5": "length"}
+    assert all(len(done[f"r{i}"].outputs[0].token_ids) == 30 for i in (0, 2, 3, 5))
+    eng.step()  # collects the last launched step (its rows belong to finished requests)
+    assert eng._inflight is None
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
