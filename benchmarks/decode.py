@@ -63,11 +63,14 @@ def decode_batch(llm, batch: int, ctx: int, steps: int, vocab: int, tag: str):
         times.append(time.perf_counter() - t)
         for o in outs:
             last[o.request_id] = o
+    n = steps + 1  # tokens every batch size produced for request 0
+    while len(last[ids[0]].outputs[0].token_ids) < n:  # async scheduling: a step's tokens arrive one call late
+        for o in eng.step():
+            last[o.request_id] = o
     eng.abort_request(ids)
     while eng.has_unfinished_requests():
         eng.step()
     r0 = last[ids[0]].outputs[0]
-    n = steps + 1  # tokens every batch size produced for request 0
     return {"tpot_ms": statistics.median(times) * 1e3, "tpot_mean_ms": statistics.mean(times) * 1e3,
             "prefill_s": prefill_s, "req0_tokens": list(r0.token_ids)[:n],
             "req0_logprobs": [repr(x) for x in (r0.logprobs or [])[:n]]}
@@ -136,7 +139,10 @@ def main():
            "roofline_ms": {str(b): roofline_ms(info, mc, b, a.ctx + a.steps // 2, bw) for b in batches}}
     print(json.dumps(info), flush=True)
     for mode in modes:
-        res["modes"][mode] = set_mode(llm, mode, graphs=True, capture_sizes=batches)
+        # "MODE+sync": the same selection without async scheduling (the overlap's ablation)
+        res["modes"][mode] = set_mode(llm, mode.replace("+sync", ""), graphs=True, capture_sizes=batches)
+        llm.llm_engine.async_scheduling = "+sync" not in mode
+        res["modes"][mode]["async_scheduling"] = llm.llm_engine.async_scheduling
         print(mode, res["modes"][mode], flush=True)
         rows = {}
         for b in batches:
@@ -150,7 +156,7 @@ def main():
         res["decode"][mode] = rows
         if plens:
             from prefill import prefill_sweep
-            set_mode(llm, mode, graphs=False)
+            set_mode(llm, mode.replace("+sync", ""), graphs=False)
             res.setdefault("prefill", {})[mode] = prefill_sweep(llm, plens, mc.vocab_size)
             res["prefill_lens"] = plens
         _sync()
