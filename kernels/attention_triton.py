@@ -262,7 +262,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     if combine == "auto":
         parallel = max_splits > 1 and n_qtiles * kvh < sms_for(q)
     elif combine in ("parallel", "sequential"):
-        parallel = combine == "parallel"
+        parallel = combine == "parallel" and max_splits > 1  # one split: nothing to combine
     else:
         raise ValueError(f"{name}: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
     kc, vc = kv_cache[0], kv_cache[1]

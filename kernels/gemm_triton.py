@@ -100,13 +100,14 @@ def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
 
 
 # Tile configs for the H200 (Llama-3.1-8B shapes, bf16), by row count and
-# output width. M <= 64: the fastest in benchmarks/kernels.py (CUDA-graph
-# timing). M > 64: one wide tile; the kernel sweep favoured smaller tiles at
-# M = 128-256, but it re-reads weights that stay in L2 there, and end to end
-# (benchmarks/decode.py, batch 256) the wide tile was faster (53.7 vs 58.0 ms
-# per step). Every config below gave identical row bits on the H200 for every
-# shape and M tried (tests/gpu/test_gpu_gemm.py re-checks it on the device),
-# so choosing among them by M does not break batch invariance.
+# output width: the fastest of `benchmarks/tune_decode.py` (2026-11-30, run
+# A: CUDA-graph timing over 400 MB of weight copies, so no config is helped
+# by weights left in L2). Narrow outputs (N = 4096) need narrow tiles at
+# M <= 256 to give the SMs enough programs without split-K. M > 256
+# (prefill) keeps one wide tile. Every config below gave identical row bits
+# on the H200 for every shape and M tried (tune_decode.py checks it, and
+# tests/gpu/test_gpu_gemm.py re-checks it on the device), so choosing among
+# them by M does not break batch invariance.
 def _cfg(bm, bn, bk, nw, ns):
     return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
 
@@ -115,7 +116,9 @@ _WIDE = _cfg(128, 256, 64, 8, 3)
 # (max M, {"narrow": N <= 4096, "mid": 4096 < N < 16384, "wide": N >= 16384})
 GEMM_TABLE: tuple[tuple[int, dict[str, dict]], ...] = (
     (16, {"narrow": _cfg(16, 32, 256, 4, 5), "mid": _cfg(16, 64, 256, 4, 4), "wide": _cfg(16, 128, 128, 4, 4)}),
-    (64, {"narrow": _cfg(64, 64, 128, 4, 4), "mid": _cfg(64, 64, 128, 4, 4), "wide": _cfg(64, 256, 64, 8, 4)}),
+    (64, {"narrow": _cfg(64, 32, 128, 4, 5), "mid": _cfg(64, 64, 128, 4, 5), "wide": _cfg(64, 256, 64, 8, 4)}),
+    (128, {"narrow": _cfg(64, 64, 128, 4, 5), "mid": _cfg(128, 64, 128, 8, 4), "wide": _WIDE}),
+    (256, {"narrow": _cfg(64, 128, 128, 8, 4), "mid": _cfg(128, 128, 128, 8, 3), "wide": _WIDE}),
     (1 << 30, {"narrow": _WIDE, "mid": _WIDE, "wide": _WIDE}),
 )
 # every config the table can pick, plus the mid-M ones the sweep measured

@@ -66,3 +66,12 @@ def test_block_m_and_warps_give_identical_bits():
         y, _ = _run(case, [(0, 900), (39, 40)], block_m=bm, num_warps=nw, rowsum="mma")
         outs.append(y)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    # the decode launches the pinned program picks by batch (warps 2/4/8, stages, combine)
+    dec = []
+    for nw, ns, comb in ((4, 2, "sequential"), (2, 2, "parallel"), (4, 2, "parallel"), (8, 3, "parallel"),
+                         (2, 4, "sequential"), (4, 1, "parallel")):
+        y, _ = _run(case, [(899, 900), (39, 40)], block_m=16, num_warps=nw, num_stages=ns, combine=comb,
+                    rowsum="mma")
+        dec.append(y)
+    assert all(torch.equal(o, dec[0]) for o in dec[1:])
+    assert torch.equal(dec[0][0], outs[0][899]) and torch.equal(dec[0][1], outs[0][939])
