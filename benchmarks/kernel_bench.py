@@ -6,7 +6,7 @@ whether the configs give identical bits (numerics-neutral configs).
 Attention: decode at batch 1/8/64/256 with 1k contexts, and a 2k prefill,
 over split sizes.
 
-    python benchmarks/kernels.py --out kernels.json
+    python benchmarks/kernel_bench.py --out kernels.json
 """
 from __future__ import annotations
 
