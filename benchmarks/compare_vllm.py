@@ -46,6 +46,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -311,7 +312,10 @@ def run_workers(specs: list[dict]) -> int:
         tag = f"{s['engine']} {','.join(s['modes'])} {s['model']} {s['group']} ({','.join(s['parts'])})"
         print(f"== {tag}", flush=True)
         t = time.time()
-        rc = subprocess.run([sys.executable, script, json.dumps(s)], check=False).returncode
+        # vLLM's workers start from a neutral directory: from the repository root, its model
+        # inspection subprocess would import this repo's kernels/ folder as the 'kernels' package
+        cwd = tempfile.gettempdir() if s["engine"] == "vllm" else None
+        rc = subprocess.run([sys.executable, script, json.dumps(s)], check=False, cwd=cwd).returncode
         print(f"== {tag}: exit {rc} after {time.time() - t:.0f} s", flush=True)
         if rc:
             failed.append(tag)

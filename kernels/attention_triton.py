@@ -17,7 +17,9 @@ The merge runs either inside the attention program (`sequential`: one
 program walks its splits in order) or in a second small kernel over fp32
 partials (`parallel`: one program per split, for batches too small to fill
 the GPU). Both perform the same operations on the same values, so the
-choice is a launch detail (tests/gpu checks the bits agree).
+choice is a launch detail (tests/gpu checks the bits agree). So is the
+decode launch (`DECODE`: every sequence has one query, program b serves
+sequence b without searching `query_start_loc`).
 
 Why a row's bits do not depend on the batch: a row's dot products reduce
 inside one MMA per tile, its row max is exact, its row sum is either a
@@ -53,22 +55,28 @@ def _paged_attn_kernel(
         sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
         G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-        PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+        PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr):
     qtile = tl.program_id(0)
     kvh = tl.program_id(1)
-    # the sequence owning this q tile: the last b with qsl[b] // BLOCK_Q + b <= qtile
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= qtile:
-            lo = mid + 1
-        else:
-            hi = mid
-    b = lo - 1
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    q_blk = qtile - (q_start // BLOCK_Q + b)
+    if DECODE:  # one query per sequence: q tile b is sequence b (no search, no idle tiles)
+        b = qtile
+        q_start = qtile
+        q_len = 1
+        q_blk = 0
+    else:
+        # the sequence owning this q tile: the last b with qsl[b] // BLOCK_Q + b <= qtile
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= qtile:
+                lo = mid + 1
+            else:
+                hi = mid
+        b = lo - 1
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+        q_blk = qtile - (q_start // BLOCK_Q + b)
     if q_blk * BLOCK_Q < q_len:
         ctx = tl.load(seqlen_ptr + b) - q_len  # absolute position of the first query
         rows = tl.arange(0, BLOCK_M)
@@ -161,20 +169,25 @@ def _paged_attn_kernel(
 @lazy_jit(do_not_specialize=["num_seqs"])
 def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_seqs,
                     so_t, so_h, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
-                    D: tl.constexpr, SPLIT: tl.constexpr):
+                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    lo = 0
-    hi = num_seqs
-    while lo < hi:  # the last b with qsl[b] <= t
-        mid = (lo + hi) // 2
-        if tl.load(qsl_ptr + mid) <= t:
-            lo = mid + 1
-        else:
-            hi = mid
-    b = lo - 1
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if DECODE:  # token t is sequence t's only query
+        b = t
+        q_start = t
+        q_len = 1
+    else:
+        lo = 0
+        hi = num_seqs
+        while lo < hi:  # the last b with qsl[b] <= t
+            mid = (lo + hi) // 2
+            if tl.load(qsl_ptr + mid) <= t:
+                lo = mid + 1
+            else:
+                hi = mid
+        b = lo - 1
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
     pos = tl.load(seqlen_ptr + b) - q_len + (t - q_start)
     d = tl.arange(0, D)
     t64 = t.to(tl.int64)
@@ -257,7 +270,9 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     if t == 0 or meta.num_seqs == 0:
         return out
     block_q = block_m // g
-    n_qtiles = t // block_q + meta.num_seqs
+    # decode-only step: the launch maps program b to sequence b (same arithmetic per row)
+    decode = meta.max_seqlen_q == 1 and t == meta.num_seqs
+    n_qtiles = t if decode else t // block_q + meta.num_seqs
     max_splits = triton.cdiv(max(meta.max_seqlen_k, 1), split_tokens)
     if combine == "auto":
         parallel = max_splits > 1 and n_qtiles * kvh < sms_for(q)
@@ -281,11 +296,11 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), *ps, *pas,
         G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, SPLIT=split_tokens,
-        PAGE=meta.block_size, PARALLEL=parallel, IEEE=ieee, ROWSUM_MMA=rowsum == "mma",
+        PAGE=meta.block_size, PARALLEL=parallel, IEEE=ieee, ROWSUM_MMA=rowsum == "mma", DECODE=decode,
         num_warps=num_warps, num_stages=num_stages)
     if parallel:
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs,
-                                out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens,
+                                out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens, DECODE=decode,
                                 num_warps=1 if d <= 64 else 2)
     return out
 

@@ -112,6 +112,9 @@ def ordered_topk(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     k = max(1, min(k, V))
     if v.dtype != torch.float32:
         raise TypeError(f"ordered_topk takes float32 rows, got {v.dtype}")
+    if k == 1:  # argmax returns the first maximal index: the largest value, ties to the lower id
+        ids = torch.argmax(v, dim=-1, keepdim=True)
+        return v.gather(1, ids), ids
     bits = (v + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ties with +0.0
     bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: flip the magnitude bits
     keys = bits * (1 << 32) + torch.arange(V - 1, -1, -1, dtype=torch.int64, device=v.device)
