@@ -85,17 +85,22 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
         if stock_kernels:
             return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": q_tile,
                     "block_n": KV_BLOCK_GPU, "num_warps": warps, "rowsum": "sum"}
-        # decode launch (benchmarks/tune_decode.py, H200, 1k contexts): one program per
-        # split and a combine kernel, 2 warps from 32 sequences (batch 64: 90 vs 100 us
-        # per layer, batch 256: 306 vs 368); bit-identical to every other launch tried
-        combine = "auto"
+        # decode launch (benchmarks/tune_decode.py with the kernel's decode mapping, H200,
+        # 1k contexts, us per layer): few sequences - one program per split, then the
+        # combine kernel (batch 1: 11.5 at 8 warps vs 12.7 at 4); from 32 sequences - the
+        # splits in one program, 2 warps, no prefetch stage (batch 64: 75.1 vs 101.1 for
+        # the earlier launch, batch 256: 271.3 vs 299.6). Every launch tried gave the same bits.
+        combine, stages = "auto", 2
         if q_tile == 16:
-            combine = "parallel"
             if num_seqs >= 32:
-                warps = 2
+                combine, warps, stages = "sequential", 2, 1
+            else:
+                combine = "parallel"
+                if num_seqs <= 4:
+                    warps = 8
         return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": neutral(q_tile),
-                "block_n": KV_BLOCK_GPU, "num_warps": neutral(warps), "combine": neutral(combine),
-                "rowsum": "mma"}
+                "block_n": KV_BLOCK_GPU, "num_warps": neutral(warps), "num_stages": neutral(stages),
+                "combine": neutral(combine), "rowsum": "mma"}
     if stock_kernels and num_splits == 1:
         return {"impl": "sdpa"}
     return {"impl": "paged_split", "split_tokens": split_tokens, "q_chunk": 16}

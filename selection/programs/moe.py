@@ -3,7 +3,7 @@ and take the row nearest the batch's M (`min(keys, key=|key - M|)`). Every
 config value follows that row key, so the cut falls on it (paper §5): one
 pin fixes all of the row's selection points.
 """
-from detent.selection.lang import Fact, Runtime, assume  # noqa: F401
+from detent.selection.lang import Fact, Runtime, assume, neutral  # noqa: F401
 
 # token count -> (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)
 CONFIGS = {
@@ -31,8 +31,12 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
            top_k: Fact[int], max_num_batched_tokens: Fact[int], num_tokens: Runtime[int]):
     assume(0 <= num_tokens <= max_num_batched_tokens, "more rows than max_num_batched_tokens")
     if device == "cuda" and triton:
-        # the kernel takes its tile config from its table row: the row key is the selection
-        return {"impl": "triton_fused", "row_key": nearest_row(num_tokens, GPU_KEYS)}
+        # the kernel takes its tile config from its table row. Its grouped GEMMs reduce
+        # K like the Triton GEMM and combine the k slots in a fixed order, and every row
+        # gave identical bits on the H200 (tests/gpu/test_gpu_moe.py): the row may follow
+        # the batch (neutral), so prefill gets prefill tiles. Stock takes the same row.
+        row = nearest_row(num_tokens, GPU_KEYS)
+        return {"impl": "triton_fused", "row_key": row if stock_kernels else neutral(row)}
     row_key = nearest_row(num_tokens, KEYS)
     cfg = CONFIGS[row_key]
     if stock_kernels:

@@ -47,3 +47,14 @@ def test_stock_torch_loop_is_not_row_invariant():
     full = moe_torch_loop(x, logits, w13, w2, 1, True)
     assert any(not torch.equal(moe_torch_loop(x[:m], logits[:m], w13, w2, 1, True), full[:m])
                for m in (1, 2, 7, 64))
+
+
+def test_every_row_key_gives_identical_bits():
+    """Why the pinned program may pick the MoE row by token count (selection/programs/moe.py):
+    the tile configs change the launch, not a row's arithmetic."""
+    w13, w2 = _weights()
+    for m in (1, 7, 64, 300):
+        x = torch.randn(m, 512, device="cuda", dtype=BF16)
+        logits = torch.randn(m, 16, device="cuda", dtype=BF16)
+        outs = [moe_triton_fused(x, logits, w13, w2, 4, True, row_key=key) for key in MOE_CONFIGS]
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), m
