@@ -247,9 +247,12 @@ def _ints(s: str) -> list[int]:
 
 
 def _commit() -> str | None:
+    """HEAD, with "+dirty" when the tree differs from it (a copied working tree, e.g. the device's)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False,
-                              timeout=10).stdout.strip() or None
+        git = dict(cwd=ROOT, capture_output=True, text=True, check=False, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], **git).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git).stdout.strip()
+        return (head + ("+dirty" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -8,6 +8,11 @@ invariance cell per mode (request 0 alone vs. in the largest batch).
 
 Time per output token = median wall time of an engine step (schedule, graph
 replay, logits, sampling, output processing) over `--steps` decode-only steps.
+With async scheduling (the default on CUDA) a step launches the next forward
+before it waits for the previous one's tokens, so in steady state this is
+the device time per step whenever the host work fits inside it. Roofline:
+weight bytes the step reads (for an MoE, the dense part plus the experts the
+batch reaches, uniform routing) plus KV bytes, over the measured copy bandwidth.
 """
 from __future__ import annotations
 
@@ -76,9 +81,23 @@ def decode_batch(llm, batch: int, ctx: int, steps: int, vocab: int, tag: str):
             "req0_logprobs": [repr(x) for x in (r0.logprobs or [])[:n]]}
 
 
+def weight_bytes_read(info: dict, mc, batch: int) -> float:
+    """Weight bytes a decode step must read: all of them for a dense model; for an
+    MoE the dense part plus the experts the batch's tokens reach, in expectation
+    under uniform routing (E * (1 - (1 - k/E)^batch) experts per layer)."""
+    e = getattr(mc, "num_experts", 0)
+    if not e:
+        return info["weight_bytes"]
+    per_expert = 3 * mc.hidden_size * mc.moe_intermediate_size * 2  # gate, up, down in bf16
+    layers = mc.num_layers - len(getattr(mc, "mlp_only_layers", ()) or ())
+    dense = info["weight_bytes"] - layers * e * per_expert
+    touched = e * (1 - (1 - mc.num_experts_per_tok / e) ** batch)
+    return dense + layers * touched * per_expert
+
+
 def roofline_ms(info: dict, mc, batch: int, ctx: int, bw: float) -> float:
     kv_per_tok = info["kv_bytes_per_token"]
-    return (info["weight_bytes"] + batch * ctx * kv_per_tok) / bw * 1e3
+    return (weight_bytes_read(info, mc, batch) + batch * ctx * kv_per_tok) / bw * 1e3
 
 
 def _label(mode: str) -> str:
