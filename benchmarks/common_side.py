@@ -164,3 +164,14 @@ def measure_cells(side, lens: list[int], hi: int, *, new_tokens: int = 16, top: 
     log(f"cells passed {passed}/{len(rows)}")
     return {"cells": rows, "passed": passed, "total": len(rows), "new_tokens": new_tokens, "top_logprobs": top,
             "comparator": "== on [(token, sorted [(id, logprob)] of the top-5 dict)] over 16 greedy tokens"}
+
+
+def measure_part(side, spec: dict, part: str, log=print) -> dict:
+    """One part ("decode", "prefill" or "cells") of a worker spec, on either engine."""
+    hi, perf, cells = spec["hi"], spec["perf"], spec["cells"]
+    if part == "decode":
+        return measure_decode(side, perf["batches"], perf["ctx"], perf["new_tokens"], hi, perf["logprobs"], log=log)
+    if part == "prefill":
+        return measure_prefill(side, perf["prefill_lens"], perf["prefill_reps"], hi, log=log)
+    return measure_cells(side, cells["lens"], hi, short_len=cells["short_len"], long_lens=tuple(cells["long_lens"]),
+                         log=log)

@@ -160,20 +160,16 @@ def report(data: dict, png: str) -> str:
         mine = [r for r in runs if r["model"] == model]
         by = {p: {(r["engine"], r["mode"]): r for r in mine if r["part"] == p} for p in PARTS}
         out.append(f"## {model}\n")
-        if by["decode"]:
-            cols = _columns(list(by["decode"].values()))
-            keys = sorted({k for r in by["decode"].values() for k in r["batches"]}, key=int)
-            out += ["Decode, time per output token (ratio: time / vLLM stock's time)\n",
-                    _timing_table(by["decode"], cols, "decode", "batches", keys, lambda r: r["tpot_ms"], "ms",
-                                  "batch"), ""]
-            figs.append((model, "decode", cols, keys, by["decode"]))
-        if by["prefill"]:
-            cols = _columns(list(by["prefill"].values()))
-            keys = sorted({k for r in by["prefill"].values() for k in r["lens"]}, key=int)
-            out += ["Prefill, one prompt (ratio: time / vLLM stock's time)\n",
-                    _timing_table(by["prefill"], cols, "prefill", "lens", keys, lambda r: r["tok_s"], "tok/s",
-                                  "prompt tokens"), ""]
-            figs.append((model, "prefill", cols, keys, by["prefill"]))
+        for part, field, value, unit, label, title in (
+                ("decode", "batches", lambda r: r["tpot_ms"], "ms", "batch", "Decode, time per output token"),
+                ("prefill", "lens", lambda r: r["tok_s"], "tok/s", "prompt tokens", "Prefill, one prompt")):
+            if not by[part]:
+                continue
+            cols = _columns(list(by[part].values()))
+            keys = sorted({k for r in by[part].values() for k in r[field]}, key=int)
+            out += [f"{title} (ratio: time / vLLM stock's time)\n",
+                    _timing_table(by[part], cols, part, field, keys, value, unit, label), ""]
+            figs.append((model, part, cols, keys, by[part]))
         if by["cells"]:
             cols = _columns(list(by["cells"].values()))
             names = list(dict.fromkeys(k for r in by["cells"].values() for k in r["cells"]))

@@ -41,7 +41,6 @@ def main(spec: dict) -> None:
             "weight_bytes": info["weight_bytes"], "kv_pool_tokens": info["kv_pool_tokens"]}
     print(json.dumps({"info": info}), flush=True)
     side = DetentSide(llm)
-    hi, perf, cells = spec["hi"], spec["perf"], spec["cells"]
     for mode in spec["modes"]:
         mode_info = set_mode(llm, mode, graphs=cuda)
         if not llm.reset_prefix_cache():
@@ -50,14 +49,7 @@ def main(spec: dict) -> None:
         m = {**meta, "mode_info": mode_info}
         log = lambda s, mode=mode: print(f"[detent {mode}] {s}", flush=True)  # noqa: E731
         for part in spec["parts"]:
-            if part == "decode":
-                r = cs.measure_decode(side, perf["batches"], perf["ctx"], perf["new_tokens"], hi, perf["logprobs"],
-                                      log=log)
-            elif part == "prefill":
-                r = cs.measure_prefill(side, perf["prefill_lens"], perf["prefill_reps"], hi, log=log)
-            else:
-                r = cs.measure_cells(side, cells["lens"], hi, short_len=cells["short_len"],
-                                     long_lens=tuple(cells["long_lens"]), log=log)
+            r = cs.measure_part(side, spec, part, log=log)
             record(spec, mode, part, r, m)
 
 

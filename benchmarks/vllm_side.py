@@ -82,16 +82,9 @@ def main(spec: dict) -> None:
             "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
             "weights": "load_format=dummy, then apply_model(reinit): 1-D params 1, others N(0, 0.02)"}
     side = VllmSide(llm, SamplingParams)
-    hi, perf, cells = spec["hi"], spec["perf"], spec["cells"]
     log = lambda s: print(f"[vllm {mode}] {s}", flush=True)  # noqa: E731
     for part in spec["parts"]:
-        if part == "decode":
-            r = cs.measure_decode(side, perf["batches"], perf["ctx"], perf["new_tokens"], hi, perf["logprobs"], log=log)
-        elif part == "prefill":
-            r = cs.measure_prefill(side, perf["prefill_lens"], perf["prefill_reps"], hi, log=log)
-        else:
-            r = cs.measure_cells(side, cells["lens"], hi, short_len=cells["short_len"],
-                                 long_lens=tuple(cells["long_lens"]), log=log)
+        r = cs.measure_part(side, spec, part, log=log)
         record(spec, mode, part, r, meta)
 
 

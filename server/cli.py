@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan and launch the next step while the device runs the current one "
+                        "(default: on for CUDA at --tp 1; same output bits either way)")
     p.add_argument("--api-key", default=os.environ.get("DETENT_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $DETENT_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -57,7 +60,7 @@ def build_state(a: argparse.Namespace):
 
     kw = dict(model=a.model, tensor_parallel_size=a.tp, tuple=a.tuple, selection=a.selection, dtype=a.dtype,
               device=a.device, enable_prefix_caching=a.enable_prefix_caching, load_format=a.load_format,
-              seed=a.seed, max_model_len=a.max_model_len)
+              seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling)
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)

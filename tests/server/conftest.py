@@ -138,6 +138,15 @@ def server(tiny_model):
 
 
 @pytest.fixture(scope="session")
+def async_server(tiny_model):
+    """The same server with async scheduling forced on (CPU default: off)."""
+    with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024", "--max-num-seqs", "32",
+                          "--max-request-bytes", "1000000", "--served-model-name", "smollm2",
+                          "--async-scheduling")) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def client(server):
     import openai
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)

@@ -18,7 +18,10 @@ from conftest import API_KEY, Server, real_argv
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def test_200_requests_quarter_disconnect_mid_stream(server):
+@pytest.mark.parametrize("which", ["server", "async_server"])
+def test_200_requests_quarter_disconnect_mid_stream(which, request):
+    server = request.getfixturevalue(which)  # async_server: disconnects while a step is in flight
+
     async def one(c: httpx.AsyncClient, i: int) -> str:
         leave = i % 4 == 0
         body = {"prompt": f"Story {i}: once", "max_tokens": 64 if leave else 4, "stream": True,
