@@ -138,6 +138,11 @@ def server(tiny_model):
 
 
 @pytest.fixture(scope="session")
+def api_key() -> str:
+    return API_KEY
+
+
+@pytest.fixture(scope="session")
 def async_server(tiny_model):
     """The same server with async scheduling forced on (CPU default: off)."""
     with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024", "--max-num-seqs", "32",

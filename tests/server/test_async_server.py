@@ -11,8 +11,6 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import API_KEY
-
 REQUESTS = [
     ("completions", dict(prompt="Once upon a time", max_tokens=24, temperature=0.8, seed=7, logprobs=3, n=2)),
     ("completions", dict(prompt=["A list:", "Numbers: 1, 2,"], max_tokens=16, temperature=0, stop=[",", "\n"])),
@@ -24,8 +22,8 @@ REQUESTS = [
 ]
 
 
-def _choices(base_url: str, kind: str, body: dict) -> list:
-    c = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+def _choices(base_url: str, api_key: str, kind: str, body: dict) -> list:
+    c = openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
     if kind == "completions":
         r = c.completions.create(model="smollm2", **body)
     else:
@@ -34,8 +32,8 @@ def _choices(base_url: str, kind: str, body: dict) -> list:
 
 
 @pytest.mark.parametrize("kind,body", REQUESTS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(REQUESTS)])
-def test_same_choices_as_the_serial_server(server, async_server, kind, body):
-    serial = _choices(server.url, kind, body)
-    overlapped = _choices(async_server.url, kind, body)
+def test_same_choices_as_the_serial_server(server, async_server, api_key, kind, body):
+    serial = _choices(server.url, api_key, kind, body)
+    overlapped = _choices(async_server.url, api_key, kind, body)
     assert overlapped == serial
     assert all(ch["finish_reason"] in ("stop", "length") for ch in serial)
