@@ -273,8 +273,8 @@ class LLMEngine:
     def _needs_tokens_first(self, handle) -> bool:
         """Must `handle`'s tokens reach the host before the next plan is made?"""
         reqs = self.scheduler.requests
-        return any(s.sample is not None and s.request_id in reqs and reqs[s.request_id].needs_token_feedback
-                   for s in handle.plan.seqs)
+        return any((s.sample is not None or s.prompt_targets) and s.request_id in reqs
+                   and reqs[s.request_id].needs_token_feedback for s in handle.plan.seqs)
 
     def _finish_step(self, handle) -> list[RequestOutput]:
         """Collect a launched step, advance the requests, emit their outputs."""
