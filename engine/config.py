@@ -35,7 +35,7 @@ class EngineConfig:
     num_gpu_blocks: int | None = None  # overrides any memory budget
     max_logprobs: int = 20
     enforce_eager: bool = False  # GPU: no CUDA graphs
-    # plan and launch step N+1 while step N runs on the device (None: on for CUDA, tp = 1)
+    # plan and launch step N+1 while step N runs on the device (None: on for CUDA)
     async_scheduling: bool | None = None
 
     def __post_init__(self):

@@ -6,7 +6,7 @@
              done = scheduler.update(prev, out)    # stop checks, free blocks, outputs
              prev = h
 
-With `async_scheduling` (on by default on CUDA at tp = 1) the host plans and
+With `async_scheduling` (on by default on CUDA) the host plans and
 launches step N+1 before it waits for step N, so scheduling, input
 preparation and output processing run while the device computes (vLLM's
 async scheduling). Step N+1's rows then take the tokens step N sampled
@@ -31,7 +31,6 @@ from __future__ import annotations
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -44,7 +43,6 @@ from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
 from detent.sampling.params import SamplingParams
 from detent.selection.facts import default_facts_for
-from detent.scheduler.outputs import ModelOutput, SchedulerOutput
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
 
@@ -62,13 +60,6 @@ def deployment_facts(config: EngineConfig, mc: Any, state: EngineState) -> dict[
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
 
 
-@dataclass(frozen=True)
-class _Ran:
-    """A step the runner executed synchronously (the tensor-parallel executor)."""
-    plan: SchedulerOutput
-    out: ModelOutput
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, model: torch.nn.Module | None = None,
                  model_config: Any = None, tokenizer: Any = None):
@@ -83,7 +74,7 @@ class LLMEngine:
             tp = start_tp(config)  # spawns the ranks; each builds its own ModelRunner
             model_config, tokenizer, self.state, self.facts = tp.model_config, tp.tokenizer, tp.state, tp.facts
             self.dispatcher = None
-            self.runner = tp.executor  # execute(plan) -> ModelOutput, shutdown()
+            self.runner = tp.executor  # launch(plan, prev) / collect(handle) / execute(plan), shutdown()
         else:
             device = config.resolve_device()
             if model is None:
@@ -107,9 +98,8 @@ class LLMEngine:
         self._live_ids: set[str] = set()  # drained, not yet finished
         self._num_steps = 0
         self._inflight = None  # the launched step not yet collected (async scheduling)
-        local = hasattr(self.runner, "launch")
-        self.async_scheduling = (local and self.state.device.type == "cuda" if config.async_scheduling is None
-                                 else bool(config.async_scheduling) and local)
+        self.async_scheduling = (self.state.device.type == "cuda" if config.async_scheduling is None
+                                 else bool(config.async_scheduling))
         self._grammars = None  # GrammarCompilerCache, made on the first structured_outputs request
 
     def _build_local(self, model: torch.nn.Module, mc: Any, device: torch.device) -> None:
@@ -255,16 +245,13 @@ class LLMEngine:
             handle = None
             if not plan.is_empty:
                 try:
-                    if hasattr(self.runner, "launch"):
-                        handle = self.runner.launch(plan, prev)
-                    else:  # tensor-parallel executor: one synchronous call
-                        handle = _Ran(plan, self.runner.execute(plan))
+                    handle = self.runner.launch(plan, prev)
                 except (ValueError, NotImplementedError) as e:  # a request-level error: fail the step's requests
                     results += self._fail_plan(plan, f"{type(e).__name__}: {e}")
             if prev is not None:
                 results += self._finish_step(prev)
             if handle is not None:
-                if self.async_scheduling and not isinstance(handle, _Ran):
+                if self.async_scheduling:
                     self._inflight = handle
                 else:
                     results += self._finish_step(handle)
@@ -278,8 +265,7 @@ class LLMEngine:
 
     def _finish_step(self, handle) -> list[RequestOutput]:
         """Collect a launched step, advance the requests, emit their outputs."""
-        out = handle.out if isinstance(handle, _Ran) else self.runner.collect(handle)
-        progressed = self.scheduler.update(handle.plan, out)
+        progressed = self.scheduler.update(handle.plan, self.runner.collect(handle))
         self._num_steps += 1
         groups: dict[str, None] = {}
         for req in progressed:

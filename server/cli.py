@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan and launch the next step while the device runs the current one "
-                        "(default: on for CUDA at --tp 1; same output bits either way)")
+                        "(default: on for CUDA; same output bits either way)")
     p.add_argument("--api-key", default=os.environ.get("DETENT_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $DETENT_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,

@@ -7,6 +7,10 @@ the plan (a `SchedulerOutput`: plain frozen dataclasses) to every rank over
 its pipe and gets rank 0's `ModelOutput` back, plus every rank's digest of
 its own output, which must agree.
 
+Async scheduling: `launch(plan)` sends the plan and returns at once; each
+rank launches it and then answers with the result of the step before it, so
+the driver reads step N while the ranks compute step N+1 (`collect`).
+
 The driver never enters a collective itself, so it cannot hang in one: it
 waits on the ranks' pipes *and* their process sentinels, and a rank that
 dies (or raises) makes `execute` raise `TPWorkerError` at once, after the
@@ -21,7 +25,7 @@ import pickle
 import socket
 import time
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -90,6 +94,13 @@ def _stop(procs: list, conns: list, grace_s: float = 5.0) -> None:
             pass
 
 
+@dataclass(frozen=True)
+class TPStep:
+    """A plan sent to the ranks and not yet collected."""
+    plan: Any
+    seq: int  # launch number
+
+
 class TPExecutor:
     def __init__(self, config, resolved, *, startup_timeout_s: float | None = None,
                  collective_timeout_s: float = 600.0):
@@ -116,18 +127,42 @@ class TPExecutor:
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         replies = self._collect("startup", timeout_s=startup_timeout_s)
         self.infos: list[RankInfo] = [r[1] for r in replies]
+        self._launched = 0  # plans sent with "launch"
 
     # ------------------------------------------------------------ the step
     def execute(self, plan) -> Any:
         """Run one plan on every rank; rank 0's ModelOutput."""
+        self._send_all(("execute", portable_plan(plan)), "the step plan")
+        return self._step_result()
+
+    def launch(self, plan, prev=None) -> TPStep:
+        """Send a plan to every rank without waiting for it (async scheduling).
+
+        Each rank launches it, then returns the result of the step before it,
+        whose sampled tokens it used for this plan's `PLACEHOLDER` inputs:
+        every rank samples the same tokens (the digests check it), so each
+        fills them from its own device tensor. `prev` is that earlier step."""
+        self._send_all(("launch", portable_plan(plan)), "the step plan")
+        self._launched += 1
+        return TPStep(plan, self._launched)
+
+    def collect(self, handle: TPStep) -> Any:
+        """Rank 0's ModelOutput of a launched step (steps are collected in launch order)."""
+        if handle.seq == self._launched:  # no later launch made the ranks send it: ask
+            self._send_all(("collect",), "a collect request")
+        return self._step_result()
+
+    def _send_all(self, msg: tuple, what: str) -> None:
         self._check_alive()
-        data = pickle.dumps(("execute", portable_plan(plan)), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, c in enumerate(self.conns):
             try:
                 c.send_bytes(data)
             except (OSError, ValueError):
-                self._fail(f"cannot send the step plan to tensor-parallel rank {rank} "
+                self._fail(f"cannot send {what} to tensor-parallel rank {rank} "
                            f"(pid {self.procs[rank].pid}): {self._exit_text(rank)}")
+
+    def _step_result(self) -> Any:
         replies = self._collect("step")
         digests = [r[2] for r in replies]
         if len(set(digests)) != 1:

@@ -3,8 +3,12 @@ model, sizes its KV cache, and runs the same `ModelRunner` as tp = 1 on
 every plan the driver sends.
 
 Protocol over the rank's pipe (pickled tuples):
-  driver -> rank: ("execute", SchedulerOutput) | ("call", fn, args) | ("shutdown",)
+  driver -> rank: ("execute", SchedulerOutput) | ("launch", SchedulerOutput) | ("collect",)
+                  | ("call", fn, args) | ("shutdown",)
   rank -> driver: ("ready", RankInfo) | ("result", ModelOutput | None, digest) | ("error", traceback)
+"launch" (async scheduling) queues the plan on the device and answers with
+the result of the previously launched plan, if any; "collect" answers with
+the last launched plan's result.
 Rank 0 sends its ModelOutput; every rank sends a digest of its own, so the
 driver can check that all ranks agree without shipping N copies.
 """
@@ -135,12 +139,23 @@ def worker_main(rank: int, world: int, init_method: str, config, resolved, conn,
         _init_distributed(rank, world, init_method, device, timeout_s)
         st = build_rank(config, resolved, rank, world, device)
         _send(conn, ("ready", st.info))
+        prev = None  # the launched step whose result the driver has not asked for yet
+
+        def result(out) -> None:
+            _send(conn, ("result", out if rank == 0 else None, digest(out)))
         while True:
             msg = pickle.loads(conn.recv_bytes())
             kind = msg[0]
             if kind == "execute":
-                out = st.runner.execute(msg[1])
-                _send(conn, ("result", out if rank == 0 else None, digest(out)))
+                result(st.runner.execute(msg[1]))
+            elif kind == "launch":  # async scheduling: launch, then hand over the step before
+                handle = st.runner.launch(msg[1], prev)
+                if prev is not None:
+                    result(st.runner.collect(prev))
+                prev = handle
+            elif kind == "collect":
+                out, prev = st.runner.collect(prev), None
+                result(out)
             elif kind == "call":  # collective_rpc: fn(RankState, *args) on every rank
                 fn, args = msg[1], msg[2]
                 _send(conn, ("result", fn(st, *args), ""))

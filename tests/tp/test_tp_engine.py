@@ -180,13 +180,13 @@ def _sabotage(st, rank: int) -> None:
     from dataclasses import replace
 
     from detent.scheduler.outputs import ModelOutput
-    execute = st.runner.execute
+    collect = st.runner.collect  # where every step's ModelOutput comes from (execute and launch/collect)
 
-    def shifted(plan):
-        out = execute(plan)
+    def shifted(handle):
+        out = collect(handle)
         return ModelOutput({k: replace(v, token_id=v.token_id + 1) for k, v in out.sampled.items()},
                            out.prompt_logprobs)
-    st.runner.execute = shifted
+    st.runner.collect = shifted
 
 
 @pytest.fixture(scope="module")
@@ -368,3 +368,36 @@ def test_plan_sent_to_ranks_carries_the_grammar_bitmask_not_the_matcher():
     assert torch.equal(sent.seqs[0].sample.grammar.bitmask(), torch.tensor([5, -1], dtype=torch.int32))
     assert sent.seqs[1] == plan.seqs[1] and sent.seqs[2] == plan.seqs[2]
     assert portable_plan(SchedulerOutput(plan.seqs[1:], 2)) == SchedulerOutput(plan.seqs[1:], 2)
+
+
+def test_tp2_async_scheduling_gives_the_same_outputs(tiny_dir):
+    """Async scheduling over the ranks: the driver sends plan N+1 before it
+    reads step N's tokens, and each rank fills N+1's PLACEHOLDER inputs from
+    its own step N (every rank samples the same tokens). Comparator: token ids
+    and logprob dicts with `==`, against the same tp = 2 engine without overlap."""
+    from detent.scheduler.outputs import PLACEHOLDER
+    prompts = [_prompt(TARGET)] + [_prompt(p) for p in OTHERS]
+    params = [SamplingParams(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=7, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[7], ignore_eos=True)]
+    results, holes = {}, []
+    for overlap in (False, True):
+        llm = make_llm(tiny_dir, 2, async_scheduling=overlap, **CHUNKED)
+        eng = llm.llm_engine
+        try:
+            assert eng.async_scheduling is overlap
+            if overlap:
+                real = eng.scheduler.schedule
+
+                def schedule():
+                    plan = real()
+                    holes.append(sum(t == PLACEHOLDER for s in plan.seqs for t in s.token_ids))
+                    return plan
+                eng.scheduler.schedule = schedule
+            results[overlap] = [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+            results[overlap] += [_result(o) for o in llm.generate(prompts[::-1], params[::-1], use_tqdm=False)]
+        finally:
+            _shutdown(llm)
+    assert results[True] == results[False]
+    assert sum(holes) >= 10, holes  # the overlap happened
