@@ -226,3 +226,16 @@ def test_same_check_fails_with_stock_selection(tiny_model):
                           "--max-model-len", "1024", "--served-model-name", MODEL)) as s:
         alone, among = _alone_and_among_16(s.url)
     assert alone != among
+
+
+@pytest.mark.parametrize("selection", ["pinned", "stock"])
+def test_tp2_server_alone_vs_among_16_concurrent(tiny_model, selection):
+    """`detent-serve --tp 2` (two gloo ranks on CPU, the path of `--tp 4` on GPUs):
+    the seeded check above through HTTP holds pinned and breaks under stock."""
+    with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--tp", "2", "--device", "cpu",
+                          "--selection", selection, "--max-model-len", "1024", "--served-model-name", MODEL)) as s:
+        alone, among = _alone_and_among_16(s.url)
+    if selection == "pinned":
+        assert alone == among
+    else:
+        assert alone != among
