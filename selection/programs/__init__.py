@@ -1,5 +1,6 @@
 """One SelIR program per kernel family. Each file is SelIR source, parsed by
-`detent.selection.programs.load(family)` (and also a valid Python module)."""
+`detent.selection.programs.load(family)` (and also a valid Python module);
+the row-wise families share theirs (`SOURCES`)."""
 from __future__ import annotations
 
 import functools
@@ -11,8 +12,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ("gemm", "attention", "moe", "allreduce", "norm", "rope", "act", "embedding", "logsoftmax", "sampling")
 
 
+# families whose programs are the same text share one file
+SOURCES = {"norm": "rowwise", "rope": "rowwise", "act": "rowwise", "logsoftmax": "rowwise",
+           "embedding": "rowwise_torch", "sampling": "rowwise_torch"}
+
+
 def path(family: str) -> str:
-    return os.path.join(HERE, f"{family}.py")
+    return os.path.join(HERE, f"{SOURCES.get(family, family)}.py")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,6 @@
-"""logsoftmax: a row-wise kernel; its selection reads no batch value (no pins)."""
+"""norm, rope, act, logsoftmax: row-wise kernels; their selection reads no batch value (no pins).
+
+One program for the four families (`programs.SOURCES`): a Triton kernel on CUDA, torch elsewhere."""
 from detent.selection.lang import Fact  # noqa: F401
 
 

@@ -1,4 +1,6 @@
-"""embedding: a row-wise kernel with one candidate; its selection reads no batch value."""
+"""embedding, sampling: row-wise kernels with one candidate; their selection reads no batch value.
+
+One program for both families (`programs.SOURCES`)."""
 from detent.selection.lang import Fact  # noqa: F401
 
 
