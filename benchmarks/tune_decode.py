@@ -12,7 +12,7 @@ the GEMM over `--copies` different weight tensors (more bytes than the 50 MB
 L2) and the time is divided by the copies, so no config is flattered by
 weights left in L2 by the previous replay.
 
-    python3 benchmarks/tune_decode.py --out tune.json
+    python3 benchmarks/tune_decode.py --out tune.json [--model qwen3-30b-a3b --skip attention]
 """
 from __future__ import annotations
 
@@ -27,8 +27,23 @@ from detent.kernels.attention_triton import attention_triton_paged
 from detent.kernels.gemm_triton import GEMM_CONFIGS, config_for, gemm_triton_persistent
 
 BF16 = torch.bfloat16
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "lm_head": (128256, 4096)}
+def shapes_of(model: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of the dense GEMMs of a preset at tp = 1 (an MoE's experts run in the fused kernel)."""
+    from detent.models.config import ModelConfig
+    from detent.models.presets import preset
+    mc = ModelConfig.from_hf(preset(model)["config"])
+    h, d = mc.hidden_size, mc.head_dim
+    out = {"qkv": ((mc.num_heads + 2 * mc.num_kv_heads) * d, h), "o": (h, mc.num_heads * d)}
+    if mc.num_experts:
+        out["router"] = (mc.num_experts, h)
+    else:
+        out["gate_up"] = (2 * mc.intermediate_size, h)
+        out["down"] = (h, mc.intermediate_size)
+    out["lm_head"] = (mc.vocab_size, h)
+    return out
+
+
+SHAPES = shapes_of("llama-3.1-8b")
 # (block_m, block_n, block_k, num_warps, num_stages): the table's configs, plus narrow
 # tiles that give N = 4096 outputs 128 programs at M <= 64 (no split-K)
 EXTRA = [(16, 32, 256, 4, 5), (32, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64, 32, 256, 4, 3),
@@ -41,10 +56,10 @@ def bench(fn, rep=40):
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
-def gemm(ms: list[int], copies: int) -> list[dict]:
+def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES) -> list[dict]:
     cfgs = {tuple(c.values()) for c in GEMM_CONFIGS} | set(EXTRA)
     res = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         c = max(2, min(copies, int(400e6 // (n * k * 2))))  # >= 400 MB of weights per replay
         ws = [torch.randn(n, k, device="cuda", dtype=BF16) * 0.02 for _ in range(c)]
         for m in ms:
@@ -143,13 +158,14 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--skip", default="", help="gemm and/or attention")
+    ap.add_argument("--model", default="llama-3.1-8b", help="preset whose dense GEMM shapes are swept")
     a = ap.parse_args()
     t0 = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     if "attention" not in a.skip:
         out["attention"] = attention([int(b) for b in a.batches.split(",")], a.ctx)
     if "gemm" not in a.skip:
-        out["gemm"] = gemm([int(m) for m in a.ms.split(",")], a.copies)
+        out["gemm"] = gemm([int(m) for m in a.ms.split(",")], a.copies, shapes_of(a.model))
     out["seconds"] = time.time() - t0
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
