@@ -156,3 +156,34 @@ def test_abort_while_a_token_is_in_flight_frees_everything():
     eng.step()  # collects the last launched step (its rows belong to finished requests)
     assert eng._inflight is None
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_same_with_and_without_overlap(seed):
+    """Seeded random workloads (prompt lengths, max_tokens, max_model_len, stop tokens, sampling, n,
+    KV pool and token budget): every request's outputs are `==` with and without overlap."""
+    import random
+    r = random.Random(seed)
+    items = []
+    for i in range(r.randrange(6, 18)):
+        kw = dict(max_tokens=r.randrange(1, 20), ignore_eos=r.random() < 0.5, logprobs=r.choice([None, 0, 2]))
+        if r.random() < 0.5:
+            kw.update(temperature=r.choice([0.5, 1.0]), seed=r.randrange(100))
+        else:
+            kw.update(temperature=0)
+        if r.random() < 0.3:
+            kw["stop_token_ids"] = [r.randrange(2, 160) for _ in range(3)]
+        if r.random() < 0.2:
+            kw["n"] = 2
+        items.append((prompt(1000 * seed + i, r.randrange(1, 45), 160), SamplingParams(**kw)))
+    max_len = r.choice([48, 256])  # 256 needs 16 blocks of 16 tokens for one request
+    engine_kw = dict(num_gpu_blocks=r.choice([12, 20, 200] if max_len == 48 else [20, 200]),
+                     max_num_seqs=r.choice([4, 16]), max_num_batched_tokens=r.choice([32, 128]),
+                     max_model_len=max_len)
+    outs = {}
+    for overlap in (False, True):
+        llm = text_llm("pinned", async_scheduling=overlap, **engine_kw)
+        outs[overlap] = run(llm, items)[0]
+        bm = llm.llm_engine.block_manager
+        assert bm.num_free_blocks == bm.num_usable_blocks
+    assert outs[True] == outs[False]
