@@ -29,18 +29,6 @@ from decode import decode_batch  # noqa: E402
 COPY_BW = 4.23e12  # H200 copy bandwidth, DESIGN §9
 
 
-class AllReduceOverride:
-    """Selection provider: `base` everywhere except the all-reduce."""
-
-    def __init__(self, base, impl: str):
-        self.base, self.impl, self.mode = base, impl, base.mode
-
-    def selector(self, family, site):
-        if family == "allreduce":
-            return lambda **rt: {"impl": self.impl}
-        return self.base.selector(family, site)
-
-
 def rank_set_mode(st, mode: str, graphs: bool, capture_sizes: list[int], max_num_seqs: int,
                   allreduce: str | None) -> dict:
     """Runs on every rank (TPExecutor.collective_rpc): install `mode`'s GPU
@@ -49,6 +37,7 @@ def rank_set_mode(st, mode: str, graphs: bool, capture_sizes: list[int], max_num
 
     from detent.selection import make_dispatcher
     from detent.selection.dispatch import Dispatcher
+    from detent.selection.provider import FamilyOverride
     f = st.info.facts
     d, source = make_dispatcher(f, mode, None), "selection (SelIR)"
     if f["device"] != "cuda":  # CPU smoke run of this script: the project's selection as is
@@ -64,7 +53,8 @@ def rank_set_mode(st, mode: str, graphs: bool, capture_sizes: list[int], max_num
     if sel.get("impl") != "triton_paged":
         raise RuntimeError(f"SelIR selected {sel} for attention on CUDA: is triton importable? facts={f}")
     if allreduce:
-        d, source = Dispatcher(AllReduceOverride(d.provider, allreduce)), source + f" + allreduce={allreduce}"
+        d = Dispatcher(FamilyOverride(d.provider, "allreduce", {"impl": allreduce}))
+        source += f" + allreduce={allreduce}"
     st.runner.dispatcher = d
     out = {"mode": mode, "selection_source": source}
     runner = st.runner

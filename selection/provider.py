@@ -29,3 +29,17 @@ class SelIRProvider:
             return sol.compile(assignment, mode="pinned", check_legal=False)
         sol = solve(prog, {**self.facts, **site})
         return sol.compile(mode=self.mode)
+
+
+class FamilyOverride:
+    """A provider answering one family with a fixed selection and every other
+    family as `base` does: for experiments that vary one candidate (e.g. the
+    all-reduce algorithm) with everything else selected as deployed."""
+
+    def __init__(self, base, family: str, selection: dict[str, Any]):
+        self.base, self.family, self.selection, self.mode = base, family, dict(selection), base.mode
+
+    def selector(self, family: str, site: dict[str, Any]) -> Callable[..., dict]:
+        if family == self.family:
+            return lambda **runtime: dict(self.selection)
+        return self.base.selector(family, site)

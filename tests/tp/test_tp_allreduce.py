@@ -171,18 +171,6 @@ PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]
 NEIGHBOURS = [[(11 * i + k) % 250 + 2 for i in range(n)] for k, n in ((1, 57), (2, 23), (3, 9))]
 
 
-class _AllReduceOverride:
-    """A selection provider: `base` for every family except allreduce."""
-
-    def __init__(self, base, impl: str):
-        self.base, self.impl, self.mode = base, impl, base.mode
-
-    def selector(self, family, site):
-        if family == "allreduce":
-            return lambda **rt: {"impl": self.impl}
-        return self.base.selector(family, site)
-
-
 def _model_checks(rank: int, world: int, model_dir: str) -> dict:
     """Every kernel pinned; only the all-reduce candidate varies. The target's
     prompt logprobs (every prompt row) and its sampled token's logprobs,
@@ -194,6 +182,7 @@ def _model_checks(rank: int, world: int, model_dir: str) -> dict:
     from detent.sampling.sampler import SamplingRow
     from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
     from detent.selection.dispatch import Dispatcher
+    from detent.selection.provider import FamilyOverride
 
     cfg = EngineConfig(model=model_dir, tensor_parallel_size=world, load_format="dummy", device="cpu",
                        max_model_len=128, kv_cache_memory_bytes=1 << 22)
@@ -212,7 +201,7 @@ def _model_checks(rank: int, world: int, model_dir: str) -> dict:
     base = st.runner.dispatcher.provider
     out = {}
     for impl in ("ordered_gather", "native"):
-        st.runner.dispatcher = Dispatcher(_AllReduceOverride(base, impl))
+        st.runner.dispatcher = Dispatcher(FamilyOverride(base, "allreduce", {"impl": impl}))
         for name, plan in (("alone", alone), ("batched", batched)):
             o = st.runner.execute(plan)
             out[(impl, name)] = (o.sampled["t"], o.prompt_logprobs["t"])
