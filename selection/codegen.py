@@ -20,6 +20,7 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", 
           "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "in": "in", "notin": "not in",
           "is": "is", "isnot": "is not"}
 _CALLS = ("min", "max", "abs", "cdiv", "log2", "next_pow2", "round_up", "int", "float", "bool", "len")
+_NOT_CONSTANT = object()  # a phi-tree leaf that is not a constant (`_phi_leaves`)
 
 
 def base_namespace() -> dict[str, Any]:
@@ -91,10 +92,10 @@ class Emitter:
              "abs", "bool", "tuple", "phi", "copy", "neutral"}
     _DIVS = {"truediv", "floordiv", "mod", "cdiv", "round_up"}
 
-    def _values(self, n: int, limit: int = 256) -> set | None:
-        """The finite set of values n can take (phi trees over constants), else None."""
+    def _phi_leaves(self, n: int):
+        """The constants at the leaves of the phi tree rooted at n, each node once;
+        yields `_NOT_CONSTANT` (and stops) at a leaf that is not a constant."""
         g = self.g
-        out: set = set()
         stack, seen = [n], set()
         while stack:
             x = stack.pop()
@@ -103,13 +104,22 @@ class Emitter:
             seen.add(x)
             st = self.static(x)
             if st[0]:
-                try:
-                    out.add(st[1])
-                except TypeError:
-                    return None
+                yield st[1]
             elif g.ops[x] == "phi":
                 stack.extend(g.args[x][1:])
             else:
+                yield _NOT_CONSTANT
+                return
+
+    def _values(self, n: int, limit: int = 256) -> set | None:
+        """The finite set of values n can take (phi trees over constants), else None."""
+        out: set = set()
+        for v in self._phi_leaves(n):
+            if v is _NOT_CONSTANT:
+                return None
+            try:
+                out.add(v)
+            except TypeError:
                 return None
             if len(out) > limit:
                 return None
@@ -165,22 +175,11 @@ class Emitter:
 
     def _tables(self, n: int) -> list | None:
         """The constant containers n can be (a phi tree over constants), else None."""
-        g = self.g
-        out, stack, seen = [], [n], set()
-        while stack:
-            x = stack.pop()
-            if x in seen:
-                continue
-            seen.add(x)
-            st = self.static(x)
-            if st[0]:
-                out.append(st[1])
-            elif g.ops[x] == "phi":
-                stack.extend(g.args[x][1:])
-            else:
+        out = []
+        for v in self._phi_leaves(n):
+            if v is _NOT_CONSTANT or len(out) == 64:
                 return None
-            if len(out) > 64:
-                return None
+            out.append(v)
         return out
 
     def speculate(self, roots: list[int], out: list[str], avail: set[int], ind: str) -> None:
