@@ -43,8 +43,13 @@ def token_presence(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.
 
 
 def apply_request_masks(x: torch.Tensor, rows) -> torch.Tensor:
-    """allowed_token_ids, logit_bias, min_tokens (blocks EOS and stop_token_ids)."""
+    """allowed_token_ids, logit_bias, min_tokens (blocks EOS and stop_token_ids).
+    Returns x itself when no row has any of them, else a masked copy (x is not modified)."""
     B, V = x.shape
+    if not any(r.params.allowed_token_ids or r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens
+               for r in rows):
+        return x
+    x = x.clone()
     for i, r in enumerate(rows):
         p = r.params
         if p.allowed_token_ids:

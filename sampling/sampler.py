@@ -158,9 +158,7 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
     B, V = x_raw.shape
     dev = x_raw.device
     raw_lp = ops.log_softmax(x_raw)  # [B, V] fp32
-    masked = any(r.params.allowed_token_ids or r.params.logit_bias
-                 or len(r.output_token_ids) < r.params.min_tokens for r in rows)
-    x = P.apply_request_masks(x_raw.clone(), rows) if masked else x_raw  # (no copy when nothing is masked)
+    x = P.apply_request_masks(x_raw, rows)  # a copy only when some row is masked
     x = P.apply_penalties(x, rows)
     greedy = [r.params.greedy for r in rows]
     temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)]
