@@ -25,3 +25,21 @@ def _cpu_threads():
     if not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ.get("DETENT_TEST_THREADS", "2")))
     yield
+
+
+@pytest.fixture
+def count_placeholders():
+    """count_placeholders(engine) -> list, appended by every later schedule() with the number of
+    PLACEHOLDER input tokens in its plan: evidence that async scheduling overlapped steps."""
+    from detent.scheduler.outputs import PLACEHOLDER
+
+    def install(engine) -> list[int]:
+        seen, real = [], engine.scheduler.schedule
+
+        def schedule():
+            plan = real()
+            seen.append(sum(t == PLACEHOLDER for s in plan.seqs for t in s.token_ids))
+            return plan
+        engine.scheduler.schedule = schedule
+        return seen
+    return install

@@ -79,18 +79,6 @@ def _llm(async_scheduling: bool, selection: str = "pinned"):
                     max_num_batched_tokens=64)
 
 
-def _record_placeholders(eng) -> list[int]:
-    seen = []
-    real = eng.scheduler.schedule
-
-    def schedule():
-        plan = real()
-        seen.append(sum(t == PLACEHOLDER for s in plan.seqs for t in s.token_ids))
-        return plan
-    eng.scheduler.schedule = schedule
-    return seen
-
-
 @pytest.fixture(scope="module")
 def serial():
     llm = _llm(False)
@@ -101,12 +89,12 @@ def serial():
     return first, stops, again, eng.stats()["num_preemptions"]
 
 
-def test_overlap_gives_the_same_outputs_as_serial(serial):
+def test_overlap_gives_the_same_outputs_as_serial(serial, count_placeholders):
     first, stops, again, preemptions = serial
     llm = _llm(True)
     eng = llm.llm_engine
     assert eng.async_scheduling
-    holes = _record_placeholders(eng)
+    holes = count_placeholders(eng)
     got_first, _ = run(llm, workload())
     got_again, _ = run(llm, workload(), stops)
     assert got_first == first

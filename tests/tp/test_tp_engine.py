@@ -370,12 +370,11 @@ def test_plan_sent_to_ranks_carries_the_grammar_bitmask_not_the_matcher():
     assert portable_plan(SchedulerOutput(plan.seqs[1:], 2)) == SchedulerOutput(plan.seqs[1:], 2)
 
 
-def test_tp2_async_scheduling_gives_the_same_outputs(tiny_dir):
+def test_tp2_async_scheduling_gives_the_same_outputs(tiny_dir, count_placeholders):
     """Async scheduling over the ranks: the driver sends plan N+1 before it
     reads step N's tokens, and each rank fills N+1's PLACEHOLDER inputs from
     its own step N (every rank samples the same tokens). Comparator: token ids
     and logprob dicts with `==`, against the same tp = 2 engine without overlap."""
-    from detent.scheduler.outputs import PLACEHOLDER
     prompts = [_prompt(TARGET)] + [_prompt(p) for p in OTHERS]
     params = [SamplingParams(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=7, logprobs=2, ignore_eos=True),
@@ -388,13 +387,7 @@ def test_tp2_async_scheduling_gives_the_same_outputs(tiny_dir):
         try:
             assert eng.async_scheduling is overlap
             if overlap:
-                real = eng.scheduler.schedule
-
-                def schedule():
-                    plan = real()
-                    holes.append(sum(t == PLACEHOLDER for s in plan.seqs for t in s.token_ids))
-                    return plan
-                eng.scheduler.schedule = schedule
+                holes = count_placeholders(eng)
             results[overlap] = [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
             results[overlap] += [_result(o) for o in llm.generate(prompts[::-1], params[::-1], use_tqdm=False)]
         finally:
