@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -25,6 +27,11 @@ import triton
 
 from detent.kernels.attention_triton import attention_triton_paged
 from detent.kernels.gemm_triton import GEMM_CONFIGS, config_for, gemm_triton_persistent
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_bench import attn_case, bench  # noqa: E402  (one attention case, CUDA-graph timing)
+
+REP = 40  # ms of replays per measurement (runs A and C)
 
 BF16 = torch.bfloat16
 def shapes_of(model: str) -> dict[str, tuple[int, int]]:
@@ -52,10 +59,6 @@ EXTRA = [(16, 32, 256, 4, 5), (32, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64, 32,
          (128, 128, 64, 8, 4), (64, 64, 256, 4, 3)]
 
 
-def bench(fn, rep=40):
-    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-
-
 def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES) -> list[dict]:
     cfgs = {tuple(c.values()) for c in GEMM_CONFIGS} | set(EXTRA)
     res = []
@@ -67,7 +70,7 @@ def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES
             floor_us = n * k * 2 / 4.23e12 * 1e6
             row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": floor_us,
                    "table": str(tuple(config_for(m, n).values()))}
-            row["cublas_us"] = bench(lambda: [torch.nn.functional.linear(x, w) for w in ws]) * 1e3 / c
+            row["cublas_us"] = bench(lambda: [torch.nn.functional.linear(x, w) for w in ws], REP) * 1e3 / c
             ref, times = None, {}
             for cfg in sorted(cfgs):
                 bm, bn, bk, nw, ns = cfg
@@ -76,7 +79,7 @@ def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES
                 kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
                 try:
                     y = gemm_triton_persistent(x, ws[0], None, **kw)
-                    t = bench(lambda: [gemm_triton_persistent(x, w, None, **kw) for w in ws]) * 1e3 / c
+                    t = bench(lambda: [gemm_triton_persistent(x, w, None, **kw) for w in ws], REP) * 1e3 / c
                 except Exception as e:  # noqa: BLE001  (a config that does not compile here)
                     times[str(cfg)] = f"error: {type(e).__name__}"
                     continue
@@ -98,28 +101,11 @@ def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES
     return res
 
 
-def attn_case(batch, ctx, h=32, kvh=8, d=128, bs=16):
-    from detent.engine.forward_context import AttentionMetadata
-    nblk = -(-ctx // bs)
-    num_blocks = batch * nblk + 1
-    cache = torch.randn(2, num_blocks, bs, kvh, d, device="cuda", dtype=BF16)
-    tables = torch.randperm(num_blocks - 1, device="cuda")[: batch * nblk].view(batch, nblk).int() + 1
-    qsl = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32)
-    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-    slots = (tables.long()[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs).reshape(-1)
-    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=lens, block_tables=tables, slot_mapping=slots,
-                             num_seqs=batch, num_tokens=batch, max_seqlen_q=1, max_seqlen_k=ctx, block_size=bs,
-                             query_start_loc_cpu=tuple(qsl.tolist()), seq_lens_cpu=(ctx,) * batch)
-    q = torch.randn(batch, h, d, device="cuda", dtype=BF16)
-    k = torch.randn(batch, kvh, d, device="cuda", dtype=BF16)
-    return q, k, torch.randn_like(k), cache, meta
-
-
 def attention(batches: list[int], ctx: int) -> list[dict]:
     res = []
     base = dict(split_tokens=256, block_n=64, rowsum="mma")
     for b in batches:
-        q, k, v, cache, meta = attn_case(b, ctx)
+        q, k, v, cache, meta = attn_case(b, ctx, 1)
         floor_us = b * ctx * 8 * 128 * 2 * 2 / 4.23e12 * 1e6
         row = {"batch": b, "ctx": ctx, "floor_us": floor_us, "variants": {}, "bits_differ": []}
         ref = attention_triton_paged(q, k, v, cache, meta, 0.088, block_m=16, num_warps=4, num_stages=2, **base)
@@ -132,7 +118,7 @@ def attention(batches: list[int], ctx: int) -> list[dict]:
                         try:
                             y = attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)
                             row["variants"][key] = bench(
-                                lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)) * 1e3
+                                lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw), REP) * 1e3
                         except Exception as e:  # noqa: BLE001
                             row["variants"][key] = f"error: {type(e).__name__}"
                             continue
