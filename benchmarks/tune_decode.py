@@ -37,8 +37,11 @@ BF16 = torch.bfloat16
 def shapes_of(model: str) -> dict[str, tuple[int, int]]:
     """(N, K) of the dense GEMMs of a preset at tp = 1 (an MoE's experts run in the fused kernel)."""
     from detent.models.config import ModelConfig
-    from detent.models.presets import preset
-    mc = ModelConfig.from_hf(preset(model)["config"])
+    from detent.models.presets import PRESETS, preset
+    p = preset(model)
+    if p is None:
+        raise SystemExit(f"--model {model!r} is not a preset (presets: {', '.join(sorted(PRESETS))})")
+    mc = ModelConfig.from_hf(p["config"])
     h, d = mc.hidden_size, mc.head_dim
     out = {"qkv": ((mc.num_heads + 2 * mc.num_kv_heads) * d, h), "o": (h, mc.num_heads * d)}
     if mc.num_experts:
