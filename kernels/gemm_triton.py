@@ -6,16 +6,18 @@ inputs. A row's result depends only on that row of x, w, and the config:
 the grid, the tile a row lands in and the other rows never enter its
 arithmetic. The config is a selection parameter (pinned per (N, K)); whether
 it is numerics-neutral on a device is a question for tests/gpu, not an
-assumption here.
+assumption here. Tiles reach the SM by pointer loads, or on Hopper by TMA
+(`tma=1`, `_tma_matmul_kernel`): the same tile walk and dots, faster loads.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from detent.kernels.common_triton import (check_device, check_dtype, check_last_contiguous, empty,
-                                          lazy_jit, sms_for)
+from detent.kernels.common_triton import check_device, check_dtype, empty, lazy_jit, sms_for
 from detent.selection.registry import register
 
 
@@ -60,6 +62,54 @@ def _persistent_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                  mask=mask_m[:, None] & mask_n[None, :])
 
 
+@lazy_jit(do_not_specialize=["M", "NUM_PROGS"])
+def _tma_matmul_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K,
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, NUM_PROGS):
+    """The persistent matmul above with tiles moved by TMA (Hopper's tensor
+    memory accelerator): the same tile order, the same ascending K walk and
+    the same dot per K step; tiles past M, N or K read zeros, as the masked
+    loads above do."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in range(pid, num_tiles, NUM_PROGS):
+        group = tile // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % size_m)
+        pid_n = (tile % (GROUP_M * num_pid_n)) // size_m
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = x_desc.load([off_m, k0])  # [BM, BK]
+            b = w_desc.load([off_n, k0])  # [BN, BK]
+            if IEEE:
+                acc = tl.dot(a, b.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """TMA exists from Hopper (sm_90) on; Triton's interpreter emulates it on CPU."""
+    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """TMA needs a unit last stride and 16-byte aligned base and row stride."""
+    return _has_tma(ts[0].device) and all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
+
+
 def _check(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
     check_device(name, x, w, bias)
     if x.dim() != 2 or w.dim() != 2:
@@ -74,11 +124,14 @@ def _check(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
                          f"{tuple(bias.shape)} {bias.dtype}")
 
 
-@register("gemm", "triton_persistent", params=("block_m", "block_n", "block_k", "num_warps", "num_stages"),
+@register("gemm", "triton_persistent", params=("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma"),
           devices=("cuda",))
 def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                            block_m: int = 64, block_n: int = 128, block_k: int = 64,
-                           num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 3, tma: int = 0) -> torch.Tensor:
+    """`tma=1` moves the tiles with TMA where the tensors allow it (unit last
+    stride, 16-byte alignment) and with pointer loads otherwise: the same
+    tile walk, so the same bits (tests/gpu checks it), only the loads differ."""
     _check("gemm/triton_persistent", x, w, bias)
     for f, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if v < 16 or v & (v - 1):
@@ -90,6 +143,15 @@ def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
         return y
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     progs = min(tiles, sms_for(x))
+    if tma and _tma_ok(x, w, y):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        _tma_matmul_kernel[(progs,)](
+            TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(w, [block_n, block_k]),
+            TensorDescriptor.from_tensor(y, [block_m, block_n]), bias if bias is not None else x, m, n, k,
+            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGS=progs,
+            num_warps=num_warps, num_stages=num_stages)
+        return y
     _persistent_matmul_kernel[(progs,)](
         x, w, bias if bias is not None else x, y, m, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
@@ -100,36 +162,42 @@ def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
 
 
 # Tile configs for the H200 (Llama-3.1-8B shapes, bf16), by row count and
-# output width: the fastest of `benchmarks/tune_decode.py` (2026-11-30, run
-# A: CUDA-graph timing over 400 MB of weight copies, so no config is helped
-# by weights left in L2). Narrow outputs (N = 4096) need narrow tiles at
-# M <= 256 to give the SMs enough programs without split-K. M > 256
-# (prefill) keeps one wide tile. Every config below gave identical row bits
-# on the H200 for every shape and M tried (tune_decode.py checks it, and
-# tests/gpu/test_gpu_gemm.py re-checks it on the device), so choosing among
-# them by M does not break batch invariance.
-def _cfg(bm, bn, bk, nw, ns):
-    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+# output width: the fastest of `benchmarks/tune_decode.py` (CUDA-graph timing
+# over 400 MB of weight copies, so no config is helped by weights left in
+# L2). Narrow outputs (N = 4096) need narrow tiles at M <= 256 to give the
+# SMs enough programs without split-K. From M = 128 the tiles move by TMA
+# (`tma=1`): at M = 2048 and 8192 that matches cuBLAS (gate_up at 2048:
+# 740 us against 740 us; pointer loads 864 us), and it takes 10-20% off
+# M = 128 and 256. Every config below gave identical row bits on the H200
+# for every shape and M tried, with and without TMA (tune_decode.py checks
+# it, and tests/gpu/test_gpu_gemm.py re-checks it on the device), so
+# choosing among them by M does not break batch invariance.
+def _cfg(bm, bn, bk, nw, ns, tma=0):
+    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, tma=tma)
 
 
-_WIDE = _cfg(128, 256, 64, 8, 3)
-# (max M, {"narrow": N <= 4096, "mid": 4096 < N < 16384, "wide": N >= 16384})
+_WIDE = _cfg(128, 256, 64, 8, 3, 1)
+_TINY = _cfg(64, 32, 256, 4, 3, 1)
+# (max M, {"tiny": N <= 1024 (MoE routers), "narrow": N <= 4096, "mid": 4096 < N < 16384, "wide": N >= 16384})
 GEMM_TABLE: tuple[tuple[int, dict[str, dict]], ...] = (
-    (16, {"narrow": _cfg(16, 32, 256, 4, 5), "mid": _cfg(16, 64, 256, 4, 4), "wide": _cfg(16, 128, 128, 4, 4)}),
-    (64, {"narrow": _cfg(64, 32, 128, 4, 5), "mid": _cfg(64, 64, 128, 4, 5), "wide": _cfg(64, 256, 64, 8, 4)}),
-    (128, {"narrow": _cfg(64, 64, 128, 4, 5), "mid": _cfg(128, 64, 128, 8, 4), "wide": _WIDE}),
-    (256, {"narrow": _cfg(64, 128, 128, 8, 4), "mid": _cfg(128, 128, 128, 8, 3), "wide": _WIDE}),
-    (1 << 30, {"narrow": _WIDE, "mid": _WIDE, "wide": _WIDE}),
+    (16, {"tiny": _cfg(16, 32, 256, 4, 5), "narrow": _cfg(16, 32, 256, 4, 5), "mid": _cfg(16, 64, 256, 4, 4),
+          "wide": _cfg(16, 128, 128, 4, 4)}),
+    (64, {"tiny": _TINY, "narrow": _cfg(64, 32, 128, 4, 5, 1), "mid": _cfg(64, 64, 128, 4, 5, 1),
+          "wide": _cfg(64, 256, 64, 8, 4, 1)}),
+    (128, {"tiny": _TINY, "narrow": _cfg(64, 64, 128, 4, 5, 1), "mid": _cfg(128, 64, 128, 4, 4, 1), "wide": _WIDE}),
+    (256, {"tiny": _TINY, "narrow": _cfg(128, 64, 128, 4, 4, 1), "mid": _cfg(128, 128, 128, 8, 3, 1),
+           "wide": _WIDE}),
+    (1 << 30, {"tiny": _cfg(128, 64, 128, 4, 4, 1), "narrow": _WIDE, "mid": _WIDE, "wide": _WIDE}),
 )
 # every config the table can pick, plus the mid-M ones the sweep measured
 # (all bit-identical on the H200): the set the neutrality test covers
 GEMM_CONFIGS: tuple[dict, ...] = tuple({tuple(c.values()): c for c in (
     [c for _, row in GEMM_TABLE for c in row.values()]
-    + [_cfg(128, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 3), _cfg(128, 128, 128, 8, 3)])}.values())
+    + [_cfg(128, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 3), _cfg(128, 128, 128, 8, 3), _cfg(128, 256, 64, 8, 3)])}.values())
 
 
 def config_for(m: int, n: int = 4096) -> dict:
-    width = "narrow" if n <= 4096 else "wide" if n >= 16384 else "mid"
+    width = "tiny" if n <= 1024 else "narrow" if n <= 4096 else "wide" if n >= 16384 else "mid"
     for upto, row in GEMM_TABLE:
         if m <= upto:
             return row[width]

@@ -9,20 +9,22 @@ GPU GEMM has no pin (as in the paper, §8.2).
 from detent.selection.lang import Fact, Runtime, assume, neutral, next_pow2, require  # noqa: F401
 
 CHUNK_MAX = 16
-# (block_m, block_n, block_k, num_warps, num_stages) by max M and N width:
-# the table of kernels/gemm_triton.py (config_for)
-WIDE = (128, 256, 64, 8, 3)
+# (block_m, block_n, block_k, num_warps, num_stages, tma) by max M and N
+# width: the table of kernels/gemm_triton.py (config_for)
+WIDE = (128, 256, 64, 8, 3, 1)
+TINY = (64, 32, 256, 4, 3, 1)
 GEMM_TABLE = (
-    (16, {"narrow": (16, 32, 256, 4, 5), "mid": (16, 64, 256, 4, 4), "wide": (16, 128, 128, 4, 4)}),
-    (64, {"narrow": (64, 32, 128, 4, 5), "mid": (64, 64, 128, 4, 5), "wide": (64, 256, 64, 8, 4)}),
-    (128, {"narrow": (64, 64, 128, 4, 5), "mid": (128, 64, 128, 8, 4), "wide": WIDE}),
-    (256, {"narrow": (64, 128, 128, 8, 4), "mid": (128, 128, 128, 8, 3), "wide": WIDE}),
-    (2 ** 30, {"narrow": WIDE, "mid": WIDE, "wide": WIDE}),
+    (16, {"tiny": (16, 32, 256, 4, 5, 0), "narrow": (16, 32, 256, 4, 5, 0), "mid": (16, 64, 256, 4, 4, 0),
+          "wide": (16, 128, 128, 4, 4, 0)}),
+    (64, {"tiny": TINY, "narrow": (64, 32, 128, 4, 5, 1), "mid": (64, 64, 128, 4, 5, 1), "wide": (64, 256, 64, 8, 4, 1)}),
+    (128, {"tiny": TINY, "narrow": (64, 64, 128, 4, 5, 1), "mid": (128, 64, 128, 4, 4, 1), "wide": WIDE}),
+    (256, {"tiny": TINY, "narrow": (128, 64, 128, 4, 4, 1), "mid": (128, 128, 128, 8, 3, 1), "wide": WIDE}),
+    (2 ** 30, {"tiny": (128, 64, 128, 4, 4, 1), "narrow": WIDE, "mid": WIDE, "wide": WIDE}),
 )
 
 
 def triton_config(m, n):
-    width = "narrow" if n <= 4096 else ("wide" if n >= 16384 else "mid")
+    width = "tiny" if n <= 1024 else "narrow" if n <= 4096 else ("wide" if n >= 16384 else "mid")
     for upto, row in GEMM_TABLE:
         if m <= upto:
             return row[width]
@@ -37,7 +39,7 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], n: 
     if device == "cuda" and triton:
         cfg = neutral(triton_config(num_tokens, n))
         return {"impl": "triton_persistent", "block_m": cfg[0], "block_n": cfg[1], "block_k": cfg[2],
-                "num_warps": cfg[3], "num_stages": cfg[4]}
+                "num_warps": cfg[3], "num_stages": cfg[4], "tma": cfg[5]}
     # rows per library call: the batch's M rounded up to a power of two, at most CHUNK_MAX
     chunk = min(next_pow2(num_tokens), CHUNK_MAX)
     require(chunk >= 4, "MKL fp32 runs other kernels for M = 1 and M = 2-3: a fixed chunk must be >= 4")
@@ -47,5 +49,5 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], n: 
 def conservative(device: Fact[str], triton: Fact[bool]):
     if device == "cuda" and triton:
         return {"impl": "triton_persistent", "block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8,
-                "num_stages": 3}
+                "num_stages": 3, "tma": 0}
     return {"impl": "torch_chunked", "chunk": 1}

@@ -56,6 +56,20 @@ def test_tile_configs_give_identical_bits():
             assert all(torch.equal(o, outs[0]) for o in outs[1:]), (n, k, m)
 
 
+@pytest.mark.parametrize("m", [1, 64, 300, 2048])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tma_loads_give_identical_bits(m, bias):
+    # tma=1 moves the same tiles with TMA; the dot per K step is the same
+    from detent.kernels.gemm_triton import GEMM_CONFIGS
+    w = torch.randn(6144, 4096, device="cuda", dtype=BF16) * 0.02
+    b = torch.randn(6144, device="cuda", dtype=BF16) if bias else None
+    x = torch.randn(m, 4096, device="cuda", dtype=BF16)
+    ref = gemm_triton_persistent(x, w, b, **GEMM_CONFIGS[0])
+    for cfg in GEMM_CONFIGS:
+        if cfg["block_m"] >= 64:
+            assert torch.equal(gemm_triton_persistent(x, w, b, **cfg, tma=1), ref), (m, cfg)
+
+
 def test_stock_cublas_is_not_row_invariant():
     x = torch.randn(256, 4096, device="cuda", dtype=BF16)
     w = torch.randn(4096, 4096, device="cuda", dtype=BF16) * 0.02

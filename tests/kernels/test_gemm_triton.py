@@ -64,3 +64,21 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         gemm_triton_persistent(torch.randn(2, 8), torch.randn(4, 8), None, **CFG)
+
+
+@pytest.mark.parametrize("m,n,k,bias", [(1, 24, 40, True), (19, 36, 20, False), (40, 16, 64, True)])
+def test_tma_loads_give_the_pointer_kernels_bits(m, n, k, bias):
+    # tma=1 only changes how tiles reach the SM; tails past M, N and K read zeros
+    g = torch.Generator().manual_seed(m * 7 + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = gemm_triton_persistent(x, w, b, **CFG, tma=1)
+    assert not y.isnan().any()
+    assert torch.equal(y, gemm_triton_persistent(x, w, b, **CFG))
+
+
+def test_tma_falls_back_to_pointer_loads_when_unaligned():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 80, generator=g)[:, ::2]  # K stride 2: no TMA descriptor
+    w = torch.randn(20, 40, generator=g)
+    assert torch.equal(gemm_triton_persistent(x, w, None, **CFG, tma=1), gemm_triton_persistent(x, w, None, **CFG))

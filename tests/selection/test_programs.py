@@ -106,7 +106,9 @@ def test_gpu_programs():
     assert gm.pins == () and gm.compile(mode="stock")(num_tokens=3) == {"impl": "torch"}
     p = gm.compile(mode="pinned")
     assert p(num_tokens=1) == {"impl": "triton_persistent", "block_m": 16, "block_n": 32, "block_k": 256,
-                               "num_warps": 4, "num_stages": 5}
+                               "num_warps": 4, "num_stages": 5, "tma": 0}
+    assert p(num_tokens=8192) == {"impl": "triton_persistent", "block_m": 128, "block_n": 64, "block_k": 128,
+                                  "num_warps": 4, "num_stages": 4, "tma": 1}  # n = 576: the "tiny" column
     mo = sol("moe", GPU, MOE_SITE)
     # the fused kernel's rows are bit-identical on the H200 (tests/gpu): no pin, the row follows M
     assert mo.pins == ()
@@ -121,10 +123,11 @@ def test_gpu_selections_match_the_registered_triton_candidates():
     from detent.selection import registry
     from detent.selection.programs import moe as moe_program
     assert moe_program.GPU_KEYS == tuple(sorted(moe_triton.MOE_CONFIGS))
-    g = sol("gemm", GPU, dict(GEMM_SITE, n=14336, dtype="bfloat16")).compile(mode="pinned")
-    for m in (1, 16, 17, 64, 65, 5000):
-        sel = dict(g(num_tokens=m))
-        assert sel.pop("impl") == "triton_persistent" and sel == gemm_triton.config_for(m, 14336)
+    for n in (128, 4096, 6144, 14336, 28672):
+        g = sol("gemm", GPU, dict(GEMM_SITE, n=n, dtype="bfloat16")).compile(mode="pinned")
+        for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 5000):
+            sel = dict(g(num_tokens=m))
+            assert sel.pop("impl") == "triton_persistent" and sel == gemm_triton.config_for(m, n), (n, m)
     for fam, facts, site, r in [
             ("attention", GPU, dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128), rt(max_seqlen_k=900)),
             ("gemm", GPU, GEMM_SITE, rt()), ("moe", GPU, MOE_SITE, rt()),

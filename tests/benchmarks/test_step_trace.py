@@ -1,0 +1,37 @@
+"""benchmarks/step_trace.py on CPU with a tiny random Llama: every step the
+engine launches is recorded once, and the records account for the whole
+workload — prompt tokens plus one decode row per generated token after the
+first — so the split into prefill, mixed and decode steps is a partition."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+
+def test_steps_account_for_every_token():
+    import common_side as cs
+    import step_trace as st
+    from compare_vllm import TINY
+    from detent_side import DetentSide
+    from gpu_engine import build, set_mode
+
+    ctx, new, batches = 40, 6, [2, 5]
+    llm, mc, _ = build("tiny", hf_config=TINY, device="cpu", dtype=torch.float32, max_model_len=128,
+                       max_num_seqs=5, max_num_batched_tokens=64, enable_prefix_caching=True)
+    side, rec = DetentSide(llm), st.StepRecorder(llm.llm_engine.runner)
+    set_mode(llm, "pinned", graphs=False)
+    r = st.trace_batch(side, rec, 5, batches, ctx, new, cs.prompt_hi(mc.vocab_size), 1, False, "", "t")
+    one, many = r["call_1"], r[f"call_{new + 1}"]
+    # fresh prompts (drawn for both batch sizes at once): nothing comes from the prefix cache
+    assert sum(k["tokens"] for k in one["kinds"].values()) == 5 * ctx
+    assert sum(k["tokens"] for k in many["kinds"].values()) == 5 * ctx + 5 * new
+    assert sum(k["steps"] for k in many["kinds"].values()) == many["steps"] == len(r[f"steps_{new + 1}"])
+    # a 64-token budget cannot hold 200 prompt tokens: decodes overlap the later prompts' chunks
+    assert "mixed" in many["kinds"] and "decode b=5" in many["kinds"]
+    assert abs(sum(k["device_ms"] for k in many["kinds"].values()) - many["device_ms"]) < 1e-6
+    assert st.report("t", r, new).count("steps") >= 3
