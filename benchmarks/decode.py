@@ -102,7 +102,7 @@ def roofline_ms(info: dict, mc, batch: int, ctx: int, bw: float) -> float:
 
 def _label(mode: str) -> str:
     base, *envs = mode.split("+")
-    return base + (" [" + ", ".join(e.split("=", 1)[-1] for e in envs) + "]" if envs else "")
+    return base + (" [" + ", ".join(envs) + "]" if envs else "")
 
 
 def plot(res: dict, path: str) -> None:

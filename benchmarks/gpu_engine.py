@@ -76,18 +76,30 @@ def dispatcher_for(eng, mode: str):
 
 def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = None) -> dict:
     """mode: "stock" | "pinned" | "conservative", optionally with environment
-    settings read by the kernels: "pinned+VAR=VAL"."""
+    settings read by the kernels ("pinned+VAR=VAL") and candidate parameters
+    added to one family's selection ("pinned+moe:fuse_glue=1",
+    `selection.provider.FamilyOverride`)."""
     import os
+
     from detent.engine.cuda_graph import enable_cuda_graphs
+    from detent.selection.dispatch import Dispatcher
+    from detent.selection.provider import FamilyOverride
     eng = llm.llm_engine
-    base, *envs = mode.split("+")
-    for kv in envs:
+    base, *extras = mode.split("+")
+    params: dict[str, dict] = {}
+    for kv in extras:
         k, _, v = kv.partition("=")
-        os.environ[k] = v
+        if ":" in k:
+            fam, _, name = k.partition(":")
+            params.setdefault(fam, {})[name] = int(v) if v.lstrip("-").isdigit() else v
+        else:
+            os.environ[k] = v
     d, source = dispatcher_for(eng, base)
+    for fam, extra in params.items():
+        d = Dispatcher(FamilyOverride(d.provider, fam, extra=extra))
     eng.dispatcher = d
     eng.runner.dispatcher = d
-    out = {"mode": mode, "selection_source": source,
+    out = {"mode": mode, "selection_source": source, "overrides": params,
            "env": {k: v for k, v in os.environ.items() if k.startswith("DETENT_")}}
     if graphs:
         t0 = time.time()

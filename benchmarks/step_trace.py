@@ -10,14 +10,16 @@ CUDA-graph replay), the host time of the launch, and two CUDA events around
 it. From the events: each step's device time, and the device's idle time
 before it (the host was late). Then it sums the time of each kind of step
 in both calls, so the difference t(129) - t(1) splits into decode steps,
-mixed steps and idle time. With `--profile`, torch.profiler adds the
-kernels' device time over the 129-token call.
+mixed steps and idle time, and the Python collector's pauses (a full
+collection is a ~0.1 s idle gap: EngineConfig.freeze_gc). With `--profile`,
+torch.profiler adds the kernels' device time over the 129-token call.
 
     python3 benchmarks/step_trace.py --modes pinned,stock --batches 8,64 --out $OUT/trace
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -48,7 +50,16 @@ class StepRecorder:
     def __init__(self, runner):
         self.runner, self.orig, self.steps = runner, runner.launch, []
         self.cuda = runner.device.type == "cuda"
+        self.gc_pauses: list[tuple[int, float]] = []  # (generation, ms) of the collector's runs
+        self._gc_t0 = None
         runner.launch = self._launch
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self.gc_pauses.append((info["generation"], (time.perf_counter() - self._gc_t0) * 1e3))
 
     def _event(self):
         return torch.cuda.Event(enable_timing=True) if self.cuda else _HostEvent()
@@ -65,17 +76,19 @@ class StepRecorder:
                            "_ev": (e0, e1)})
         return h
 
-    def take(self) -> list[dict]:
+    def take(self) -> tuple[list[dict], list[tuple[int, float]]]:
+        """The steps (and the collector's pauses) since the last take."""
         if self.cuda:
             torch.cuda.synchronize()
         steps, self.steps = self.steps, []
+        pauses, self.gc_pauses = self.gc_pauses, []
         prev_end = None
         for s in steps:
             e0, e1 = s.pop("_ev")
             s["device_ms"] = e0.elapsed_time(e1)
             s["idle_before_ms"] = max(0.0, prev_end.elapsed_time(e0)) if prev_end is not None else 0.0
             prev_end = e1
-        return steps
+        return steps, pauses
 
 
 def kind_of(s: dict) -> str:
@@ -84,7 +97,8 @@ def kind_of(s: dict) -> str:
     return "prefill" if s["decode_rows"] == 0 else "mixed"
 
 
-def summarize(steps: list[dict]) -> dict:
+def summarize(steps_and_pauses: tuple[list[dict], list[tuple[int, float]]]) -> dict:
+    steps, pauses = steps_and_pauses
     kinds: dict[str, dict] = {}
     for s in steps:
         k = kinds.setdefault(kind_of(s), {"steps": 0, "device_ms": 0.0, "idle_ms": 0.0, "host_launch_ms": 0.0,
@@ -97,8 +111,11 @@ def summarize(steps: list[dict]) -> dict:
         k["_dev"].append(s["device_ms"])
     for k in kinds.values():
         k["median_device_ms"] = statistics.median(k.pop("_dev"))
+    full = [ms for g, ms in pauses if g == 2]
     return {"steps": len(steps), "device_ms": sum(s["device_ms"] for s in steps),
-            "idle_ms": sum(s["idle_before_ms"] for s in steps), "kinds": kinds}
+            "idle_ms": sum(s["idle_before_ms"] for s in steps), "kinds": kinds,
+            "gc": {"collections": len(pauses), "ms": sum(ms for _, ms in pauses), "full_collections": len(full),
+                   "full_ms": sum(full), "frozen_objects": gc.get_freeze_count()}}
 
 
 def trace_batch(side, rec: StepRecorder, bs: int, batches: list[int], ctx: int, new_tokens: int, hi: int, logprobs,
@@ -118,8 +135,8 @@ def trace_batch(side, rec: StepRecorder, bs: int, batches: list[int], ctx: int, 
     t2, _ = cs.timed(side, b, new_tokens + 1, logprobs)
     s2 = rec.take()
     res = {"t_1_token_s": t1, f"t_{new_tokens + 1}_tokens_s": t2, "tpot_ms": (t2 - t1) / new_tokens * 1e3,
-           "call_1": summarize(s1), f"call_{new_tokens + 1}": summarize(s2), "steps_1": s1,
-           f"steps_{new_tokens + 1}": s2}
+           "call_1": summarize(s1), f"call_{new_tokens + 1}": summarize(s2), "steps_1": s1[0],
+           f"steps_{new_tokens + 1}": s2[0]}
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as tprofile
@@ -141,7 +158,9 @@ def report(tag: str, r: dict, new_tokens: int) -> str:
               f"TPOT {r['tpot_ms']:.3f} ms")]
     for call in ("call_1", f"call_{new_tokens + 1}"):
         c = r[call]
-        lines.append(f"  {call}: {c['steps']} steps, device {c['device_ms']:.1f} ms, idle {c['idle_ms']:.1f} ms")
+        g = c["gc"]
+        lines.append(f"  {call}: {c['steps']} steps, device {c['device_ms']:.1f} ms, idle {c['idle_ms']:.1f} ms; "
+                     f"gc {g['collections']} runs {g['ms']:.1f} ms, {g['full_collections']} full {g['full_ms']:.1f} ms")
         for k, v in sorted(c["kinds"].items()):
             lines.append(f"    {k:14s} {v['steps']:4d} steps  device {v['device_ms']:8.1f} ms (median "
                          f"{v['median_device_ms']:.3f})  idle {v['idle_ms']:7.1f} ms  host launch "

@@ -28,6 +28,7 @@ it). `has_unfinished_requests()` and `stats()` are safe from any thread.
 """
 from __future__ import annotations
 
+import gc
 import random
 import threading
 from collections import deque
@@ -45,6 +46,23 @@ from detent.sampling.params import SamplingParams
 from detent.selection.facts import default_facts_for
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
+
+
+def freeze_gc_heap(config: EngineConfig, device: torch.device) -> bool:
+    """Once startup is done (weights, KV pool, CUDA graphs): collect, then
+    freeze what is left out of every later collection (`EngineConfig.freeze_gc`).
+
+    A full (generation 2) collection walks every tracked object: ~250k after
+    torch, triton and transformers are imported, 0.11-0.15 s. Python runs one
+    whenever enough new objects survived younger collections, and in the
+    engine loop that is a step the device waits for (runF step_trace: one
+    118 ms idle gap among 120 steps of 7.6 ms at batch 64). Objects made
+    later (requests, outputs) stay collectable."""
+    if not (device.type == "cuda" if config.freeze_gc is None else config.freeze_gc):
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 def deployment_facts(config: EngineConfig, mc: Any, state: EngineState) -> dict[str, Any]:
@@ -101,6 +119,7 @@ class LLMEngine:
         self.async_scheduling = (self.state.device.type == "cuda" if config.async_scheduling is None
                                  else bool(config.async_scheduling))
         self._grammars = None  # GrammarCompilerCache, made on the first structured_outputs request
+        self.gc_frozen = freeze_gc_heap(config, self.state.device)
 
     def _build_local(self, model: torch.nn.Module, mc: Any, device: torch.device) -> None:
         """Size the KV cache, install the dispatcher, build the runner (tp = 1)."""

@@ -86,6 +86,48 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: tor
     return topw.to(dtype), topi
 
 
+@lazy_jit
+def _route_kernel(logits_ptr, topw_ptr, topi_ptr, E, stride, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, RENORM: tl.constexpr):
+    """`route` for one token in one program: fp32 softmax over the experts,
+    the top k by repeated maximum (ties: the lowest expert id), optional
+    renormalisation. A row's result depends on its logits only."""
+    t = tl.program_id(0).to(tl.int64)
+    ev = tl.arange(0, E_PAD)
+    kv = tl.arange(0, TOPK_PAD)
+    x = tl.load(logits_ptr + t * stride + ev, mask=ev < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    left = tl.where(ev < E, p, -1.0)
+    ws = tl.zeros([TOPK_PAD], dtype=tl.float32)
+    ids = tl.zeros([TOPK_PAD], dtype=tl.int64)
+    for s in tl.static_range(TOPK):
+        best = tl.max(left, 0)
+        idx = tl.min(tl.where(left == best, ev, E_PAD), 0)
+        ws = tl.where(kv == s, best, ws)
+        ids = tl.where(kv == s, idx.to(tl.int64), ids)
+        left = tl.where(ev == idx, -1.0, left)
+    if RENORM:
+        ws = ws / tl.sum(ws, 0)
+    tl.store(topw_ptr + t * TOPK + kv, ws.to(topw_ptr.dtype.element_ty), mask=kv < TOPK)
+    tl.store(topi_ptr + t * TOPK + kv, ids, mask=kv < TOPK)
+
+
+def route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype):
+    """`route` in one launch: the same definition, but its own softmax and sums,
+    so the weights' low bits differ from `route`'s (each row's still depend
+    on that row alone)."""
+    router_logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    m, e = router_logits.shape
+    topw = empty((m, top_k), dtype, router_logits.device)
+    topi = torch.empty((m, top_k), dtype=torch.long, device=router_logits.device)
+    if m:
+        _route_kernel[(m,)](router_logits, topw, topi, e, router_logits.stride(0), TOPK=top_k,
+                            TOPK_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
+                            RENORM=bool(renormalize), num_warps=1 if e <= 256 else 4)
+    return topw, topi
+
+
 def align(topi: torch.Tensor, num_experts: int, block_m: int):
     """Rows (t * k + s) sorted by expert, each expert padded to block_m with
     the sentinel R = M*k; and each row block's expert (-1: unused block).
@@ -110,6 +152,105 @@ def align(topi: torch.Tensor, num_experts: int, block_m: int):
     blk_expert = torch.searchsorted(ends, blk_start, right=True).to(torch.int32)
     blk_expert = torch.where(blk_start < ends[-1], blk_expert, torch.full_like(blk_expert, -1))
     return rows, blk_expert
+
+
+@lazy_jit(do_not_specialize=["R", "NUM_BLK"])
+def _align_kernel(ids_ptr, rows_ptr, blk_expert_ptr, cursor_ptr, R, NUM_BLK,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.constexpr):
+    """`align` in one program: per-expert counts, padded block starts, each
+    row block's expert, then the rows scattered in ascending order (a row's
+    slot = its expert's start + how many earlier rows chose that expert). The
+    same integers as `align`, so the GEMMs see the same rows."""
+    ev = tl.arange(0, E_PAD)
+    lane = tl.arange(0, CH)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, R, CH):
+        i = c0 + lane
+        ok = i < R
+        e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+        counts += tl.sum(((e[:, None] == ev[None, :]) & ok[:, None]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # inclusive
+    total = tl.sum(padded, 0)
+    for b0 in range(0, NUM_BLK, CH):  # the expert of each row block: searchsorted(ends, start, right=True)
+        b = b0 + lane
+        start = b * BLOCK_M
+        n_before = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), axis=1)
+        tl.store(blk_expert_ptr + b, tl.where(start < total, n_before, -1), mask=b < NUM_BLK)
+    for p0 in range(0, NUM_BLK * BLOCK_M, CH):  # padding slots hold the sentinel R
+        pos = p0 + lane
+        tl.store(rows_ptr + pos, R, mask=pos < NUM_BLK * BLOCK_M)
+    tl.store(cursor_ptr + ev, ends - padded)  # each expert's next free slot
+    tl.debug_barrier()
+    earlier = lane[None, :] < lane[:, None]  # [CH, CH]: column j is an earlier row than row i
+    for c0 in range(0, R, CH):
+        i = c0 + lane
+        ok = i < R
+        e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+        rank = tl.sum(((e[:, None] == e[None, :]) & earlier).to(tl.int32), axis=1)
+        base = tl.load(cursor_ptr + e, mask=ok, other=0)
+        tl.store(rows_ptr + base + rank, i, mask=ok)
+        took = tl.sum(((e[:, None] == ev[None, :]) & ok[:, None]).to(tl.int32), axis=0)
+        tl.debug_barrier()
+        cur = tl.load(cursor_ptr + ev)
+        tl.debug_barrier()
+        tl.store(cursor_ptr + ev, cur + took)
+        tl.debug_barrier()
+
+
+ALIGN_KERNEL_MAX_ROWS = 1024  # one program walks the rows; above this `align`'s torch ops are faster
+
+
+def align_fused(topi: torch.Tensor, num_experts: int, block_m: int):
+    """`align`'s result from one kernel launch (about 20 small torch kernels
+    otherwise: at decode they cost more than the GEMMs' own time)."""
+    r = topi.numel()
+    max_blocks = (r + num_experts * (block_m - 1)) // block_m
+    e_pad = triton.next_power_of_2(num_experts)
+    rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=topi.device)
+    blk_expert = torch.empty(max_blocks, dtype=torch.int32, device=topi.device)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=topi.device)
+    _align_kernel[(1,)](topi.reshape(-1), rows, blk_expert, cursor, r, max_blocks,
+                        E_PAD=e_pad, BLOCK_M=block_m, CH=64, num_warps=4)
+    return rows, blk_expert
+
+
+@lazy_jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = y[t, 0] * w[t, 0] + y[t, 1] * w[t, 1] + ... in slot order, each
+    product and each partial sum rounded to the activation dtype, as the
+    torch expression `y * w[..., None]` then `out + y[:, s]` rounds them."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < H
+    dt = out_ptr.dtype.element_ty
+    w0 = tl.load(w_ptr + t * TOPK).to(tl.float32)
+    acc = (tl.load(y_ptr + t * TOPK * H + h, mask=ok, other=0.0).to(tl.float32) * w0).to(dt)
+    for s in tl.static_range(1, TOPK):
+        ws = tl.load(w_ptr + t * TOPK + s).to(tl.float32)
+        term = (tl.load(y_ptr + (t * TOPK + s) * H + h, mask=ok, other=0.0).to(tl.float32) * ws).to(dt)
+        acc = (acc.to(tl.float32) + term.to(tl.float32)).to(dt)
+    tl.store(out_ptr + t * H + h, acc, mask=ok)
+
+
+def combine_fused(y: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
+    """`combine` (y [M, k, H] weighted by topw [M, k], slots summed in order) in one launch."""
+    m, k, hdim = y.shape
+    out = empty((m, hdim), y.dtype, y.device)
+    block_h = min(1024, triton.next_power_of_2(hdim))
+    # no mul+add contraction into FMA: fp32 activations must round like torch's two ops
+    _combine_kernel[(m, triton.cdiv(hdim, block_h))](y, topw.contiguous(), out, hdim, TOPK=k, BLOCK_H=block_h,
+                                                    num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def combine(y: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
+    """The slots of y [M, k, H] weighted by topw [M, k] and summed in slot order."""
+    y = y * topw[..., None]  # [M, k, H], in the activation dtype
+    out = y[:, 0]
+    for s in range(1, y.shape[1]):  # fixed slot order
+        out = out + y[:, s]
+    return out
 
 
 def _grouped_gemm(a, w, rows, blk_expert, r, topk_div, cfg):
@@ -146,14 +287,21 @@ def _config(name: str, row_key: int, tile: dict) -> dict:
     return {"group_m": 1, "num_warps": 4, "num_stages": 3, **given}
 
 
-@register("moe", "triton_fused", params=("row_key",) + TILE_PARAMS, devices=("cuda",))
+@register("moe", "triton_fused", params=("row_key",) + TILE_PARAMS + ("fuse_glue",), devices=("cuda",))
 def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, row_key: int = 16,
                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                      group_m: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None):
+                     num_stages: int | None = None, fuse_glue: int = 0):
     """row_key: the config-table row (a token count) the selection chose; the
     tile parameters, when given, override that row's config (a SelIR program
-    with its own table passes both)."""
+    with its own table passes both). fuse_glue=1: the alignment (up to
+    ALIGN_KERNEL_MAX_ROWS rows) and the slot combine run as one Triton launch
+    each instead of ~30 small torch kernels; the same integers and the same
+    roundings, so the same bits (tests/kernels checks it under the
+    interpreter). fuse_glue=2: the routing too (`route_fused`: one launch
+    instead of six, its own softmax, so other low bits of the weights; still
+    a per-row program). Not yet the default: not yet compiled or timed on a
+    GPU."""
     name = "moe/triton_fused"
     check_device(name, x, router_logits, w13, w2)
     check_dtype(name, "x", x)
@@ -176,17 +324,14 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
             raise ValueError(f"{name}: {f} must have a contiguous last dimension")
     if m == 0:
         return x.new_empty(0, hdim)
-    topw, topi = route(router_logits, top_k, renormalize, x.dtype)
-    rows, blk_expert = align(topi, ne, cfg["block_m"])
+    topw, topi = (route_fused if fuse_glue >= 2 else route)(router_logits, top_k, renormalize, x.dtype)
     r = m * top_k
+    fused_align = fuse_glue and r <= ALIGN_KERNEL_MAX_ROWS
+    rows, blk_expert = (align_fused if fused_align else align)(topi, ne, cfg["block_m"])
     h = _grouped_gemm(x, w13, rows, blk_expert, r, top_k, cfg)  # [M*k, 2I]
     a = silu_and_mul_triton(h)  # [M*k, I]
     y = _grouped_gemm(a, w2, rows, blk_expert, r, 1, cfg).view(m, top_k, hdim)
-    y = y * topw[..., None]  # [M, k, H], in the activation dtype
-    out = y[:, 0]
-    for s in range(1, top_k):  # fixed slot order
-        out = out + y[:, s]
-    return out
+    return combine_fused(y, topw) if fuse_glue else combine(y, topw)
 
 
 def moe_reference(x, router_logits, w13, w2, top_k, renormalize):
@@ -202,11 +347,8 @@ def moe_reference(x, router_logits, w13, w2, top_k, renormalize):
             g = h[:i].double()
             a = ((g / (1 + torch.exp(-g))).to(x.dtype).double() * h[i:].double()).to(x.dtype)
             y[t, s] = (a.double() @ w2[e].double().t()).to(x.dtype)
-    y = y * topw[..., None]
-    out = y[:, 0]
-    for s in range(1, top_k):
-        out = out + y[:, s]
-    return out
+    return combine(y, topw)
 
 
-__all__ = ["moe_triton_fused", "moe_reference", "MOE_CONFIGS", "nearest_row_key", "align", "route"]
+__all__ = ["ALIGN_KERNEL_MAX_ROWS", "MOE_CONFIGS", "align", "align_fused", "combine", "combine_fused",
+           "moe_reference", "moe_triton_fused", "nearest_row_key", "route", "route_fused"]

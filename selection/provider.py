@@ -32,14 +32,23 @@ class SelIRProvider:
 
 
 class FamilyOverride:
-    """A provider answering one family with a fixed selection and every other
-    family as `base` does: for experiments that vary one candidate (e.g. the
-    all-reduce algorithm) with everything else selected as deployed."""
+    """A provider answering one family with a fixed selection (or with
+    `base`'s selection updated by `extra` parameters) and every other family
+    as `base` does: for experiments that vary one candidate (e.g. the
+    all-reduce algorithm) or one parameter, with everything else selected as
+    deployed."""
 
-    def __init__(self, base, family: str, selection: dict[str, Any]):
-        self.base, self.family, self.selection, self.mode = base, family, dict(selection), base.mode
+    def __init__(self, base, family: str, selection: dict[str, Any] | None = None, *,
+                 extra: dict[str, Any] | None = None):
+        if (selection is None) == (extra is None):
+            raise ValueError("FamilyOverride: give a selection or extra parameters, not both")
+        self.base, self.family, self.mode = base, family, base.mode
+        self.selection, self.extra = selection and dict(selection), extra and dict(extra)
 
     def selector(self, family: str, site: dict[str, Any]) -> Callable[..., dict]:
-        if family == self.family:
+        if family != self.family:
+            return self.base.selector(family, site)
+        if self.selection is not None:
             return lambda **runtime: dict(self.selection)
-        return self.base.selector(family, site)
+        inner = self.base.selector(family, site)
+        return lambda **runtime: {**inner(**runtime), **self.extra}

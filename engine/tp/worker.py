@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from detent.engine.llm_engine import freeze_gc_heap
 from detent.engine.tp.validate import local_kv_heads
 
 # NVLink multicast (NVLS) reduces inside the switch in an order we do not control
@@ -138,6 +139,7 @@ def worker_main(rank: int, world: int, init_method: str, config, resolved, conn,
             torch.set_num_threads(cpu_threads)
         _init_distributed(rank, world, init_method, device, timeout_s)
         st = build_rank(config, resolved, rank, world, device)
+        freeze_gc_heap(config, device)
         _send(conn, ("ready", st.info))
         prev = None  # the launched step whose result the driver has not asked for yet
 

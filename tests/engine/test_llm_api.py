@@ -238,3 +238,29 @@ def test_prefix_cache_hit_rate_is_reported(llm):
     assert (a.num_cached_tokens, b2.num_cached_tokens) == (0, 32)
     assert (q1["prefix_cache_queries"] - q0["prefix_cache_queries"], q1["prefix_cache_hits"] - q0["prefix_cache_hits"]) == (40, 32)
     assert 0 < q1["prefix_cache_hit_rate"] < 1
+
+
+@pytest.fixture
+def unfrozen_gc():
+    import gc
+    gc.unfreeze()
+    yield gc
+    gc.unfreeze()  # freezing is process-wide: give later tests a collector that sees everything
+
+
+def test_freeze_gc_moves_startup_objects_out_of_the_collector(unfrozen_gc):
+    gc = unfrozen_gc
+    b = bundle("llama")
+    off = make_llm(b)  # default on CPU: off (a test process builds many engines)
+    assert not off.llm_engine.gc_frozen and gc.get_freeze_count() == 0
+    on = make_llm(b, freeze_gc=True)
+    assert on.llm_engine.gc_frozen and gc.get_freeze_count() > 0
+    # objects made after startup stay collectable, and the engine keeps serving
+    outs = on.generate([{"prompt_token_ids": prompt(0, 12, b.config.vocab_size)}], SamplingParams(max_tokens=4, **G),
+                       use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 4
+    frozen = gc.get_freeze_count()
+    junk = [[i] for i in range(1000)]
+    junk.append(junk)  # a cycle only a collection frees
+    del junk
+    assert gc.collect() >= 1000 and gc.get_freeze_count() == frozen

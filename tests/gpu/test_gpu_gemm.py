@@ -67,7 +67,7 @@ def test_tma_loads_give_identical_bits(m, bias):
     ref = gemm_triton_persistent(x, w, b, **GEMM_CONFIGS[0])
     for cfg in GEMM_CONFIGS:
         if cfg["block_m"] >= 64:
-            assert torch.equal(gemm_triton_persistent(x, w, b, **cfg, tma=1), ref), (m, cfg)
+            assert torch.equal(gemm_triton_persistent(x, w, b, **{**cfg, "tma": 1}), ref), (m, cfg)
 
 
 def test_stock_cublas_is_not_row_invariant():

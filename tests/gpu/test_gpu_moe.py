@@ -58,3 +58,37 @@ def test_every_row_key_gives_identical_bits():
         logits = torch.randn(m, 16, device="cuda", dtype=BF16)
         outs = [moe_triton_fused(x, logits, w13, w2, 4, True, row_key=key) for key in MOE_CONFIGS]
         assert all(torch.equal(o, outs[0]) for o in outs[1:]), m
+
+
+@pytest.mark.parametrize("m", [1, 8, 64, 130])
+def test_fuse_glue_gives_identical_bits(m):
+    """fuse_glue=1 (one launch for the alignment, one for the slot combine)
+    computes the same integers and rounds the same way: the bits must not
+    move, at Qwen3-30B-A3B's expert count and top-k, inside a CUDA graph too."""
+    from detent.kernels.moe_triton import align, align_fused
+    w13, w2 = _weights(e=128, h=512, i=128)
+    x = torch.randn(m, 512, device="cuda", dtype=BF16)
+    logits = torch.randn(m, 128, device="cuda", dtype=BF16)
+    want = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16)
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16, fuse_glue=1), want)
+    topi = torch.topk(logits.float(), 8, dim=-1).indices
+    assert all(torch.equal(a.int(), b) for a, b in zip(align(topi, 128, 16), align_fused(topi, 128, 16)))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16, fuse_glue=1)
+    g.replay()
+    assert torch.equal(out, want)
+
+
+def test_fuse_glue_2_rows_are_invariant_and_close():
+    """fuse_glue=2 also routes in one launch (its own softmax: other low bits):
+    rows keep their bits across batch sizes and neighbours, and stay close to
+    the torch routing's result."""
+    w13, w2 = _weights(e=128, h=512, i=128)
+    x = torch.randn(130, 512, device="cuda", dtype=BF16)
+    logits = torch.randn(130, 128, device="cuda", dtype=BF16)
+    full = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16, fuse_glue=2)
+    for m in (1, 8, 64):
+        assert torch.equal(moe_triton_fused(x[:m], logits[:m], w13, w2, 8, True, row_key=16, fuse_glue=2), full[:m])
+    ref = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16)
+    assert ((full.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-2

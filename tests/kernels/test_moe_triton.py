@@ -55,3 +55,59 @@ def test_errors():
         moe_triton_fused(x, logits, w13, w2, 2, True, block_m=16)
     with pytest.raises(ValueError, match="router_logits"):
         moe_triton_fused(x, logits[:, :5], w13, w2, 2, True)
+
+
+@pytest.mark.parametrize("m,k,e,block_m,skew", [(1, 8, 128, 16, False), (3, 2, 6, 16, False), (64, 8, 128, 16, True),
+                                                 (9, 2, 4, 32, True), (100, 8, 128, 64, False)])
+def test_align_kernel_gives_align_s_integers(m, k, e, block_m, skew):
+    # one launch instead of ~20 torch ops; the grouped GEMMs must see exactly the same rows.
+    # m * k up to 800 rows: several 64-row chunks; skew: most rows on two experts, many experts empty
+    from detent.kernels.moe_triton import align_fused
+    g = torch.Generator().manual_seed(m * 31 + e)
+    topi = (torch.randint(0, 2, (m, k), generator=g) * (e - 1) if skew
+            else torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]))
+    want, got = align(topi, e, block_m), align_fused(topi, e, block_m)
+    assert torch.equal(got[0], want[0].to(torch.int32)) and torch.equal(got[1], want[1].to(torch.int32))
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_combine_kernel_rounds_like_the_torch_expression(k):
+    from detent.kernels.moe_triton import combine, combine_fused
+    g = torch.Generator().manual_seed(k)
+    y, w = torch.randn(5, k, 40, generator=g), torch.rand(5, k, generator=g)
+    assert torch.equal(combine_fused(y, w), combine(y, w))
+
+
+@pytest.mark.parametrize("m", [1, 7, 70])
+def test_fuse_glue_gives_the_same_bits(m, monkeypatch):
+    from detent.kernels import moe_triton
+    x, logits, w13, w2 = _case(m, e=6, seed=m)
+    plain = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16)
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=1), plain)
+    monkeypatch.setattr(moe_triton, "ALIGN_KERNEL_MAX_ROWS", 8)  # large batches keep torch's align
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=1), plain)
+
+
+@pytest.mark.parametrize("e,k,renormalize", [(6, 2, True), (128, 8, True), (60, 4, False)])
+def test_route_kernel_matches_route_and_keeps_rows_apart(e, k, renormalize):
+    # fuse_glue=2's routing: its own softmax (other low bits than torch's), the same experts
+    from detent.kernels.moe_triton import route, route_fused
+    g = torch.Generator().manual_seed(e + k)
+    logits = torch.randn(33, e, generator=g)
+    w, i = route_fused(logits, k, renormalize, torch.float32)
+    w_ref, i_ref = route(logits.double(), k, renormalize, torch.float64)
+    assert torch.equal(i, i_ref)  # no near-ties in these logits
+    assert torch.allclose(w.double(), w_ref, rtol=1e-5, atol=0)
+    for m in (1, 5, 32):  # a row's weights do not depend on the other rows
+        wm, im = route_fused(logits[:m], k, renormalize, torch.float32)
+        assert torch.equal(wm, w[:m]) and torch.equal(im, i[:m])
+    tied = torch.zeros(1, e)  # all equal: the lowest expert ids, in order
+    assert route_fused(tied, k, renormalize, torch.float32)[1].tolist() == [list(range(k))]
+
+
+def test_fuse_glue_2_routes_the_same_experts(monkeypatch):
+    x, logits, w13, w2 = _case(40, e=6, seed=5)
+    plain = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16)
+    y = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=2)
+    assert ((y.double() - plain.double()).norm() / plain.double().norm()).item() < 1e-5
+    assert torch.equal(moe_triton_fused(x[:7], logits[:7], w13, w2, 2, True, row_key=16, fuse_glue=2), y[:7])

@@ -97,3 +97,19 @@ def test_cli_takes_a_preset_name(tmp_path, capsys):
                  "-o", str(t)]) == 0
     facts = json.loads(t.read_text())["deployment"]["facts"]
     assert (facts["hidden"], facts["num_kv_heads"], facts["device"]) == (4096, 8, "cuda")
+
+
+def test_family_override_replaces_or_extends_one_family():
+    from detent.selection.dispatch import Dispatcher
+    from detent.selection.provider import FamilyOverride
+    base = make_dispatcher(FACTS, "pinned")
+    rt = {"num_tokens": 5}
+    want = base.select("gemm", GEMM, rt)
+    extended = Dispatcher(FamilyOverride(base.provider, "gemm", extra={"chunk": 4}))
+    assert extended.select("gemm", GEMM, rt) == {**want, "chunk": 4}
+    fixed = Dispatcher(FamilyOverride(base.provider, "gemm", {"impl": "torch"}))
+    assert fixed.select("gemm", GEMM, rt) == {"impl": "torch"}
+    other = (("dim", 64), ("dtype", "float32"))
+    assert fixed.select("norm", other, rt) == base.select("norm", other, rt)  # the other families as deployed
+    with pytest.raises(ValueError, match="not both"):
+        FamilyOverride(base.provider, "gemm", {"impl": "torch"}, extra={"chunk": 4})
