@@ -156,7 +156,7 @@ def align(topi: torch.Tensor, num_experts: int, block_m: int):
 
 @lazy_jit(do_not_specialize=["R", "NUM_BLK"])
 def _align_kernel(ids_ptr, rows_ptr, blk_expert_ptr, cursor_ptr, R, NUM_BLK,
-                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.constexpr):
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.constexpr, FILL: tl.constexpr):
     """`align` in one program: per-expert counts, padded block starts, each
     row block's expert, then the rows scattered in ascending order (a row's
     slot = its expert's start + how many earlier rows chose that expert). The
@@ -177,8 +177,8 @@ def _align_kernel(ids_ptr, rows_ptr, blk_expert_ptr, cursor_ptr, R, NUM_BLK,
         start = b * BLOCK_M
         n_before = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), axis=1)
         tl.store(blk_expert_ptr + b, tl.where(start < total, n_before, -1), mask=b < NUM_BLK)
-    for p0 in range(0, NUM_BLK * BLOCK_M, CH):  # padding slots hold the sentinel R
-        pos = p0 + lane
+    for p0 in range(0, NUM_BLK * BLOCK_M, FILL):  # padding slots hold the sentinel R
+        pos = p0 + tl.arange(0, FILL)
         tl.store(rows_ptr + pos, R, mask=pos < NUM_BLK * BLOCK_M)
     tl.store(cursor_ptr + ev, ends - padded)  # each expert's next free slot
     tl.debug_barrier()
@@ -211,7 +211,7 @@ def align_fused(topi: torch.Tensor, num_experts: int, block_m: int):
     blk_expert = torch.empty(max_blocks, dtype=torch.int32, device=topi.device)
     cursor = torch.empty(e_pad, dtype=torch.int32, device=topi.device)
     _align_kernel[(1,)](topi.reshape(-1), rows, blk_expert, cursor, r, max_blocks,
-                        E_PAD=e_pad, BLOCK_M=block_m, CH=64, num_warps=4)
+                        E_PAD=e_pad, BLOCK_M=block_m, CH=64, FILL=1024, num_warps=4)
     return rows, blk_expert
 
 
@@ -300,8 +300,8 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
     roundings, so the same bits (tests/kernels checks it under the
     interpreter). fuse_glue=2: the routing too (`route_fused`: one launch
     instead of six, its own softmax, so other low bits of the weights; still
-    a per-row program). Not yet the default: not yet compiled or timed on a
-    GPU."""
+    a per-row program). Not yet the default: compiled for sm_90
+    (tests/kernels/test_sm90_compile.py) but not yet run or timed on a GPU."""
     name = "moe/triton_fused"
     check_device(name, x, router_logits, w13, w2)
     check_dtype(name, "x", x)

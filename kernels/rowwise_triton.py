@@ -21,12 +21,15 @@ from detent.selection.registry import register
 
 
 @lazy_jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, eps, H, sx, sr, sy, sro,
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, eps, H, NH, sx, sx1, sr, sy, sro,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """Row `row` of x is x[row // NH, row % NH] (strides sx, sx1): a [T, NH, D]
+    view normalises each head in place of a copy (Qwen3's q/k norm reads the
+    heads straight out of the fused qkv output). NH = 1 for [rows, H]."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + (row // NH) * sx + (row % NH) * sx1 + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(r_ptr + row * sr + cols, mask=mask, other=0.0)
         x = x + r  # in the activation dtype, as the torch path does
@@ -49,9 +52,14 @@ def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torc
         raise ValueError(f"{name}: weight must be [{h}], got {tuple(w.shape)}")
     if w.dtype != x.dtype:
         raise TypeError(f"{name}: weight dtype {w.dtype} != x dtype {x.dtype}")
-    x2 = x.reshape(-1, h)
-    check_last_contiguous(name, "x", x2)
-    y = empty_like(x2)
+    check_last_contiguous(name, "x", x)
+    if x.dim() == 3 and residual is None:  # [T, NH, D], any strides on T and NH: no copy
+        x2, nh, sx, sx1 = x, x.shape[1], x.stride(0), x.stride(1)
+        y = empty((x.shape[0] * nh, h), x.dtype, x.device)
+    else:
+        x2 = x.reshape(-1, h)
+        nh, sx, sx1 = 1, x2.stride(0), 0
+        y = empty_like(x2)
     r2 = ro = None
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -60,11 +68,11 @@ def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torc
         r2 = residual.reshape(-1, h)
         check_last_contiguous(name, "residual", r2)
         ro = empty_like(x2)
-    rows = x2.shape[0]
+    rows = y.shape[0]
     if rows:
         _rms_norm_kernel[(rows,)](
-            x2, r2 if r2 is not None else x2, w, y, ro if ro is not None else y, float(eps), h,
-            x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
+            x2, r2 if r2 is not None else x2, w, y, ro if ro is not None else y, float(eps), h, nh,
+            sx, sx1, r2.stride(0) if r2 is not None else 0, y.stride(0),
             ro.stride(0) if ro is not None else 0,
             HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h),
             num_warps=_warps(h))

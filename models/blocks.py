@@ -37,12 +37,12 @@ class Attention(nn.Module):
         nh, nkv, d = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (NH + 2 NKV) D]
         q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+        q = q.view(t, nh, d)  # [T, NH, D] views into qkv (strided rows: the kernels read them in place)
+        k = k.view(t, nkv, d)  # [T, NKV, D]
+        v = v.view(t, nkv, d)  # only stored into the KV cache
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head's D, before rope
-            q = self.q_norm(q.reshape(t * nh, d))
-            k = self.k_norm(k.reshape(t * nkv, d))
-        q = q.reshape(t, nh, d)  # [T, NH, D]
-        k = k.reshape(t, nkv, d)  # [T, NKV, D]
-        v = v.reshape(t, nkv, d).contiguous()
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
         o = ops.attention(q, k, v, layer_idx=self.layer_idx, scale=self.scale)  # [T, NH, D]
         return self.o_proj(o.reshape(t, nh * d))

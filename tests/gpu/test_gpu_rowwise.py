@@ -71,3 +71,12 @@ def test_store_kv():
     R.store_kv_triton(k, v, cache, slots)
     R.store_kv_reference(k, v, ref, slots)
     assert torch.equal(cache, ref)
+
+
+def test_rms_norm_reads_heads_in_place_with_the_copy_s_bits():
+    # Qwen3's q/k norm reads [T, NH, D] heads inside the qkv rows (no copy): same bits as the copy
+    qkv = torch.randn(37, (32 + 8) * 128, device="cuda", dtype=BF16)
+    w = torch.randn(128, device="cuda", dtype=BF16)
+    q = qkv[:, :32 * 128].view(37, 32, 128)
+    out = R.rms_norm_triton(q, w, 1e-6, None)
+    assert torch.equal(out, R.rms_norm_triton(q.reshape(37 * 32, 128), w, 1e-6, None).view(37, 32, 128))

@@ -30,6 +30,19 @@ def test_rms_norm(residual):
         assert torch.equal(R.rms_norm_triton(x[5:6], w, 1e-6, None)[0], out[5])
 
 
+def test_rms_norm_reads_heads_in_place():
+    # Qwen3's q/k norm: [T, NH, D] heads viewed inside the fused qkv rows, normalised without a copy
+    g = _gen(3)
+    qkv = torch.randn(5, 7 * 16, generator=g)  # 4 q heads, 2 k heads, 1 v head of 16
+    w = torch.randn(16, generator=g)
+    q = qkv[:, :64].view(5, 4, 16)
+    assert not q.is_contiguous()
+    out = R.rms_norm_triton(q, w, 1e-6, None)
+    assert out.shape == (5, 4, 16) and out.is_contiguous()
+    assert torch.equal(out, R.rms_norm_triton(q.reshape(20, 16), w, 1e-6, None).view(5, 4, 16))
+    _close(out, R.rms_norm_reference(q, w, 1e-6, None))
+
+
 def test_rope():
     g = _gen(1)
     q, k = torch.randn(5, 4, 16, generator=g), torch.randn(5, 2, 16, generator=g)
@@ -76,3 +89,15 @@ def test_store_kv_skips_negative_slots():
     assert torch.equal(cache[0, 1, 1], k[0]) and torch.equal(cache[1, 3, 2], v[2])
     with pytest.raises(ValueError, match="slot_mapping"):
         R.store_kv_triton(k, v, cache, slots[:2])
+
+
+def test_store_kv_takes_k_and_v_as_views_into_qkv():
+    # the attention layer passes v (and, without q/k norm, k) as strided views of the qkv rows
+    g = _gen(5)
+    qkv = torch.randn(3, (4 + 2 + 2) * 16, generator=g)
+    k, v = qkv[:, 64:96].view(3, 2, 16), qkv[:, 96:].view(3, 2, 16)
+    a, b = torch.zeros(2, 4, 4, 2, 16), torch.zeros(2, 4, 4, 2, 16)
+    slots = torch.tensor([5, 0, 14])
+    R.store_kv_triton(k, v, a, slots)
+    R.store_kv_triton(k.contiguous(), v.contiguous(), b, slots)
+    assert torch.equal(a, b) and torch.equal(a[1, 3, 2], v[2])

@@ -1,0 +1,77 @@
+"""Kernels changed since the last device run (the MoE glue of fuse_glue, the
+RMSNorm that reads heads in place) compiled for the H200 (sm_90) on this CPU
+machine: Triton lowers them to PTX and ptxas assembles a cubin, no GPU
+needed. Catches what the interpreter cannot (a construct the compiler
+refuses), and checks one property of the code itself: the fp32 combine has
+no fused multiply-add, so it rounds like torch's separate multiply and add.
+
+The compiler runs in a child process: this one runs Triton's interpreter,
+which patches triton.language for the kernels the other tests interpret."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+SCRIPT = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from detent.kernels import moe_triton as mt
+
+def compile_(lazy, sig, consts, **opts):
+    fn = triton.jit(lazy.fn, **lazy.jit_kw)
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return {"cubin_bytes": len(k.asm["cubin"]), "fma": k.asm["ptx"].count("fma.")}
+
+from detent.kernels import rowwise_triton as rw
+comb = {"TOPK": 8, "BLOCK_H": 1024}
+out = {
+    "align": compile_(mt._align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "blk_expert_ptr": "*i32",
+                                         "cursor_ptr": "*i32", "R": "i32", "NUM_BLK": "i32"},
+                      {"E_PAD": 128, "BLOCK_M": 16, "CH": 64, "FILL": 1024}, num_warps=4),
+    "route": compile_(mt._route_kernel, {"logits_ptr": "*bf16", "topw_ptr": "*bf16", "topi_ptr": "*i64", "E": "i32",
+                                         "stride": "i32"}, {"TOPK": 8, "TOPK_PAD": 8, "E_PAD": 128, "RENORM": True},
+                      num_warps=1),
+    "rms_norm": compile_(rw._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                               "ro_ptr": "*bf16", "eps": "fp32", "H": "i32", "NH": "i32", "sx": "i32",
+                                               "sx1": "i32", "sr": "i32", "sy": "i32", "sro": "i32"},
+                         {"HAS_RES": False, "BLOCK": 128}, num_warps=4),
+}
+for dt in ("bf16", "fp32"):
+    sig = {"y_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt, "H": "i32"}
+    out["combine_" + dt] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=False)
+    out["combine_" + dt + "_fused"] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=True)
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.path.exists(os.path.join(bin_dir, "ptxas")):
+        pytest.skip("this triton has no CUDA backend (ptxas): nothing to compile for sm_90 with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default today; set so that it does not warn
+    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["align", "route", "combine_bf16", "combine_fp32", "rms_norm"])
+def test_kernel_compiles_for_sm90(compiled, name):
+    assert compiled[name]["cubin_bytes"] > 0
+
+
+def test_combine_has_no_fma_as_launched(compiled):
+    # combine_fused launches with enable_fp_fusion=False; with fusion on, the
+    # compiler would contract y * w + acc in fp32 (the counter-check)
+    assert compiled["combine_fp32"]["fma"] == compiled["combine_bf16"]["fma"] == 0
+    assert compiled["combine_fp32_fused"]["fma"] > 0
