@@ -41,7 +41,7 @@ class FamilyOverride:
     def __init__(self, base, family: str, selection: dict[str, Any] | None = None, *,
                  extra: dict[str, Any] | None = None):
         if (selection is None) == (extra is None):
-            raise ValueError("FamilyOverride: give a selection or extra parameters, not both")
+            raise ValueError("FamilyOverride: give exactly one of a selection and extra parameters")
         self.base, self.family, self.mode = base, family, base.mode
         self.selection, self.extra = selection and dict(selection), extra and dict(extra)
 

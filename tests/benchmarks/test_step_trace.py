@@ -35,3 +35,23 @@ def test_steps_account_for_every_token():
     assert "mixed" in many["kinds"] and "decode b=5" in many["kinds"]
     assert abs(sum(k["device_ms"] for k in many["kinds"].values()) - many["device_ms"]) < 1e-6
     assert st.report("t", r, new).count("steps") >= 3
+
+
+def test_set_mode_adds_a_parameter_to_one_family():
+    # the benchmarks' MODE+FAMILY:PARAM=VALUE (e.g. "pinned+moe:fuse_glue=1"): that family's
+    # selection gains the parameter, every other family is selected as deployed
+    from compare_vllm import TINY
+    from gpu_engine import build, set_mode
+
+    llm, _, _ = build("tiny", hf_config=TINY, device="cpu", dtype=torch.float32, max_model_len=64,
+                      max_num_seqs=2, max_num_batched_tokens=64)
+    plain = set_mode(llm, "pinned", graphs=False)
+    site, rt = (("n", 64), ("k", 64), ("dtype", "float32")), {"num_tokens": 3}
+    want = llm.llm_engine.dispatcher.select("gemm", site, rt)
+    info = set_mode(llm, "pinned+gemm:chunk=8", graphs=False)
+    assert plain["overrides"] == {} and info["overrides"] == {"gemm": {"chunk": 8}}
+    d = llm.llm_engine.dispatcher
+    assert d is llm.llm_engine.runner.dispatcher
+    assert d.select("gemm", site, rt) == {**want, "chunk": 8}
+    norm = (("hidden", 64), ("dtype", "float32"), ("fused_residual", False))
+    assert d.select("norm", norm, rt) == {"impl": "torch_rowwise"}

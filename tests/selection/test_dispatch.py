@@ -111,5 +111,7 @@ def test_family_override_replaces_or_extends_one_family():
     assert fixed.select("gemm", GEMM, rt) == {"impl": "torch"}
     other = (("dim", 64), ("dtype", "float32"))
     assert fixed.select("norm", other, rt) == base.select("norm", other, rt)  # the other families as deployed
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="exactly one"):
         FamilyOverride(base.provider, "gemm", {"impl": "torch"}, extra={"chunk": 4})
+    with pytest.raises(ValueError, match="exactly one"):
+        FamilyOverride(base.provider, "gemm")
