@@ -128,6 +128,16 @@ def route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtyp
     return topw, topi
 
 
+def max_row_blocks(rows: int, num_experts: int, block_m: int) -> int:
+    """How many row blocks the alignment can need, from sizes alone (the grid
+    must not depend on the routing). An expert with c > 0 rows takes
+    ceil(c / block_m) <= c blocks, so never more than `rows` in all; nor more
+    than (rows + E (block_m - 1)) / block_m. At decode the first bound is
+    the small one (8 blocks instead of 120 for one token, top-8 of 128):
+    fewer programs that only find an empty block and exit."""
+    return min(rows, (rows + num_experts * (block_m - 1)) // block_m)
+
+
 def align(topi: torch.Tensor, num_experts: int, block_m: int):
     """Rows (t * k + s) sorted by expert, each expert padded to block_m with
     the sentinel R = M*k; and each row block's expert (-1: unused block).
@@ -144,7 +154,7 @@ def align(topi: torch.Tensor, num_experts: int, block_m: int):
     start = torch.cumsum(counts, 0) - counts
     e_sorted = flat[order]
     dest = pad_start[e_sorted] + torch.arange(r, device=flat.device) - start[e_sorted]
-    max_blocks = (r + num_experts * (block_m - 1)) // block_m
+    max_blocks = max_row_blocks(r, num_experts, block_m)
     rows = torch.full((max_blocks * block_m,), r, dtype=torch.int32, device=flat.device)
     rows[dest] = order.to(torch.int32)
     blk_start = torch.arange(max_blocks, device=flat.device) * block_m  # [B]
@@ -205,7 +215,7 @@ def align_fused(topi: torch.Tensor, num_experts: int, block_m: int):
     """`align`'s result from one kernel launch (about 20 small torch kernels
     otherwise: at decode they cost more than the GEMMs' own time)."""
     r = topi.numel()
-    max_blocks = (r + num_experts * (block_m - 1)) // block_m
+    max_blocks = max_row_blocks(r, num_experts, block_m)
     e_pad = triton.next_power_of_2(num_experts)
     rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=topi.device)
     blk_expert = torch.empty(max_blocks, dtype=torch.int32, device=topi.device)

@@ -92,3 +92,14 @@ def test_fuse_glue_2_rows_are_invariant_and_close():
         assert torch.equal(moe_triton_fused(x[:m], logits[:m], w13, w2, 8, True, row_key=16, fuse_glue=2), full[:m])
     ref = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16)
     assert ((full.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_fewer_row_blocks_give_the_same_bits(m, monkeypatch):
+    from detent.kernels import moe_triton
+    w13, w2 = _weights(e=128, h=512, i=128)
+    x = torch.randn(m, 512, device="cuda", dtype=BF16)
+    logits = torch.randn(m, 128, device="cuda", dtype=BF16)
+    tight = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16)
+    monkeypatch.setattr(moe_triton, "max_row_blocks", lambda r, e, bm: (r + e * (bm - 1)) // bm)
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16), tight)

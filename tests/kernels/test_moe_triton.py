@@ -111,3 +111,26 @@ def test_fuse_glue_2_routes_the_same_experts(monkeypatch):
     y = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=2)
     assert ((y.double() - plain.double()).norm() / plain.double().norm()).item() < 1e-5
     assert torch.equal(moe_triton_fused(x[:7], logits[:7], w13, w2, 2, True, row_key=16, fuse_glue=2), y[:7])
+
+
+@pytest.mark.parametrize("m,fuse_glue", [(1, 0), (3, 0), (50, 0), (1, 1), (3, 1)])
+def test_fewer_row_blocks_give_the_same_bits(m, fuse_glue, monkeypatch):
+    # the grid's row blocks are bounded by min(rows, (rows + E (block_m - 1)) / block_m); the old,
+    # looser bound only added empty blocks, so the result must not move
+    from detent.kernels import moe_triton
+    x, logits, w13, w2 = _case(m, e=6, seed=11 + m)
+    tight = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=fuse_glue)
+    assert moe_triton.max_row_blocks(2 * m, 6, 16) == min(2 * m, (2 * m + 90) // 16)
+    monkeypatch.setattr(moe_triton, "max_row_blocks", lambda r, e, bm: (r + e * (bm - 1)) // bm)
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=fuse_glue), tight)
+
+
+def test_row_block_bound_holds_for_every_routing():
+    # no routing of r rows over E experts needs more blocks than max_row_blocks(r, E, block_m)
+    from detent.kernels.moe_triton import max_row_blocks
+    g = torch.Generator().manual_seed(0)
+    for r, e, bm in [(8, 128, 16), (16, 4, 16), (512, 128, 16), (40, 6, 32), (1, 3, 64)]:
+        for skew in (1, 2, e):
+            flat = torch.randint(0, skew, (r,), generator=g)
+            counts = torch.bincount(flat, minlength=e)
+            assert int(((counts + bm - 1) // bm).sum()) <= max_row_blocks(r, e, bm)
