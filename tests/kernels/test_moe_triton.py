@@ -60,7 +60,7 @@ def test_errors():
 @pytest.mark.parametrize("m,k,e,block_m,skew", [(1, 8, 128, 16, False), (3, 2, 6, 16, False), (64, 8, 128, 16, True),
                                                  (9, 2, 4, 32, True), (100, 8, 128, 64, False)])
 def test_align_kernel_gives_align_s_integers(m, k, e, block_m, skew):
-    # one launch instead of ~20 torch ops; the grouped GEMMs must see exactly the same rows.
+    # one launch instead of ~25 torch ops; the grouped GEMMs must see exactly the same rows.
     # m * k up to 800 rows: several 64-row chunks; skew: most rows on two experts, many experts empty
     from detent.kernels.moe_triton import align_fused
     g = torch.Generator().manual_seed(m * 31 + e)
