@@ -156,27 +156,6 @@ def bench_offline(engine, tok, c: int, ps: list[str], max_tokens: int) -> dict:
     return ttft, tpot, sum(ntok.values()), wall
 
 
-def make_tiny_model(path: str) -> str:
-    """A 2-layer, hidden-64 random Llama with the embedded SmolLM2's tokenizer."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from detent.models import resolve_model
-
-    src = resolve_model(None).tokenizer_source
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(path, name))
-    return path
-
-
 def table(rows: list[dict]) -> str:
     head = ("| mode | C | requests | TTFT p50 | p90 | p99 (ms) | TPOT p50 | p90 | p99 (ms) | tok/s |\n"
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -209,7 +188,9 @@ def main() -> None:
     a = p.parse_args()
     if a.tiny:
         import tempfile
-        a.model = make_tiny_model(tempfile.mkdtemp(prefix="detent-tiny-"))
+
+        from detent.models.tiny import write_tiny_llama
+        a.model = write_tiny_llama(tempfile.mkdtemp(prefix="detent-tiny-"))
     n_for = lambda c: max(a.min_requests, c * a.requests_per_client)  # noqa: E731
     modes = [m for m, skip in (("server", a.skip_server), ("offline", a.skip_offline)) if not skip]
     proc, url, eng, tok = None, a.url, None, None

@@ -98,28 +98,11 @@ def launch(argv: list[str], env: dict | None = None):
 
 
 def make_tiny_model(path: str, hidden: int = 64, layers: int = 2) -> str:
-    """A small random Llama with the embedded SmolLM2's tokenizer and chat template.
-
-    Real engine, real tokenizer, fast steps: the server's behaviour (not the
-    model's knowledge) is what most tests check. Weights ~N(0, 0.02), as
-    transformers initializes them, so numerics are realistic."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from detent.models import resolve_model
-
-    src = resolve_model(None).tokenizer_source
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rope_theta=10000.0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(path, name))
-    return path
+    """A small random Llama with the embedded SmolLM2's tokenizer and chat template
+    (`detent.models.tiny`). Real engine, real tokenizer, fast steps: the server's
+    behaviour (not the model's knowledge) is what most tests check."""
+    from detent.models.tiny import write_tiny_llama
+    return write_tiny_llama(path, hidden, layers)
 
 
 @pytest.fixture(scope="session")
