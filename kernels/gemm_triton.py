@@ -21,6 +21,18 @@ from detent.kernels.common_triton import check_device, check_dtype, empty, lazy_
 from detent.selection.registry import register
 
 
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a persistent program's `tile`, in grouped order over M
+    so that neighbouring programs share w tiles in L2. Jitted at import, so
+    compiled or interpreted as the process runs its kernels (TRITON_INTERPRET
+    is set before triton is imported on CPU)."""
+    group = tile // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % size_m), (tile % (GROUP_M * num_pid_n)) // size_m
+
+
 @lazy_jit(do_not_specialize=["M", "NUM_PROGS"])
 def _persistent_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                               sxm, sxk, swn, swk, sym, syn,
@@ -33,12 +45,7 @@ def _persistent_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     num_tiles = num_pid_m * num_pid_n
     rk = tl.arange(0, BLOCK_K)
     for tile in range(pid, num_tiles, NUM_PROGS):
-        # grouped order over M so neighbouring programs share w tiles in L2
-        group = tile // (GROUP_M * num_pid_n)
-        first_m = group * GROUP_M
-        size_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % size_m)
-        pid_n = (tile % (GROUP_M * num_pid_n)) // size_m
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = rm < M
@@ -76,11 +83,7 @@ def _tma_matmul_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K,
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     for tile in range(pid, num_tiles, NUM_PROGS):
-        group = tile // (GROUP_M * num_pid_n)
-        first_m = group * GROUP_M
-        size_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % size_m)
-        pid_n = (tile % (GROUP_M * num_pid_n)) // size_m
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
