@@ -3,12 +3,13 @@
 `compare_vllm.py` times a decode batch as (t(129 tokens) - t(1 token)) / 128
 over whole `generate` calls, which include the prompts' prefill steps, the
 steps that mix the last prompts' chunks with the first requests' decodes,
-and the tail. This script runs the same workload (common_side's prompts,
-engine arguments and warm-up) on Detent and records every step the engine
-launches: its shape (sequences, tokens, whether it is decode-only and so a
-CUDA-graph replay), the host time of the launch, and two CUDA events around
-it. From the events: each step's device time, and the device's idle time
-before it (the host was late). Then it sums the time of each kind of step
+and the tail. This script runs that measurement itself on Detent
+(common_side.measure_decode: the same prompts, engine arguments, warm-up
+and TPOT), through a side that keeps every step each call launched: its
+shape (sequences, tokens, whether it is decode-only and so a CUDA-graph
+replay), the host time of the launch, and two CUDA events around it. From
+the events: each step's device time, and the device's idle time before it
+(the host was late). Then it sums the time of each kind of step
 in both calls, so the difference t(129) - t(1) splits into decode steps,
 mixed steps and idle time, and the Python collector's pauses (a full
 collection is a ~0.1 s idle gap: EngineConfig.freeze_gc). With `--profile`,
@@ -77,11 +78,18 @@ class StepRecorder:
         return h
 
     def take(self) -> tuple[list[dict], list[tuple[int, float]]]:
-        """The steps (and the collector's pauses) since the last take."""
-        if self.cuda:
-            torch.cuda.synchronize()
+        """The steps and the collector's pauses since the last take, as recorded
+        (CUDA events not read yet: cheap enough to call inside a timed call)."""
         steps, self.steps = self.steps, []
         pauses, self.gc_pauses = self.gc_pauses, []
+        return steps, pauses
+
+    def timings(self, taken: tuple[list[dict], list[tuple[int, float]]]) -> tuple[list[dict], list]:
+        """Read the events of what `take` returned: each step's device time and
+        the device's idle time before it."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        steps, pauses = taken
         prev_end = None
         for s in steps:
             e0, e1 = s.pop("_ev")
@@ -89,6 +97,18 @@ class StepRecorder:
             s["idle_before_ms"] = max(0.0, prev_end.elapsed_time(e0)) if prev_end is not None else 0.0
             prev_end = e1
         return steps, pauses
+
+
+class RecordingSide:
+    """A side whose every `generate` call keeps the steps it launched, in call order."""
+
+    def __init__(self, side, rec: StepRecorder):
+        self.side, self.rec, self.calls = side, rec, []
+
+    def generate(self, prompts, max_tokens, logprobs):
+        out = self.side.generate(prompts, max_tokens, logprobs)
+        self.calls.append(self.rec.take())
+        return out
 
 
 def kind_of(s: dict) -> str:
@@ -118,39 +138,37 @@ def summarize(steps_and_pauses: tuple[list[dict], list[tuple[int, float]]]) -> d
                    "full_ms": sum(full), "frozen_objects": gc.get_freeze_count()}}
 
 
-def trace_batch(side, rec: StepRecorder, bs: int, batches: list[int], ctx: int, new_tokens: int, hi: int, logprobs,
-                profile: bool, out_dir: str, tag: str) -> dict:
-    """measure_decode's calls for one batch size; the prompts are drawn for all
-    `batches` at once, as measure_decode draws them, so no call hits the
-    prefix cache with another batch size's prompts."""
-    warm, work = cs.decode_workload(batches, ctx, hi, seed=0)
-    _, warm_work = cs.decode_workload(batches, ctx, hi, seed=100)
-    side.generate([warm], 4, None)
-    side.generate(warm_work[bs][0], 1, logprobs)
-    side.generate(warm_work[bs][1], new_tokens + 1, logprobs)
+def trace(side, rec: StepRecorder, batches: list[int], ctx: int, new_tokens: int, hi: int, logprobs,
+          log=print) -> dict:
+    """common_side.measure_decode itself (the side-by-side's calls, prompts and
+    TPOT), with the steps of each batch size's timed pair split by kind."""
+    rs = RecordingSide(side, rec)
     rec.take()
-    a, b = work[bs]
-    t1, _ = cs.timed(side, a, 1, logprobs)
-    s1 = rec.take()
-    t2, _ = cs.timed(side, b, new_tokens + 1, logprobs)
-    s2 = rec.take()
-    res = {"t_1_token_s": t1, f"t_{new_tokens + 1}_tokens_s": t2, "tpot_ms": (t2 - t1) / new_tokens * 1e3,
-           "call_1": summarize(s1), f"call_{new_tokens + 1}": summarize(s2), "steps_1": s1[0],
-           f"steps_{new_tokens + 1}": s2[0]}
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as tprofile
-        _, more = cs.decode_workload(batches, ctx, hi, seed=200)
-        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            side.generate(more[bs][1], new_tokens + 1, logprobs)
-            torch.cuda.synchronize()
-        rec.take()
-        ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        ev.sort(key=lambda e: -e.self_device_time_total)
-        res["kernels_ms"] = [(e.key[:100], e.self_device_time_total / 1e3, e.count) for e in ev[:30]]
-        with open(os.path.join(out_dir, f"{tag}_kernels.txt"), "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
-    return res
+    m = cs.measure_decode(rs, batches, ctx, new_tokens, hi, logprobs, log=log)
+    out = {}
+    for i, bs in enumerate(batches):  # calls: the warm-up, then per batch size 2 untimed and 2 timed
+        s1, s2 = (rec.timings(rs.calls[1 + 4 * i + j]) for j in (2, 3))
+        out[str(bs)] = {**m["batches"][str(bs)], "call_1": summarize(s1), f"call_{new_tokens + 1}": summarize(s2),
+                        "steps_1": s1[0], f"steps_{new_tokens + 1}": s2[0]}
+    return out
+
+
+def profile_call(side, rec: StepRecorder, bs: int, batches: list[int], ctx: int, new_tokens: int, hi: int,
+                 logprobs, path: str) -> list:
+    """torch.profiler's kernel times over one more (new_tokens + 1)-token call
+    at batch size `bs` (fresh prompts); the full table goes to `path`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+    _, more = cs.decode_workload(batches, ctx, hi, seed=200)
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        side.generate(more[bs][1], new_tokens + 1, logprobs)
+        torch.cuda.synchronize()
+    rec.take()
+    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ev.sort(key=lambda e: -e.self_device_time_total)
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+    return [(e.key[:100], e.self_device_time_total / 1e3, e.count) for e in ev[:30]]
 
 
 def report(tag: str, r: dict, new_tokens: int) -> str:
@@ -189,10 +207,12 @@ def main() -> None:
     for mode in a.modes.split(","):
         res["modes"][mode] = {"setup": set_mode(llm, mode, graphs=True)}
         llm.reset_prefix_cache()
-        for bs in batches:
+        for bs, r in trace(side, rec, batches, a.ctx, a.new_tokens, hi, 1).items():
             tag = f"{mode}_b{bs}"
-            r = trace_batch(side, rec, bs, batches, a.ctx, a.new_tokens, hi, 1, a.profile, a.out, tag)
-            res["modes"][mode][str(bs)] = r
+            if a.profile:
+                r["kernels_ms"] = profile_call(side, rec, int(bs), batches, a.ctx, a.new_tokens, hi, 1,
+                                               os.path.join(a.out, f"{tag}_kernels.txt"))
+            res["modes"][mode][bs] = r
             print(report(tag, r, a.new_tokens), flush=True)
             for name, ms, n in r.get("kernels_ms", [])[:12]:
                 print(f"    {ms:9.2f} ms  x{n:6d}  {name}", flush=True)

@@ -113,7 +113,7 @@ def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES
             ok = {c2: t for c2, t in times.items() if isinstance(t, float)}
             best = min(ok, key=ok.get)
             row["best"], row["best_us"] = best, ok[best]
-            row["table_us"] = ok.get(row["table"]) or ok.get(row["table"][:-1] + ", 0)")
+            row["table_us"] = ok.get(row["table"])
             print(f"gemm {name:8s} M={m:4d} cublas {row['cublas_us']:7.1f}  table {row['table_us'] or -1:7.1f} "
                   f"best {ok[best]:7.1f} {best}  floor {floor_us:6.1f}  differ={row['bits_differ']}", flush=True)
             res.append(row)

@@ -25,7 +25,8 @@ def test_steps_account_for_every_token():
                        max_num_seqs=5, max_num_batched_tokens=64, enable_prefix_caching=True)
     side, rec = DetentSide(llm), st.StepRecorder(llm.llm_engine.runner)
     set_mode(llm, "pinned", graphs=False)
-    r = st.trace_batch(side, rec, 5, batches, ctx, new, cs.prompt_hi(mc.vocab_size), 1, False, "", "t")
+    r = st.trace(side, rec, batches, ctx, new, cs.prompt_hi(mc.vocab_size), 1, log=lambda s: None)["5"]
+    assert r["tpot_ms"] == (r[f"t_{new + 1}_tokens_s"] - r["t_1_token_s"]) / new * 1e3  # measure_decode's own
     one, many = r["call_1"], r[f"call_{new + 1}"]
     # fresh prompts (drawn for both batch sizes at once): nothing comes from the prefix cache
     assert sum(k["tokens"] for k in one["kinds"].values()) == 5 * ctx
