@@ -34,14 +34,18 @@ from kernel_bench import attn_case, bench  # noqa: E402  (one attention case, CU
 REP = 40  # ms of replays per measurement (runs A and C)
 
 BF16 = torch.bfloat16
-def shapes_of(model: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of the dense GEMMs of a preset at tp = 1 (an MoE's experts run in the fused kernel)."""
+def config_of(model: str):
     from detent.models.config import ModelConfig
     from detent.models.presets import PRESETS, preset
     p = preset(model)
     if p is None:
         raise SystemExit(f"--model {model!r} is not a preset (presets: {', '.join(sorted(PRESETS))})")
-    mc = ModelConfig.from_hf(p["config"])
+    return ModelConfig.from_hf(p["config"])
+
+
+def shapes_of(model: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of the dense GEMMs of a preset at tp = 1 (an MoE's experts run in the fused kernel)."""
+    mc = config_of(model)
     h, d = mc.hidden_size, mc.head_dim
     out = {"qkv": ((mc.num_heads + 2 * mc.num_kv_heads) * d, h), "o": (h, mc.num_heads * d)}
     if mc.num_experts:
@@ -121,12 +125,12 @@ def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES
     return res
 
 
-def attention(batches: list[int], ctx: int) -> list[dict]:
+def attention(batches: list[int], ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
     res = []
     base = dict(split_tokens=256, block_n=64, rowsum="mma")
     for b in batches:
-        q, k, v, cache, meta = attn_case(b, ctx, 1)
-        floor_us = b * ctx * 8 * 128 * 2 * 2 / 4.23e12 * 1e6
+        q, k, v, cache, meta = attn_case(b, ctx, 1, h=heads, kvh=kv_heads, d=head_dim)
+        floor_us = b * ctx * kv_heads * head_dim * 2 * 2 / 4.23e12 * 1e6
         row = {"batch": b, "ctx": ctx, "floor_us": floor_us, "variants": {}, "bits_differ": []}
         ref = attention_triton_paged(q, k, v, cache, meta, 0.088, block_m=16, num_warps=4, num_stages=2, **base)
         for bm in (16,):  # one query row per sequence: 4 of 16 rows used at GQA 4
@@ -147,7 +151,7 @@ def attention(batches: list[int], ctx: int) -> list[dict]:
         ok = {c: t for c, t in row["variants"].items() if isinstance(t, float)}
         best = min(ok, key=ok.get)
         row["best"], row["best_us"] = best, ok[best]
-        row["default_us"] = ok.get("m16_w4_st2_seq" if b * 8 * 1 >= 132 else "m16_w4_st2_par")
+        row["default_us"] = ok.get("m16_w4_st2_seq" if b * kv_heads >= 132 else "m16_w4_st2_par")
         print(f"attn b={b:4d} ctx={ctx}: default {row['default_us'] or -1:7.1f} best {ok[best]:7.1f} {best} "
               f"floor {floor_us:6.1f}  differ={row['bits_differ']}", flush=True)
         top = sorted(ok.items(), key=lambda kv: kv[1])[:6]
@@ -164,13 +168,15 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--skip", default="", help="gemm and/or attention")
-    ap.add_argument("--model", default="llama-3.1-8b", help="preset whose dense GEMM shapes are swept")
+    ap.add_argument("--model", default="llama-3.1-8b", help="preset whose dense GEMM and attention shapes are swept")
     ap.add_argument("--no-tma", action="store_true", help="time pointer-load tiles only")
     a = ap.parse_args()
     t0 = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     if "attention" not in a.skip:
-        out["attention"] = attention([int(b) for b in a.batches.split(",")], a.ctx)
+        mc = config_of(a.model)
+        out["attention"] = attention([int(b) for b in a.batches.split(",")], a.ctx, mc.num_heads, mc.num_kv_heads,
+                                     mc.head_dim)
     if "gemm" not in a.skip:
         out["gemm"] = gemm([int(m) for m in a.ms.split(",")], a.copies, shapes_of(a.model), tma=not a.no_tma)
     out["seconds"] = time.time() - t0

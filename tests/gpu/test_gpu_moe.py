@@ -80,6 +80,19 @@ def test_fuse_glue_gives_identical_bits(m):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("m,k,e,block_m", [(1, 8, 128, 16), (64, 8, 128, 16), (128, 8, 128, 64), (13, 2, 6, 32)])
+@pytest.mark.parametrize("skew", [False, True])
+def test_align_kernel_gives_align_s_integers(m, k, e, block_m, skew):
+    """The alignment's programs (one per 64 rows, none waiting on another)
+    write the same rows and row-block experts as the torch ops; skew: most
+    rows on two experts, the others empty."""
+    from detent.kernels.moe_triton import align, align_fused
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + k)
+    topi = (torch.randint(0, 2, (m, k), device="cuda", generator=g) * (e - 1) if skew
+            else torch.rand(m, e, device="cuda", generator=g).topk(k, dim=-1).indices)
+    assert all(torch.equal(a.int(), b) for a, b in zip(align(topi, e, block_m), align_fused(topi, e, block_m)))
+
+
 def test_fuse_glue_2_rows_are_invariant_and_close():
     """fuse_glue=2 also routes in one launch (its own softmax: other low bits):
     rows keep their bits across batch sizes and neighbours, and stay close to

@@ -35,8 +35,8 @@ from detent.kernels import rowwise_triton as rw
 comb = {"TOPK": 8, "BLOCK_H": 1024}
 out = {
     "align": compile_(mt._align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "blk_expert_ptr": "*i32",
-                                         "cursor_ptr": "*i32", "R": "i32", "NUM_BLK": "i32"},
-                      {"E_PAD": 128, "BLOCK_M": 16, "CH": 64, "FILL": 1024}, num_warps=4),
+                                         "R": "i32", "NUM_BLK": "i32"},
+                      {"R_PAD": 512, "E_PAD": 128, "BLOCK_M": 16, "CH": 64}, num_warps=4),
     "route": compile_(mt._route_kernel, {"logits_ptr": "*bf16", "topw_ptr": "*bf16", "topi_ptr": "*i64", "E": "i32",
                                          "stride": "i32"}, {"TOPK": 8, "TOPK_PAD": 8, "E_PAD": 128, "RENORM": True},
                       num_warps=1),
