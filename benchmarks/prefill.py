@@ -51,12 +51,36 @@ def prefill_sweep(llm, lens: list[int], vocab: int, reps: int = 3) -> dict:
     return out
 
 
+def profile_prefill(llm, lens: list[int], vocab: int, tag: str, out_dir: str) -> dict:
+    """torch.profiler's kernel times over one more prefill of each length: the
+    full table to out_dir/<tag>_<n>.txt, the top kernels returned."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator().manual_seed(11)
+    out = {}
+    for n in lens:
+        prompt = torch.randint(1000, vocab - 1000, (n,), generator=g).tolist()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            prefill_once(llm.llm_engine, prompt, f"prof-{n}")
+        ev = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: -e.self_device_time_total)
+        name = "".join(c if c.isalnum() or c in "-_=" else "_" for c in f"{tag}_{n}")
+        with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+        out[str(n)] = {"kernel_ms": sum(e.self_device_time_total for e in ev) / 1e3,
+                       "top": [(e.key[:90], e.self_device_time_total / 1e3, e.count) for e in ev[:12]]}
+        print(f"  {tag} {n}: kernels {out[str(n)]['kernel_ms']:.1f} ms", flush=True)
+        for k, ms, c in out[str(n)]["top"]:
+            print(f"    {ms:8.2f} ms x{c:5d}  {k}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--lens", default="2048,8192")
     ap.add_argument("--modes", default="stock,pinned,conservative")
     ap.add_argument("--out", default="prefill.json")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="also profile one prefill per length into DIR")
     a = ap.parse_args()
     lens = [int(n) for n in a.lens.split(",")]
     llm, mc, info = build(a.model, max_model_len=max(lens) + 16, max_num_seqs=8)
@@ -64,6 +88,9 @@ def main():
     for mode in a.modes.split(","):
         res.setdefault("modes", {})[mode] = set_mode(llm, mode, graphs=False)
         res["prefill"][mode] = prefill_sweep(llm, lens, mc.vocab_size)
+        if a.profile:
+            os.makedirs(a.profile, exist_ok=True)
+            res.setdefault("profile", {})[mode] = profile_prefill(llm, lens, mc.vocab_size, mode, a.profile)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -125,6 +125,88 @@ def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES
     return res
 
 
+def moe(model: str, ms: list[int], copies: int) -> list[dict]:
+    """The fused MoE (fuse_glue=2, both grouped GEMMs with one tile) at M tokens,
+    over `copies` different expert weight sets so that each call streams its
+    experts from HBM; every tile's result compared with `torch.equal` against
+    the table's row for that M."""
+    from detent.kernels.moe_triton import MOE_CONFIGS, moe_triton_fused, nearest_row_key
+    mc = config_of(model)
+    if not mc.num_experts:
+        return []
+    e, h, i, k = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, mc.num_experts_per_tok
+    ws = [(torch.randn(e, 2 * i, h, device="cuda", dtype=BF16) * 0.02,
+           torch.randn(e, h, i, device="cuda", dtype=BF16) * 0.02) for _ in range(copies)]
+    res = []
+    for m in ms:
+        x = torch.randn(m, h, device="cuda", dtype=BF16)
+        logits = torch.randn(m, e, device="cuda", dtype=BF16)
+        table = MOE_CONFIGS[nearest_row_key(m)]
+        tiles = [tuple(table.values())] + [(bm, bn, bk, 1 if m <= 64 else 8, nw, ns)
+                                             for bm in ((16,) if m <= 16 else (16, 32))
+                                             for bn in (32, 64, 128) for bk in (64, 128, 256)
+                                             for nw in (4,) for ns in (3, 4) if bn * bk <= 128 * 128]
+        ref, row = None, {"m": m, "table": str(tuple(table.values())), "tiles": {}, "bits_differ": []}
+        for t in dict.fromkeys(tiles):
+            kw = dict(zip(("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages"), t))
+            call = lambda: [moe_triton_fused(x, logits, w13, w2, k, True, fuse_glue=2, **kw)  # noqa: E731
+                            for w13, w2 in ws]
+            try:
+                y = moe_triton_fused(x, logits, *ws[0], k, True, fuse_glue=2, **kw)
+                row["tiles"][str(t)] = bench(call, REP) * 1e3 / copies
+            except Exception as ex:  # noqa: BLE001
+                row["tiles"][str(t)] = f"error: {type(ex).__name__}: {str(ex)[:160]}"
+                continue
+            if ref is None:
+                ref = y
+            elif not torch.equal(y, ref):
+                row["bits_differ"].append(str(t))
+        ok = {c: v for c, v in row["tiles"].items() if isinstance(v, float)}
+        row["best"] = min(ok, key=ok.get)
+        top = sorted(ok.items(), key=lambda kv: kv[1])[:5]
+        print(f"moe M={m:4d}: table {ok.get(row['table'], -1):7.1f} us  best {ok[row['best']]:7.1f} {row['best']}  "
+              f"differ={row['bits_differ']}", flush=True)
+        print("   top:", ", ".join(f"{c} {v:.1f}" for c, v in top), flush=True)
+        res.append(row)
+    del ws
+    return res
+
+
+def prefill_attention(lens: list[int], heads: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """One prompt of n tokens attending causally to itself: the query tile,
+    warps and stages (each neutral: the row sum goes through the MMA), and
+    the kernel with the causal mask on every KV tile (`mask_all`, the kernel
+    before interior tiles skipped it), all compared with `torch.equal`."""
+    res = []
+    base = dict(split_tokens=256, block_n=64, rowsum="mma", combine="sequential")
+    launches = [(64, 4, 2, True), (64, 4, 2, False), (64, 4, 3, False), (64, 8, 2, False), (128, 8, 2, False),
+                (128, 8, 3, False), (128, 4, 2, False), (128, 8, 2, True)]
+    for n in lens:
+        q, k, v, cache, meta = attn_case(1, n, n, h=heads, kvh=kv_heads, d=head_dim)
+        tflop = 4 * n * n / 2 * head_dim * heads / 1e12
+        row = {"n": n, "heads": heads, "kv_heads": kv_heads, "variants": {}, "bits_differ": []}
+        ref = None
+        for bm, nw, ns, mask_all in launches:
+            kw = dict(block_m=bm, num_warps=nw, num_stages=ns, _mask_every_tile=mask_all, **base)
+            key = f"m{bm}_w{nw}_st{ns}" + ("_maskall" if mask_all else "")
+            try:
+                y = attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)
+                ms = bench(lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw), REP)
+            except Exception as e:  # noqa: BLE001
+                row["variants"][key] = f"error: {type(e).__name__}: {str(e)[:160]}"
+                continue
+            row["variants"][key] = ms * 1e3
+            if ref is None:
+                ref = y
+            elif not torch.equal(y, ref):
+                row["bits_differ"].append(key)
+        ok = {c: t for c, t in row["variants"].items() if isinstance(t, float)}
+        print(f"prefill attn n={n} heads {heads}/{kv_heads}: differ={row['bits_differ']}  "
+              + ", ".join(f"{c} {t:.0f} us ({tflop / (t * 1e-6):.0f} TFLOP/s)" for c, t in ok.items()), flush=True)
+        res.append(row)
+    return res
+
+
 def attention(batches: list[int], ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
     res = []
     base = dict(split_tokens=256, block_n=64, rowsum="mma")
@@ -167,7 +249,9 @@ def main():
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--copies", type=int, default=8)
-    ap.add_argument("--skip", default="", help="gemm and/or attention")
+    ap.add_argument("--skip", default="", help="gemm, attention, prefill and/or moe")
+    ap.add_argument("--prefill-lens", default="2048,8192", help="prompt lengths of the prefill attention sweep")
+    ap.add_argument("--moe-ms", default="1,8,64", help="token counts of the MoE tile sweep (MoE presets)")
     ap.add_argument("--model", default="llama-3.1-8b", help="preset whose dense GEMM and attention shapes are swept")
     ap.add_argument("--no-tma", action="store_true", help="time pointer-load tiles only")
     a = ap.parse_args()
@@ -177,6 +261,12 @@ def main():
         mc = config_of(a.model)
         out["attention"] = attention([int(b) for b in a.batches.split(",")], a.ctx, mc.num_heads, mc.num_kv_heads,
                                      mc.head_dim)
+    if "prefill" not in a.skip:
+        mc = config_of(a.model)
+        out["prefill_attention"] = prefill_attention([int(n) for n in a.prefill_lens.split(",")], mc.num_heads,
+                                                     mc.num_kv_heads, mc.head_dim)
+    if "moe" not in a.skip:
+        out["moe"] = moe(a.model, [int(m) for m in a.moe_ms.split(",")], max(2, a.copies // 2))
     if "gemm" not in a.skip:
         out["gemm"] = gemm([int(m) for m in a.ms.split(",")], a.copies, shapes_of(a.model), tma=not a.no_tma)
     out["seconds"] = time.time() - t0

@@ -85,18 +85,24 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
         if stock_kernels:
             return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": q_tile,
                     "block_n": KV_BLOCK_GPU, "num_warps": warps, "rowsum": "sum"}
-        # decode launch (benchmarks/tune_decode.py with the kernel's decode mapping, H200,
-        # 1k contexts, us per layer): few sequences - one program per split, then the
-        # combine kernel (batch 1: 11.5 at 8 warps vs 12.7 at 4); from 32 sequences - the
-        # splits in one program, 2 warps, no prefetch stage (batch 64: 75.1 vs 101.1 for
-        # the earlier launch, batch 256: 271.3 vs 299.6). Every launch tried gave the same bits.
+        # decode launch, by the number of (sequence, KV head) programs (benchmarks/
+        # tune_decode.py with the kernel's decode mapping, H200, 1k contexts, us per
+        # layer): up to 32 - one program per split, then the combine kernel, 8 warps
+        # (Llama batch 1: 11.5 vs 12.7 at 4; Qwen3-30B-A3B batch 8: 12.2 vs 13.2);
+        # 128 to 511 - the same with 2 warps, 4 stages (Qwen3 batch 64, 4 KV heads:
+        # 46.4 vs 51.5 for the splits in one program); from 512 - the splits in one
+        # program, 2 warps, no prefetch stage (Llama batch 64: 75.1 vs 79.1 for split
+        # programs, batch 256: 271.3 vs 281.1). Every launch tried gave the same bits.
         combine, stages = "auto", 2
         if q_tile == 16:
-            if num_seqs >= 32:
+            programs = num_seqs * num_kv_heads
+            if programs >= 512:
                 combine, warps, stages = "sequential", 2, 1
+            elif programs >= 128:
+                combine, warps, stages = "parallel", 2, 4
             else:
                 combine = "parallel"
-                if num_seqs <= 4:
+                if programs <= 32:
                     warps = 8
         return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": neutral(q_tile),
                 "block_n": KV_BLOCK_GPU, "num_warps": neutral(warps), "num_stages": neutral(stages),
