@@ -52,23 +52,20 @@ def _attn_tile(q, m, l, acc, j0, kv_hi, pos, bt_row, kc_ptr, vc_ptr, sc_blk, sc_
                D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
                ROWSUM_MMA: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into the online
-    softmax state (m, l, acc) of a split. MASKED: causal by absolute position
-    and inside the split (kv_hi); unmasked tiles are the ones where that mask
-    keeps every score, so both give the same bits."""
+    softmax state (m, l, acc) of a split. MASKED: the scores are masked
+    causally by absolute position and to the split (kv_hi); the caller passes
+    False only for tiles where that mask keeps every score, so both give the
+    same bits."""
     cols = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     kpos = j0 + cols
-    if MASKED:
-        k_ok = kpos < kv_hi
-        blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-        off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
-        k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
-    else:
-        blk = tl.load(bt_row + kpos // PAGE).to(tl.int64)
-        off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
-        k = tl.load(kc_ptr + off[None, :] + d[:, None])
-        v = tl.load(vc_ptr + off[:, None] + d[None, :])
+    # the loads stay masked in every tile (a software-pipelined load past the
+    # loop's end then reads block 0, never an address from an unloaded entry)
+    k_ok = kpos < kv_hi
+    blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+    off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
+    k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
+    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
     if IEEE:
         sc = tl.dot(q, k, input_precision="ieee")
     else:
