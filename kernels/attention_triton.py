@@ -47,61 +47,6 @@ from detent.kernels.rowwise_triton import store_kv_triton
 from detent.selection.registry import register
 
 
-@triton.jit
-def _attn_tile(q, m, l, acc, j0, kv_hi, pos, bt_row, kc_ptr, vc_ptr, sc_blk, sc_off, sc_h, kvh, scale,
-               D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
-               ROWSUM_MMA: tl.constexpr, MASKED: tl.constexpr):
-    """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into the online
-    softmax state (m, l, acc) of a split. MASKED: the scores are masked
-    causally by absolute position and to the split (kv_hi); the caller passes
-    False only for tiles where that mask keeps every score, so both give the
-    same bits."""
-    cols = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
-    kpos = j0 + cols
-    # the loads stay masked in every tile (a software-pipelined load past the
-    # loop's end then reads block 0, never an address from an unloaded entry)
-    k_ok = kpos < kv_hi
-    blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-    off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
-    k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
-    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
-    if IEEE:
-        sc = tl.dot(q, k, input_precision="ieee")
-    else:
-        sc = tl.dot(q, k)
-    sc = sc * scale
-    if MASKED:
-        # causal, and inside this split (a split size that is not a multiple
-        # of BLOCK_N ends inside a tile)
-        sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
-    m_new = tl.maximum(m, tl.max(sc, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(sc - m_safe[:, None])
-    alpha = tl.exp(m - m_safe)
-    # the row sum goes through the MMA (p @ ones, then an exact max over 16
-    # equal columns): tl.sum's order follows the register layout, which
-    # changes with BLOCK_M / num_warps / MMA kind
-    if IEEE:
-        pb = p
-    else:
-        pb = p.to(v.dtype)
-    if ROWSUM_MMA:
-        ones = tl.full((BLOCK_N, 16), 1.0, dtype=q.dtype)
-        if IEEE:
-            rs = tl.dot(pb, ones, input_precision="ieee")
-        else:
-            rs = tl.dot(pb, ones)
-        l = tl.fma(l, alpha, tl.max(rs, axis=1))
-    else:
-        l = l * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
-    else:
-        acc = tl.dot(pb, v, acc * alpha[:, None])
-    return m_new, l, acc
-
-
 @lazy_jit(do_not_specialize=["num_seqs"])
 def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr, pacc_ptr,
@@ -110,8 +55,7 @@ def _paged_attn_kernel(
         sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
         G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-        PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr,
-        MASK_ALL: tl.constexpr):
+        PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr):
     qtile = tl.program_id(0)
     kvh = tl.program_id(1)
     if DECODE:  # one query per sequence: q tile b is sequence b (no search, no idle tiles)
@@ -146,6 +90,8 @@ def _paged_attn_kernel(
                     mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
         max_pos = ctx + tl.minimum(q_blk * BLOCK_Q + BLOCK_Q, q_len) - 1
         n_split = max_pos // SPLIT + 1
+        cols = tl.arange(0, BLOCK_N)
+        ones = tl.full((BLOCK_N, 16), 1.0, dtype=q.dtype)
         bt_row = bt_ptr + b.to(tl.int64) * sbt
         if PARALLEL:
             s_first = tl.program_id(2)
@@ -156,25 +102,50 @@ def _paged_attn_kernel(
         M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         L = tl.zeros((BLOCK_M,), tl.float32)
         ACC = tl.zeros((BLOCK_M, D), tl.float32)
-        # rows from the tile's first query on see every key up to its position:
-        # KV tiles wholly below that and inside the split need no mask (the
-        # masked expression would select every score unchanged)
-        min_pos = ctx + q_blk * BLOCK_Q
         for s in range(s_first, s_last):
             m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l = tl.zeros((BLOCK_M,), tl.float32)
             acc = tl.zeros((BLOCK_M, D), tl.float32)
-            lo = s * SPLIT
             kv_hi = tl.minimum((s + 1) * SPLIT, max_pos + 1)
-            full_hi = lo
-            if not MASK_ALL:
-                full_hi = lo + tl.maximum(tl.minimum(kv_hi, min_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
-            for j0 in range(lo, full_hi, BLOCK_N):
-                m, l, acc = _attn_tile(q, m, l, acc, j0, kv_hi, pos, bt_row, kc_ptr, vc_ptr, sc_blk, sc_off,
-                                       sc_h, kvh, scale, D, BLOCK_N, PAGE, IEEE, ROWSUM_MMA, False)
-            for j0 in range(full_hi, kv_hi, BLOCK_N):
-                m, l, acc = _attn_tile(q, m, l, acc, j0, kv_hi, pos, bt_row, kc_ptr, vc_ptr, sc_blk, sc_off,
-                                       sc_h, kvh, scale, D, BLOCK_N, PAGE, IEEE, ROWSUM_MMA, True)
+            for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
+                kpos = j0 + cols
+                k_ok = kpos < kv_hi
+                blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+                off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
+                k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
+                v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
+                if IEEE:
+                    sc = tl.dot(q, k, input_precision="ieee")
+                else:
+                    sc = tl.dot(q, k)
+                sc = sc * scale
+                # causal, and inside this split (a split size that is not a
+                # multiple of BLOCK_N ends inside a tile)
+                sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m, tl.max(sc, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(sc - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                # the row sum goes through the MMA (p @ ones, then an exact max
+                # over 16 equal columns): tl.sum's order follows the register
+                # layout, which changes with BLOCK_M / num_warps / MMA kind
+                if IEEE:
+                    pb = p
+                else:
+                    pb = p.to(v.dtype)
+                if ROWSUM_MMA:
+                    if IEEE:
+                        rs = tl.dot(pb, ones, input_precision="ieee")
+                    else:
+                        rs = tl.dot(pb, ones)
+                    l = tl.fma(l, alpha, tl.max(rs, axis=1))
+                else:
+                    l = l * alpha + tl.sum(p, axis=1)
+                if IEEE:
+                    acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
+                else:
+                    acc = tl.dot(pb, v, acc * alpha[:, None])
+                m = m_new
             if PARALLEL:
                 ps = tl.cast(s, tl.int64)
                 tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
@@ -280,16 +251,13 @@ def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
           devices=("cuda",))
 def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
-                           _mask_every_tile: bool = False) -> torch.Tensor:
+                           num_stages: int = 2, combine: str = "auto", rowsum: str = "mma") -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
     rowsum: "mma" (p @ ones: bits independent of block_m / num_warps) or
     "sum" (tl.sum: bits tied to the tile shape, 19% faster decode at a
     16-row tile on the H200); the two give different bits, so rowsum is part
-    of the pinned choice. split_tokens need not be a multiple of block_n.
-    _mask_every_tile (tests only): apply the causal mask to interior KV tiles
-    too, which must not change a bit."""
+    of the pinned choice. split_tokens need not be a multiple of block_n."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -329,7 +297,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         meta.block_tables.stride(0), *ps, *pas,
         G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, SPLIT=split_tokens,
         PAGE=meta.block_size, PARALLEL=parallel, IEEE=ieee, ROWSUM_MMA=rowsum == "mma", DECODE=decode,
-        MASK_ALL=bool(_mask_every_tile), num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     if parallel:
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs,
                                 out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens, DECODE=decode,

@@ -49,22 +49,6 @@ def test_split_not_a_multiple_of_block_n():
     assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
 
 
-@pytest.mark.parametrize("split_tokens", [16, 24, 64])
-def test_unmasked_interior_tiles_give_the_same_bits(split_tokens):
-    # interior KV tiles (below every row's causal limit, inside the split) skip the mask;
-    # masking them too must not move a bit: prefill, chunked prefill and decode in one step,
-    # splits that end inside a tile (24) and one split over everything (64)
-    case = PagedCase([45, 40, 33], h=4, kvh=2, d=16, block_size=8, seed=9)
-    chunks = [(0, 45), (17, 40), (32, 33)]
-    kw = dict(split_tokens=split_tokens, block_m=16, block_n=16, combine="sequential")
-    a, (q, k, v, meta) = _run(case, chunks, **kw)
-    b, _ = _run(case, chunks, _mask_every_tile=True, **kw)
-    assert torch.equal(a, b)
-    ref_cache = case.fresh_cache()
-    case.prefill_prefix(ref_cache, [s for s, _ in chunks])
-    assert _rel(a, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
-
-
 @pytest.mark.parametrize("rowsum", ["mma", "sum"])
 def test_parallel_and_sequential_combine_agree_bitwise(rowsum):
     case = PagedCase([36, 9], h=2, kvh=1, d=16, block_size=8, seed=2)

@@ -101,7 +101,8 @@ def test_gpu_programs():
     pinned = a.compile(mode="pinned")
     d1, d2 = pinned(**rt(num_seqs=1, max_seqlen_k=100)), pinned(**rt(num_seqs=64, max_seqlen_q=500, max_seqlen_k=9000))
     assert d1["split_tokens"] == d2["split_tokens"] == 256 and d1["rowsum"] == d2["rowsum"] == "mma"
-    assert (d1["block_m"], d2["block_m"]) == (16, 64)  # neutral: follows the query length
+    assert (d1["block_m"], d2["block_m"]) == (16, 128)  # neutral: follows the query length
+    assert pinned(**rt(num_seqs=2, max_seqlen_q=40, max_seqlen_k=900))["block_m"] == 64
     gm = sol("gemm", GPU, dict(GEMM_SITE, dtype="bfloat16"))
     assert gm.pins == () and gm.compile(mode="stock")(num_tokens=3) == {"impl": "torch"}
     p = gm.compile(mode="pinned")
