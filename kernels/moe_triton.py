@@ -165,63 +165,71 @@ def align(topi: torch.Tensor, num_experts: int, block_m: int):
 
 
 @lazy_jit(do_not_specialize=["R", "NUM_BLK"])
-def _align_kernel(ids_ptr, rows_ptr, blk_expert_ptr, R, NUM_BLK,
-                  R_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.constexpr):
+def _align_kernel(ids_ptr, rows_ptr, blk_expert_ptr, R, NUM_BLK, HCH: tl.constexpr, E_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr):
     """`align` with no program waiting on another. Every program counts all
-    rows per expert (padded starts, ends), then takes its own CH rows and its
-    own CH row blocks: a row goes to its expert's start + the rows of that
-    expert in earlier chunks + those before it in its chunk (the stable order
-    of `align`'s sort); a block gets the expert whose padded range holds it,
-    or -1 past the end. The sentinel R fills each expert's padding (program
-    0) and the blocks past the end. Real, padding and tail slots are disjoint,
-    so the stores never race: the same integers as `align`."""
+    rows per expert (padded starts, ends) and the rows of each expert before
+    its own CH rows, then places those rows SUB at a time: a row goes to its
+    expert's start + that expert's earlier rows + those before it in its SUB
+    (the stable order of `align`'s sort). It also takes CH row blocks: each
+    gets the expert whose padded range holds it, or -1 past the end. The
+    sentinel R fills each expert's padding (program 0) and the blocks past
+    the end. Real, padding and tail slots are disjoint, so the stores never
+    race: the same integers as `align`."""
     p = tl.program_id(0)
+    first = p * CH
     ev = tl.arange(0, E_PAD)
-    every = tl.arange(0, R_PAD)
-    ids = tl.load(ids_ptr + every, mask=every < R, other=0).to(tl.int32)
-    counts = tl.histogram(ids, E_PAD, mask=every < R)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    base = tl.zeros([E_PAD], dtype=tl.int32)  # rows before this program's, per expert
+    for c0 in range(0, R, HCH):
+        idx = c0 + tl.arange(0, HCH)
+        ids = tl.load(ids_ptr + idx, mask=idx < R, other=0).to(tl.int32)
+        counts += tl.histogram(ids, E_PAD, mask=idx < R)
+        base += tl.histogram(ids, E_PAD, mask=(idx < R) & (idx < first))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)  # inclusive
     total = tl.sum(padded, 0)
-    # this chunk's rows
-    lane = tl.arange(0, CH)
-    i = p * CH + lane
-    ok = i < R
-    e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
-    before = tl.histogram(ids, E_PAD, mask=every < p * CH)  # rows of earlier chunks, per expert
-    base = ends - padded + before
-    mine = e[:, None] == ev[None, :]  # [CH, E_PAD]
-    rank = tl.sum(((e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
-    dest = tl.sum(tl.where(mine, base[None, :], 0), axis=1) + rank
-    tl.store(rows_ptr + dest, i, mask=ok)
-    # this chunk's row blocks: searchsorted(ends, start, right=True), -1 past the end
-    b = p * CH + lane
-    start = b * BLOCK_M
-    n_before = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), axis=1)
-    tl.store(blk_expert_ptr + b, tl.where(start < total, n_before, -1), mask=b < NUM_BLK)
+    base += ends - padded
+    lane = tl.arange(0, SUB)
+    earlier = lane[None, :] < lane[:, None]  # [SUB, SUB]: column j is an earlier row than row i
+    for s0 in range(0, CH, SUB):
+        i = first + s0 + lane
+        ok = i < R
+        e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+        rank = tl.sum(((e[:, None] == e[None, :]) & earlier).to(tl.int32), axis=1)
+        dest = tl.sum(tl.where(e[:, None] == ev[None, :], base[None, :], 0), axis=1) + rank
+        tl.store(rows_ptr + dest, i, mask=ok)
+        base += tl.histogram(e, E_PAD, mask=ok)
     slot = tl.arange(0, BLOCK_M)
-    tail = start[:, None] + slot[None, :]
-    tl.store(rows_ptr + tail, R, mask=(b < NUM_BLK)[:, None] & (tail >= total))
+    for s0 in range(0, CH, SUB):  # row blocks: searchsorted(ends, start, right=True), -1 past the end
+        b = first + s0 + lane
+        start = b * BLOCK_M
+        n_before = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), axis=1)
+        tl.store(blk_expert_ptr + b, tl.where(start < total, n_before, -1), mask=b < NUM_BLK)
+        tail = start[:, None] + slot[None, :]
+        tl.store(rows_ptr + tail, R, mask=(b < NUM_BLK)[:, None] & (tail >= total))
     if p == 0:  # each expert's padding after its rows
         pad = (ends - padded + counts)[:, None] + slot[None, :]
         tl.store(rows_ptr + pad, R, mask=pad < ends[:, None])
 
 
-ALIGN_KERNEL_MAX_ROWS = 1024  # each program histograms all rows; above this `align`'s torch ops are used
-
-
 def align_fused(topi: torch.Tensor, num_experts: int, block_m: int):
     """`align`'s result from one kernel launch (about 25 small torch kernels
-    otherwise, each a few microseconds at decode), one program per 64 rows."""
+    otherwise, each a few microseconds on the device and more on the host).
+    One program per 64 rows up to 4,096 rows, per 512 above (prefill chunks:
+    fewer programs that each count every row)."""
     r = topi.numel()
     max_blocks = max_row_blocks(r, num_experts, block_m)
     rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=topi.device)
     blk_expert = torch.empty(max_blocks, dtype=torch.int32, device=topi.device)
+    if r == 0:
+        return rows, blk_expert
     r_pad = triton.next_power_of_2(r)
-    ch = min(64, r_pad)
-    _align_kernel[(triton.cdiv(max(r, max_blocks), ch),)](topi.reshape(-1), rows, blk_expert, r, max_blocks, R_PAD=r_pad,
-                                         E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CH=ch,
-                                         num_warps=4)
+    sub = min(64, r_pad)
+    ch = sub if r <= 4096 else 512
+    _align_kernel[(triton.cdiv(max(r, max_blocks), ch),)](
+        topi.reshape(-1), rows, blk_expert, r, max_blocks, HCH=min(r_pad, 4096),
+        E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CH=ch, SUB=sub, num_warps=4)
     return rows, blk_expert
 
 
@@ -305,8 +313,8 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
                      num_stages: int | None = None, fuse_glue: int = 0):
     """row_key: the config-table row (a token count) the selection chose; the
     tile parameters, when given, override that row's config (a SelIR program
-    with its own table passes both). fuse_glue=1: the alignment (up to
-    ALIGN_KERNEL_MAX_ROWS rows) and the slot combine run as one Triton launch
+    with its own table passes both). fuse_glue=1: the alignment and the
+    slot combine run as one Triton launch
     each instead of ~30 small torch kernels; the same integers and the same
     roundings, so the same bits (tests/kernels under the interpreter,
     tests/gpu/test_gpu_moe.py on the H200). fuse_glue=2: the routing too
@@ -338,8 +346,7 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
         return x.new_empty(0, hdim)
     topw, topi = (route_fused if fuse_glue >= 2 else route)(router_logits, top_k, renormalize, x.dtype)
     r = m * top_k
-    fused_align = fuse_glue and r <= ALIGN_KERNEL_MAX_ROWS
-    rows, blk_expert = (align_fused if fused_align else align)(topi, ne, cfg["block_m"])
+    rows, blk_expert = (align_fused if fuse_glue else align)(topi, ne, cfg["block_m"])
     h = _grouped_gemm(x, w13, rows, blk_expert, r, top_k, cfg)  # [M*k, 2I]
     a = silu_and_mul_triton(h)  # [M*k, I]
     y = _grouped_gemm(a, w2, rows, blk_expert, r, 1, cfg).view(m, top_k, hdim)
@@ -362,5 +369,5 @@ def moe_reference(x, router_logits, w13, w2, top_k, renormalize):
     return combine(y, topw)
 
 
-__all__ = ["ALIGN_KERNEL_MAX_ROWS", "MOE_CONFIGS", "align", "align_fused", "combine", "combine_fused",
+__all__ = ["MOE_CONFIGS", "align", "align_fused", "combine", "combine_fused",
            "moe_reference", "moe_triton_fused", "nearest_row_key", "route", "route_fused"]

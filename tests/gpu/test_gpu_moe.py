@@ -80,12 +80,13 @@ def test_fuse_glue_gives_identical_bits(m):
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("m,k,e,block_m", [(1, 8, 128, 16), (64, 8, 128, 16), (128, 8, 128, 64), (13, 2, 6, 32)])
+@pytest.mark.parametrize("m,k,e,block_m", [(1, 8, 128, 16), (64, 8, 128, 16), (128, 8, 128, 64), (13, 2, 6, 32),
+                                            (2048, 8, 128, 64), (8192, 8, 128, 128)])
 @pytest.mark.parametrize("skew", [False, True])
 def test_align_kernel_gives_align_s_integers(m, k, e, block_m, skew):
-    """The alignment's programs (one per 64 rows, none waiting on another)
-    write the same rows and row-block experts as the torch ops; skew: most
-    rows on two experts, the others empty."""
+    """The alignment's programs (one per 64 rows, or 512 for prefill chunks;
+    none waiting on another) write the same rows and row-block experts as the
+    torch ops; skew: most rows on two experts, the others empty."""
     from detent.kernels.moe_triton import align, align_fused
     g = torch.Generator(device="cuda").manual_seed(m * 7 + k)
     topi = (torch.randint(0, 2, (m, k), device="cuda", generator=g) * (e - 1) if skew

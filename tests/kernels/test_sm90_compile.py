@@ -36,7 +36,10 @@ comb = {"TOPK": 8, "BLOCK_H": 1024}
 out = {
     "align": compile_(mt._align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "blk_expert_ptr": "*i32",
                                          "R": "i32", "NUM_BLK": "i32"},
-                      {"R_PAD": 512, "E_PAD": 128, "BLOCK_M": 16, "CH": 64}, num_warps=4),
+                      {"HCH": 512, "E_PAD": 128, "BLOCK_M": 16, "CH": 64, "SUB": 64}, num_warps=4),
+    "align_prefill": compile_(mt._align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "blk_expert_ptr": "*i32",
+                                                 "R": "i32", "NUM_BLK": "i32"},
+                              {"HCH": 4096, "E_PAD": 128, "BLOCK_M": 64, "CH": 512, "SUB": 64}, num_warps=4),
     "route": compile_(mt._route_kernel, {"logits_ptr": "*bf16", "topw_ptr": "*bf16", "topi_ptr": "*i64", "E": "i32",
                                          "stride": "i32"}, {"TOPK": 8, "TOPK_PAD": 8, "E_PAD": 128, "RENORM": True},
                       num_warps=1),
@@ -65,7 +68,7 @@ def compiled():
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["align", "route", "combine_bf16", "combine_fp32", "rms_norm"])
+@pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm"])
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name]["cubin_bytes"] > 0
 
