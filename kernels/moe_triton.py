@@ -314,9 +314,9 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
     """row_key: the config-table row (a token count) the selection chose; the
     tile parameters, when given, override that row's config (a SelIR program
     with its own table passes both). fuse_glue=1: the alignment and the
-    slot combine run as one Triton launch
-    each instead of ~30 small torch kernels; the same integers and the same
-    roundings, so the same bits (tests/kernels under the interpreter,
+    slot combine run as one Triton launch each instead of ~30 small torch
+    kernels; the same integers and the same roundings, so the same bits
+    (tests/kernels under the interpreter,
     tests/gpu/test_gpu_moe.py on the H200). fuse_glue=2: the routing too
     (`route_fused`: one launch instead of six, its own softmax, so other low
     bits of the weights; still a per-row program). The SelIR program passes
