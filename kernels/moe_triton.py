@@ -316,10 +316,10 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
     with its own table passes both). fuse_glue=1: the alignment and the
     slot combine run as one Triton launch each instead of ~30 small torch
     kernels; the same integers and the same roundings, so the same bits
-    (tests/kernels under the interpreter,
-    tests/gpu/test_gpu_moe.py on the H200). fuse_glue=2: the routing too
-    (`route_fused`: one launch instead of six, its own softmax, so other low
-    bits of the weights; still a per-row program). The SelIR program passes
+    (tests/kernels under the interpreter, tests/gpu/test_gpu_moe.py on the
+    H200). fuse_glue=2: the routing too (`route_fused`: one launch instead
+    of six, its own softmax, so other low bits of the weights; still a
+    per-row program). The SelIR program passes
     fuse_glue=2 on CUDA: Qwen3-30B-A3B decode on the H200 went from 6.94 to
     4.41 ms per step at batch 1 (docs/performance.md)."""
     name = "moe/triton_fused"
