@@ -125,13 +125,12 @@ def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES
     return res
 
 
-def moe(model: str, ms: list[int], copies: int) -> list[dict]:
+def moe(mc, ms: list[int], copies: int) -> list[dict]:
     """The fused MoE (fuse_glue=2, both grouped GEMMs with one tile) at M tokens,
     over `copies` different expert weight sets so that each call streams its
     experts from HBM; every tile's result compared with `torch.equal` against
     the table's row for that M."""
     from detent.kernels.moe_triton import MOE_CONFIGS, moe_triton_fused, nearest_row_key
-    mc = config_of(model)
     if not mc.num_experts:
         return []
     e, h, i, k = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, mc.num_experts_per_tok
@@ -142,10 +141,10 @@ def moe(model: str, ms: list[int], copies: int) -> list[dict]:
         x = torch.randn(m, h, device="cuda", dtype=BF16)
         logits = torch.randn(m, e, device="cuda", dtype=BF16)
         table = MOE_CONFIGS[nearest_row_key(m)]
-        tiles = [tuple(table.values())] + [(bm, bn, bk, 1 if m <= 64 else 8, nw, ns)
+        tiles = [tuple(table.values())] + [(bm, bn, bk, 1 if m <= 64 else 8, 4, ns)
                                              for bm in ((16,) if m <= 16 else (16, 32))
                                              for bn in (32, 64, 128) for bk in (64, 128, 256)
-                                             for nw in (4,) for ns in (3, 4) if bn * bk <= 128 * 128]
+                                             for ns in (3, 4) if bn * bk <= 128 * 128]
         ref, row = None, {"m": m, "table": str(tuple(table.values())), "tiles": {}, "bits_differ": []}
         for t in dict.fromkeys(tiles):
             kw = dict(zip(("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages"), t))
@@ -255,16 +254,15 @@ def main():
     a = ap.parse_args()
     t0 = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    mc = config_of(a.model)
     if "attention" not in a.skip:
-        mc = config_of(a.model)
         out["attention"] = attention([int(b) for b in a.batches.split(",")], a.ctx, mc.num_heads, mc.num_kv_heads,
                                      mc.head_dim)
     if "prefill" not in a.skip:
-        mc = config_of(a.model)
         out["prefill_attention"] = prefill_attention([int(n) for n in a.prefill_lens.split(",")], mc.num_heads,
                                                      mc.num_kv_heads, mc.head_dim)
     if "moe" not in a.skip:
-        out["moe"] = moe(a.model, [int(m) for m in a.moe_ms.split(",")], max(2, a.copies // 2))
+        out["moe"] = moe(mc, [int(m) for m in a.moe_ms.split(",")], max(2, a.copies // 2))
     if "gemm" not in a.skip:
         out["gemm"] = gemm([int(m) for m in a.ms.split(",")], a.copies, shapes_of(a.model), tma=not a.no_tma)
     out["seconds"] = time.time() - t0

@@ -168,7 +168,7 @@ def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
 # output width: the fastest of `benchmarks/tune_decode.py` (CUDA-graph timing
 # over 400 MB of weight copies, so no config is helped by weights left in
 # L2). Narrow outputs (N = 4096) need narrow tiles at M <= 256 to give the
-# SMs enough programs without split-K. From M = 128 the tiles move by TMA
+# SMs enough programs without split-K. From M = 17 the tiles move by TMA
 # (`tma=1`): at M = 2048 and 8192 that matches cuBLAS (gate_up at 2048:
 # 740 us against 740 us; pointer loads 864 us), and it takes 10-20% off
 # M = 128 and 256. Every config below gave identical row bits on the H200
