@@ -75,7 +75,7 @@ def gemm_sweep(ms):
 
 
 def attn_case(batch, ctx, q_len, h=32, kvh=8, d=128, bs=16):
-    from detent.engine.forward_context import AttentionMetadata
+    from detent.selection.context import AttentionMetadata
     nblk = -(-ctx // bs)
     num_blocks = batch * nblk + 1
     cache = torch.randn(2, num_blocks, bs, kvh, d, device="cuda", dtype=BF16)

@@ -3,14 +3,14 @@
     detent generate "What is the capital of France?"          # embedded SmolLM2, chat template
     detent generate --model DIR --raw --max-tokens 32 "Once upon a time"
 
-Other subcommands (`solve`, `tuple`) come from detent.selection.cli when it
-is installed.
+The SelIR subcommands (`solve`, `tuple`) live in detent/selection_cli.py.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+
+from detent import selection_cli
 
 
 def _add_generate(sub) -> None:
@@ -57,13 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detent", description="Detent: batch-invariant LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    try:  # `solve`, `tuple`: the SelIR helper's subcommands, when present
-        selection_cli = importlib.import_module("detent.selection.cli")
-    except ModuleNotFoundError as e:
-        if e.name != "detent.selection.cli":
-            raise
-    else:
-        selection_cli.add_subparsers(sub)
+    selection_cli.add_subparsers(sub)  # `solve`, `tuple`
     return parser
 
 

@@ -1,5 +1,5 @@
-"""`detent solve` and `detent tuple` (self-contained: `detent.selection.cli.main(argv)`
-or `python -m detent.selection.cli solve ...`; the top-level `detent` CLI
+"""`detent solve` and `detent tuple` (self-contained: `detent.selection_cli.main(argv)`
+or `python -m detent.selection_cli solve ...`; the top-level `detent` CLI
 mounts them with `add_subparsers(subparsers)`).
 
     detent solve --family attention --facts facts.json

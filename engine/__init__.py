@@ -14,6 +14,8 @@ _LAZY = {
     "Logprob": "detent.engine.outputs",
     "LLMEngine": "detent.engine.llm_engine",
     "EngineConfig": "detent.engine.config",
+    "EngineLimits": "detent.engine.config",
+    "Fingerprint": "detent.engine.fingerprint",
     "TrainerForward": "detent.engine.trainer",
 }
 

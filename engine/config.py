@@ -95,3 +95,14 @@ class EngineState:
     @property
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request may ask of a built engine (`LLMEngine.limits()`): servers
+    validate against these instead of reading the engine's internals."""
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    max_num_seqs: int
+    max_num_batched_tokens: int

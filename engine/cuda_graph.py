@@ -24,8 +24,8 @@ import logging
 
 import torch
 
-from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from detent.selection.dispatch import Dispatcher, use_dispatcher
+from detent.selection.context import AttentionMetadata, ForwardContext, forward_context
+from detent.selection.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ class CudaGraphRunner:
         self._reset_padding(0, self.sizes[-1])
         try:
             for b in reversed(self.sizes):  # largest first: later graphs reuse its pool
-                ctx = ForwardContext(attn=self._meta(b), kv_caches=self.kv_caches)
-                with use_dispatcher(self.dispatcher), forward_context(ctx):
+                ctx = ForwardContext(attn=self._meta(b), kv_caches=self.kv_caches, dispatcher=self.dispatcher)
+                with forward_context(ctx):
                     for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces, selections
                         self.model(self.input_ids[:b], self.positions[:b])
                     _check_graph_safe(ctx)
@@ -141,13 +141,10 @@ class CudaGraphRunner:
 
 
 def _check_graph_safe(ctx: ForwardContext) -> None:
-    from detent.selection import registry
-    for key, val in ctx.memo.items():
-        if key and key[0] == "resolved" and key[1] == "attention":
-            names = [n for n, c in registry.candidates("attention").items() if c.fn is val[0]]
-            if not set(names) & set(GRAPH_SAFE_ATTENTION):
-                raise RuntimeError(f"attention candidate {names} reads host metadata; graphs need one of "
-                                   f"{GRAPH_SAFE_ATTENTION}")
+    for name in ctx.selected("attention"):
+        if name not in GRAPH_SAFE_ATTENTION:
+            raise RuntimeError(f"attention candidate {name!r} reads host metadata; graphs need one of "
+                               f"{GRAPH_SAFE_ATTENTION}")
 
 
 def enable_cuda_graphs(runner, *, max_num_seqs: int, max_model_len: int,

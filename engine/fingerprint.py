@@ -1,4 +1,4 @@
-"""The tuple hash and deployment hash a response carries (DESIGN §1, §8).
+"""The tuple hash and deployment hash every response carries (docs/server.md).
 
 With both, anyone running the same deployment and tuple can re-execute a
 request and compare bits. Both come from SelIR (`detent.selection`): the
@@ -7,25 +7,33 @@ deployment facts, the tuple hash is `tuple_hash(t)` of the commitment tuple
 in force — the `--tuple` file, or the default tuple for these facts — the
 same values `detent tuple default|check` print. `stock` and `conservative`
 run no tuple; their "tuple hash" names the mode instead, so it can never
-equal a real tuple's.
+equal a real tuple's. Callers outside the engine use `LLMEngine.fingerprint()`.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 
-def fingerprint(engine: Any, *, tuple_path: str | None, selection: str) -> tuple[str, str]:
-    """(tuple_hash, deployment_hash) for a built engine."""
+@dataclass(frozen=True)
+class Fingerprint:
+    tuple_hash: str
+    deployment_hash: str
+
+
+def fingerprint(facts: dict[str, Any], *, selection: str, tuple_path: str | None,
+                active_tuple: Any = None) -> Fingerprint:
+    """The fingerprint of an engine built on `facts` in mode `selection`;
+    `active_tuple` is the tuple its dispatcher already loaded, if any."""
     from detent.selection import CommitmentTuple, default_tuple, deployment_hash, tuple_hash
     from detent.selection.facts import complete
 
-    d = getattr(engine, "dispatcher", None)  # None at tp > 1: the ranks hold theirs
-    facts = getattr(d, "facts", None) or complete(engine.facts)
+    facts = complete(facts)
     dep = deployment_hash(facts)
     if selection != "pinned":
-        return hashlib.sha256(f"detent-selection:{selection}:{dep}".encode()).hexdigest(), dep
-    t = getattr(d, "tuple", None)
+        return Fingerprint(hashlib.sha256(f"detent-selection:{selection}:{dep}".encode()).hexdigest(), dep)
+    t = active_tuple
     if t is None:
         t = CommitmentTuple.load(tuple_path) if tuple_path else default_tuple(facts)
-    return tuple_hash(t), dep
+    return Fingerprint(tuple_hash(t), dep)

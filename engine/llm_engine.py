@@ -28,7 +28,6 @@ it). `has_unfinished_requests()` and `stats()` are safe from any thread.
 """
 from __future__ import annotations
 
-import gc
 import random
 import threading
 from collections import deque
@@ -36,46 +35,14 @@ from typing import Any, Sequence
 
 import torch
 
-from detent.engine.block_manager import BlockManager
-from detent.engine.config import EngineConfig, EngineState
-from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from detent.engine.model_runner import ModelRunner
+from detent.engine.config import EngineConfig, EngineLimits, EngineState
+from detent.engine.fingerprint import Fingerprint, fingerprint
 from detent.engine.output_processor import OutputProcessor
+from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.engine.outputs import RequestOutput
 from detent.sampling.params import SamplingParams
-from detent.selection.facts import default_facts_for
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
-
-
-def freeze_gc_heap(config: EngineConfig, device: torch.device) -> bool:
-    """Once startup is done (weights, KV pool, CUDA graphs): collect, then
-    freeze what is left out of every later collection (`EngineConfig.freeze_gc`).
-
-    A full (generation 2) collection walks every tracked object: ~250k after
-    torch, triton and transformers are imported, 0.11-0.15 s. Python runs one
-    whenever enough new objects survived younger collections, and in the
-    engine loop that is a step the device waits for (runF step_trace: one
-    118 ms idle gap among 120 steps of 7.6 ms at batch 64). Objects made
-    later (requests, outputs) stay collectable."""
-    if not (device.type == "cuda" if config.freeze_gc is None else config.freeze_gc):
-        return False
-    gc.collect()
-    gc.freeze()
-    return True
-
-
-def deployment_facts(config: EngineConfig, mc: Any, state: EngineState) -> dict[str, Any]:
-    """The deployment facts SelIR partially evaluates against (DESIGN §3).
-
-    One recipe for the engine and for `detent tuple default --model ...`
-    (`selection.facts.default_facts_for`), so a tuple made offline matches
-    the engine that loads it. Head counts and widths are per rank."""
-    dev = state.device
-    return default_facts_for(
-        mc, device=dev.type, dtype=str(state.dtype).removeprefix("torch."), tp=config.tensor_parallel_size,
-        page_size=state.block_size, max_context=state.max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
 
 
 class LLMEngine:
@@ -100,9 +67,10 @@ class LLMEngine:
                 model, model_config, tokenizer = load(config, device)
             self._build_local(model, model_config, device)
         self.model_config, self.tokenizer = model_config, tokenizer
-        self.block_manager = BlockManager(self.state.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.state.max_model_len), self.block_manager)
+                                                   self.state.max_model_len),
+                                   self.state.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = self.scheduler.bm  # read-only view for stats()
         self.outputs = OutputProcessor(tokenizer)
         eos = set(getattr(model_config, "eos_token_ids", ()) or ())
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -122,31 +90,9 @@ class LLMEngine:
         self.gc_frozen = freeze_gc_heap(config, self.state.device)
 
     def _build_local(self, model: torch.nn.Module, mc: Any, device: torch.device) -> None:
-        """Size the KV cache, install the dispatcher, build the runner (tp = 1)."""
-        from detent.selection import make_dispatcher
-
-        config = self.config
-        dtype = next(model.parameters()).dtype
-        max_len = config.max_model_len or mc.max_position_embeddings
-        if max_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                             f"{mc.max_position_embeddings}")
-        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, config.block_size)
-        # activations of one step, roughly: a GPU profile run can refine this
-        reserve = config.max_num_batched_tokens * (6 * mc.hidden_size + 3 * mc.intermediate_size) * 4
-        num_blocks = num_blocks_for(spec, device, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
-                                    kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                                    num_gpu_blocks=config.num_gpu_blocks,
-                                    gpu_memory_utilization=config.gpu_memory_utilization,
-                                    activation_reserve_bytes=reserve)
-        self.state = EngineState(device, dtype, max_len, num_blocks, config.block_size)
-        self.facts = deployment_facts(config, mc, self.state)
-        self.dispatcher = make_dispatcher(self.facts, config.selection, config.tuple)
-        self.runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device),
-                                  config.block_size, self.dispatcher, device)
-        if device.type == "cuda" and not config.enforce_eager:
-            from detent.engine.cuda_graph import enable_cuda_graphs
-            enable_cuda_graphs(self.runner, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        """The tp = 1 rank: the same recipe every tensor-parallel rank runs (engine/startup.py)."""
+        rt = build_runner(self.config, model, mc, device)
+        self.state, self.facts, self.dispatcher, self.runner = rt.state, rt.facts, rt.dispatcher, rt.runner
 
     def shutdown(self) -> None:
         """Stop tensor-parallel ranks and grammar workers (if any). Idempotent."""
@@ -329,3 +275,14 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def fingerprint(self) -> Fingerprint:
+        """The (tuple hash, deployment hash) pair responses carry: what a
+        replay needs to match to reproduce a request's bits."""
+        return fingerprint(self.facts, selection=self.config.selection, tuple_path=self.config.tuple,
+                           active_tuple=getattr(self.dispatcher, "tuple", None))
+
+    def limits(self) -> EngineLimits:
+        c = self.config
+        return EngineLimits(int(self.state.max_model_len), int(self.model_config.vocab_size), c.max_logprobs,
+                            c.max_num_seqs, c.max_num_batched_tokens)

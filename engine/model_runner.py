@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from detent.selection.context import AttentionMetadata, ForwardContext, forward_context
 from detent.sampling import sampler as sampling
 from detent.sampling.rng import to_device
 from detent.scheduler.outputs import PLACEHOLDER, ModelOutput, SampledToken, SchedulerOutput
-from detent.selection.dispatch import Dispatcher, use_dispatcher
+from detent.selection.dispatch import Dispatcher
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt rows scored per log-softmax call (bounds the [rows, vocab] buffer)
 
@@ -67,8 +67,8 @@ class ModelRunner:
         sampled) are taken from `prev`'s device tensor. Prompt logprobs, top-k/p
         truncation and grammar masks still wait for the device inside."""
         batch = self.prepare(plan, prev)
-        ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches)
-        with use_dispatcher(self.dispatcher), forward_context(ctx):
+        ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches, dispatcher=self.dispatcher)
+        with forward_context(ctx):
             hidden = self._forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
             sampled = self._sample(plan, hidden, batch)
             prompt_lps = self._prompt_logprobs(plan, hidden, batch)

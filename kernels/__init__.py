@@ -2,7 +2,8 @@
 
 Importing this package registers every candidate that can run here: the
 torch candidates always, the Triton ones when triton and a CUDA device (or
-TRITON_INTERPRET=1) are available. Only selection/ imports kernels/.
+TRITON_INTERPRET=1) are available. Only selection/ imports kernels/ (and every
+module here imports nothing of ours but kernels/registry.py and its siblings).
 """
 from detent.kernels import act, allreduce, attention, embedding, gemm, logsoftmax, moe, norm, rope  # noqa: F401
 

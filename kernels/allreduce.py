@@ -32,7 +32,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

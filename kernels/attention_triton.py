@@ -44,7 +44,7 @@ import triton.language as tl
 from detent.kernels.common_triton import (check_device, check_dtype, check_last_contiguous, empty,
                                           empty_like, lazy_jit, sms_for)
 from detent.kernels.rowwise_triton import store_kv_triton
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 
 @lazy_jit(do_not_specialize=["num_seqs"])

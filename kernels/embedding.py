@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 
 @register("embedding", "torch_rowwise")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 
 @register("gemm", "torch")

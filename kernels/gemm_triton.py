@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from detent.kernels.common_triton import check_device, check_dtype, empty, lazy_jit, sms_for
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 
 @triton.jit

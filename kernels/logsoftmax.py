@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 
 @register("logsoftmax", "torch_rowwise")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from detent.kernels.gemm import gemm_torch_chunked
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 
 def _moe(x, router_logits, w13, w2, top_k, renormalize, gemm):

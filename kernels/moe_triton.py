@@ -23,7 +23,7 @@ import triton.language as tl
 
 from detent.kernels.common_triton import check_device, check_dtype, empty, lazy_jit
 from detent.kernels.rowwise_triton import silu_and_mul_triton
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 # token count the row is tuned for -> config (SGLang's fused_moe table shape);
 # row_key is one of these keys, unless the selection passes the tile itself

@@ -1,8 +1,11 @@
-"""Kernel candidate registry (STYLE.md item 6).
+"""Kernel candidate registry: the bottom of the house (it imports nothing of ours).
 
 A candidate is a function registered under (family, name). A selection is a
-dict ``{"impl": name, **params}``; the dispatcher looks the candidate up and
-calls it with the call's tensors plus the selection's parameters.
+dict ``{"impl": name, **params}``; the dispatcher (selection/dispatch.py)
+looks the candidate up by name and calls it with the call's tensors plus the
+selection's parameters. Each kernels/ module registers its candidates on
+import, and importing this module imports the kernels/ package first, so a
+caller that holds the registry sees every candidate that runs here.
 """
 from __future__ import annotations
 
@@ -34,7 +37,6 @@ def register(family: str, name: str, *, params: tuple[str, ...] = (),
 
 
 def get(family: str, name: str) -> Candidate:
-    _ensure_loaded()
     try:
         return _REGISTRY[family][name]
     except KeyError:
@@ -43,22 +45,9 @@ def get(family: str, name: str) -> Candidate:
 
 
 def candidates(family: str) -> dict[str, Candidate]:
-    _ensure_loaded()
     return dict(_REGISTRY.get(family, {}))
 
 
 def families() -> list[str]:
-    _ensure_loaded()
     return sorted(_REGISTRY)
 
-
-_loaded = False
-
-
-def _ensure_loaded() -> None:
-    # kernels/ registers its candidates on import; selection/ is the only
-    # layer that imports it (models/ and engine/ never do).
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import detent.kernels  # noqa: F401

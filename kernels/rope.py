@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

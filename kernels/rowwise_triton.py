@@ -15,7 +15,7 @@ import triton.language as tl
 
 from detent.kernels.common_triton import (check_device, check_dtype, check_last_contiguous, empty,
                                           empty_like, lazy_jit)
-from detent.selection.registry import register
+from detent.kernels.registry import register
 
 # --------------------------------------------------------------------- norm
 

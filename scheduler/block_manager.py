@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from detent.engine.block_hash import BlockHash
+from detent.scheduler.block_hash import BlockHash
 
 if TYPE_CHECKING:
     from detent.scheduler.request import Request

@@ -13,7 +13,7 @@ import enum
 import time
 from typing import Any, Sequence
 
-from detent.engine.block_hash import NONE_HASH, BlockHash, hash_blocks
+from detent.scheduler.block_hash import NONE_HASH, BlockHash, hash_blocks
 from detent.sampling.params import SamplingParams
 
 

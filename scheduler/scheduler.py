@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from detent.engine.block_manager import BlockManager
+from detent.scheduler.block_manager import BlockManager
 from detent.sampling.sampler import SamplingRow
 from detent.scheduler.outputs import PLACEHOLDER, ModelOutput, ScheduledSeq, SchedulerOutput
 from detent.scheduler.request import Request, RequestStatus
@@ -51,9 +51,12 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager):
+    def __init__(self, limits: SchedulerLimits, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True):
+        """`num_blocks` KV blocks of `block_size` tokens (the null block included):
+        the scheduler owns the `BlockManager` that hands them out."""
         self.limits = limits
-        self.bm = block_manager
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from detent.selection.dispatch import Dispatcher, get_dispatcher, set_dispatcher, use_dispatcher
+from detent.selection.dispatch import Dispatcher, get_dispatcher, use_dispatcher
 from detent.selection.lang import SelectionError, SelIRError, SelIRSyntaxError, parse_program
 from detent.selection.solver import MODES, IllegalAssignment, Solution, solve
 from detent.selection.facts import default_facts_for, deployment_hash
@@ -49,5 +49,5 @@ def active_tuple_hash(d: Dispatcher) -> str:
 
 __all__ = ["CommitmentTuple", "Dispatcher", "IllegalAssignment", "MODES", "SelIRError", "SelIRSyntaxError",
            "SelectionError", "Solution", "TupleError", "active_tuple_hash", "default_facts_for", "default_tuple",
-           "deployment_hash", "get_dispatcher", "make_dispatcher", "parse_program", "set_dispatcher", "solve",
+           "deployment_hash", "get_dispatcher", "make_dispatcher", "parse_program", "solve",
            "tuple_hash", "use_dispatcher"]

@@ -1,9 +1,12 @@
-"""One scoped forward context per model step (STYLE.md item 4).
+"""The step context: the one global every `ops` call reads.
 
-The model runner builds an `AttentionMetadata` for the step's mixed
-prefill + decode batch and enters ``with forward_context(ctx):``; attention
+A `ForwardContext` carries what a model step needs besides its tensors: the
+kernel dispatcher, the `AttentionMetadata` of the step's mixed prefill +
+decode batch, the KV caches, and the selections memoized for the step. The
+model runner enters ``with forward_context(ctx):`` once per step; attention
 layers and the `ops` façade read it from here instead of threading it
-through every ``forward`` signature.
+through every ``forward`` signature. It sits at the bottom of selection/
+(it imports nothing of ours), below the ops and the dispatcher that read it.
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ class ForwardContext:
     attn: AttentionMetadata | None
     # per layer: tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[torch.Tensor] = field(default_factory=list)
+    # the selection.dispatch.Dispatcher every ops call of this step goes through
+    dispatcher: Any = None
     # selections memoized for this step: (family, site, runtime) -> dict
     memo: dict[Any, dict] = field(default_factory=dict)
 
@@ -59,6 +64,10 @@ class ForwardContext:
                     "max_seqlen_k": num_tokens, "total_kv": num_tokens}
         return {"num_tokens": num_tokens, "num_seqs": a.num_seqs, "max_seqlen_q": a.max_seqlen_q,
                 "max_seqlen_k": a.max_seqlen_k, "total_kv": a.total_kv}
+
+    def selected(self, family: str) -> list[str]:
+        """Names of the candidates selected for `family` during this step so far."""
+        return [sel["impl"] for key, sel in self.memo.items() if key[0] == family]
 
 
 _CTX: ForwardContext | None = None

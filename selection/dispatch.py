@@ -2,14 +2,17 @@
 selection dict by running that family's selector, memoized per forward step.
 
 A *provider* builds one selector per (family, site facts); the SelIR
-compiler provides them (`detent.selection.build_provider`).
+compiler provides them (selection/provider.py). The active dispatcher is
+the one the step context carries (selection/context.py): the runner enters
+one `forward_context` per step; `use_dispatcher(d)` is a context with a
+dispatcher and no attention metadata, for ops called outside a model step.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
-from detent.engine.forward_context import get_forward_context
+from detent.selection.context import ForwardContext, forward_context, get_forward_context
 
 Site = tuple[tuple[str, Any], ...]
 Selector = Callable[..., dict]
@@ -60,7 +63,7 @@ class Dispatcher:
             if hit is not None:
                 return hit
         sel = self.select(family, site, runtime)
-        from detent.selection import registry
+        from detent.kernels import registry
         cand = registry.get(family, sel["impl"])
         kwargs = {k: v for k, v in sel.items() if k != "impl"}
         unknown = set(kwargs) - set(cand.params)
@@ -73,26 +76,15 @@ class Dispatcher:
         return out
 
 
-_ACTIVE: Dispatcher | None = None
-
-
-def set_dispatcher(d: Dispatcher | None) -> None:
-    global _ACTIVE
-    _ACTIVE = d
-
-
 def get_dispatcher() -> Dispatcher:
-    if _ACTIVE is None:
-        raise RuntimeError("no kernel dispatcher is active: the engine installs one at startup "
-                           "(detent.selection.dispatch.set_dispatcher / use_dispatcher)")
-    return _ACTIVE
+    ctx = get_forward_context()
+    if ctx is None or ctx.dispatcher is None:
+        raise RuntimeError("no kernel dispatcher is active: ops run inside a forward context that carries "
+                           "one (detent.selection.context.forward_context(ForwardContext(..., dispatcher=d)) "
+                           "or detent.selection.use_dispatcher(d))")
+    return ctx.dispatcher
 
 
-@contextlib.contextmanager
-def use_dispatcher(d: Dispatcher) -> Iterator[Dispatcher]:
-    global _ACTIVE
-    prev, _ACTIVE = _ACTIVE, d
-    try:
-        yield d
-    finally:
-        _ACTIVE = prev
+def use_dispatcher(d: Dispatcher) -> contextlib.AbstractContextManager[ForwardContext]:
+    """A step context with dispatcher `d` and no attention metadata (ops outside a model step)."""
+    return forward_context(ForwardContext(attn=None, dispatcher=d))

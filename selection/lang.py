@@ -157,11 +157,6 @@ class Program:
     def runtime_inputs(self) -> list[str]:
         return [p.name for p in self.params if p.kind != "fact"]
 
-    def run(self, inputs: dict[str, Any], knobs: dict[str, Any] | None = None) -> dict:
-        """Reference interpreter: run on concrete inputs with Python's semantics."""
-        from detent.selection.interp import run
-        return run(self, inputs, knobs)
-
 
 _ALLOWED_IMPORTS = ("detent.selection", "__future__", "typing", "math")
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)

@@ -1,25 +1,23 @@
 """The `ops` façade: the only way models/ and engine/ reach kernels.
 
 Each function names its kernel family, the call site's facts (shapes that
-do not depend on the batch) and the step's runtime values; the active
-dispatcher runs the family's compiled selector and returns the candidate to
-call. Selections are memoized per forward step, so a 32-layer model selects
+do not depend on the batch) and the step's runtime values; the dispatcher
+the step context carries (selection/context.py) runs the family's compiled
+selector and returns the candidate to call. Selections are memoized per forward step, so a 32-layer model selects
 once per family and shape, not once per layer.
 """
 from __future__ import annotations
 
 import torch
 
-from detent.engine.forward_context import get_forward_context
+from detent.selection.context import get_forward_context
 from detent.selection.dispatch import get_dispatcher
 
 
-def _runtime(num_tokens: int) -> dict[str, int]:
-    ctx = get_forward_context()
-    if ctx is None:
-        return {"num_tokens": num_tokens, "num_seqs": 1, "max_seqlen_q": num_tokens,
-                "max_seqlen_k": num_tokens, "total_kv": num_tokens}
-    return ctx.runtime(num_tokens)
+def _resolve(family: str, site: tuple, num_tokens: int, **extra: int):
+    """The candidate (fn, params) the step context's dispatcher selects for this call."""
+    d = get_dispatcher()  # raises unless the step context carries one
+    return d.resolve(family, site, {**get_forward_context().runtime(num_tokens), **extra})
 
 
 def _dt(t: torch.Tensor) -> str:
@@ -32,7 +30,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     n, k = weight.shape
     site = (("n", n), ("k", k), ("dtype", _dt(x)))
-    fn, kw = get_dispatcher().resolve("gemm", site, _runtime(x2.shape[0]))
+    fn, kw = _resolve("gemm", site, x2.shape[0])
     y = fn(x2, weight, bias, **kw)
     return y.reshape(*lead, n)
 
@@ -51,7 +49,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: i
     _, h, d = q.shape
     site = (("num_heads", h), ("num_kv_heads", k.shape[1]), ("head_dim", d),
             ("block_size", ctx.attn.block_size), ("dtype", _dt(q)))
-    fn, kw = get_dispatcher().resolve("attention", site, _runtime(q.shape[0]))
+    fn, kw = _resolve("attention", site, q.shape[0])
     return fn(q, k, v, kv_cache, ctx.attn, scale, **kw)
 
 
@@ -59,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """RMSNorm; with `residual`, first x = x + residual and also return the new residual."""
     site = (("hidden", x.shape[-1]), ("dtype", _dt(x)), ("fused_residual", residual is not None))
-    fn, kw = get_dispatcher().resolve("norm", site, _runtime(x.shape[0]))
+    fn, kw = _resolve("norm", site, x.shape[0])
     return fn(x, weight, eps, residual, **kw)
 
 
@@ -68,27 +66,27 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """Rotary embedding (rotate-half / NeoX layout). q: [T, H, D], k: [T, KVH, D];
     cos_sin: [max_pos, D] fp32 with cos in [:, :D/2] and sin in [:, D/2:]."""
     site = (("head_dim", q.shape[-1]), ("dtype", _dt(q)))
-    fn, kw = get_dispatcher().resolve("rope", site, _runtime(q.shape[0]))
+    fn, kw = _resolve("rope", site, q.shape[0])
     return fn(q, k, positions, cos_sin, **kw)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [M, 2I] laid out [gate | up]; returns silu(gate) * up, [M, I]."""
     site = (("width", x.shape[-1]), ("dtype", _dt(x)))
-    fn, kw = get_dispatcher().resolve("act", site, _runtime(x.shape[0]))
+    fn, kw = _resolve("act", site, x.shape[0])
     return fn(x, **kw)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     site = (("hidden", weight.shape[1]), ("dtype", _dt(weight)))
-    fn, kw = get_dispatcher().resolve("embedding", site, _runtime(ids.shape[0]))
+    fn, kw = _resolve("embedding", site, ids.shape[0])
     return fn(ids, weight, **kw)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax in float32. logits: [R, V]."""
     site = (("vocab", logits.shape[-1]), ("dtype", _dt(logits)))
-    fn, kw = get_dispatcher().resolve("logsoftmax", site, _runtime(logits.shape[0]))
+    fn, kw = _resolve("logsoftmax", site, logits.shape[0])
     return fn(logits, **kw)
 
 
@@ -101,7 +99,7 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     e, two_i, hdim = w13.shape
     site = (("num_experts", e), ("top_k", top_k), ("hidden", hdim), ("intermediate", two_i // 2),
             ("dtype", _dt(x)))
-    fn, kw = get_dispatcher().resolve("moe", site, _runtime(x.shape[0]))
+    fn, kw = _resolve("moe", site, x.shape[0])
     return fn(x, router_logits, w13, w2, top_k, renormalize, **kw)
 
 
@@ -112,7 +110,6 @@ def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     if world == 1:
         return x
     site = (("world_size", world), ("dtype", _dt(x)))
-    rt = _runtime(x.shape[0] if x.dim() else 1)
-    rt["message_bytes"] = x.numel() * x.element_size()
-    fn, kw = get_dispatcher().resolve("allreduce", site, rt)
+    fn, kw = _resolve("allreduce", site, x.shape[0] if x.dim() else 1,
+                      message_bytes=x.numel() * x.element_size())
     return fn(x, group, **kw)

@@ -55,7 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_state(a: argparse.Namespace):
     from detent.engine import LLM
     from detent.server.async_engine import AsyncEngine
-    from detent.server.fingerprint import fingerprint
     from detent.server.serving import ServerState
 
     kw = dict(model=a.model, tensor_parallel_size=a.tp, tuple=a.tuple, selection=a.selection, dtype=a.dtype,
@@ -67,13 +66,13 @@ def build_state(a: argparse.Namespace):
     llm = LLM(**kw)
     engine = llm.llm_engine
     tok = llm.get_tokenizer()
-    tuple_hash, deployment_hash = fingerprint(engine, tuple_path=a.tuple, selection=a.selection)
+    fp, limits = engine.fingerprint(), engine.limits()
     names = a.served_model_name or [a.model or "smollm2-135m-instruct"]
     return ServerState(
         engine=AsyncEngine(engine, max_queue_len=a.max_queue_len), tokenizer=tok, served_model_names=names,
         model_root=a.model or "embedded:SmolLM2-135M-Instruct",
-        max_model_len=int(engine.state.max_model_len), vocab_size=int(engine.model_config.vocab_size),
-        tuple_hash=tuple_hash, deployment_hash=deployment_hash,
+        max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
+        tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
         selection=a.selection, api_key=a.api_key or None, max_request_bytes=a.max_request_bytes)
 
 

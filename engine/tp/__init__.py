@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from detent.engine.tp.executor import TPExecutor, TPWorkerError
-from detent.engine.tp.validate import TPConfigError, check_tp_compatible, local_kv_heads
+from detent.engine.startup import local_kv_heads, max_model_len_for
+from detent.engine.tp.validate import TPConfigError, check_tp_compatible
 
 
 @dataclass
@@ -34,10 +35,7 @@ def start_tp(config) -> TPStartup:
     mc = resolved.config
     device = config.resolve_device()
     check_tp_compatible(mc, config.tensor_parallel_size, device)
-    max_len = config.max_model_len or mc.max_position_embeddings
-    if max_len > mc.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                         f"{mc.max_position_embeddings}")
+    max_model_len_for(config, mc)  # refuse a bad max_model_len before spawning
     tokenizer = Tokenizer.from_pretrained(resolved.tokenizer_source) if resolved.tokenizer_source else None
     executor = TPExecutor(config, resolved)
     info = executor.infos[0]

@@ -16,11 +16,6 @@ class TPConfigError(ValueError):
     """The model or the machine cannot run at the requested tensor_parallel_size."""
 
 
-def local_kv_heads(num_kv_heads: int, tp: int) -> int:
-    """KV heads each rank holds (1 when KV heads are replicated)."""
-    return num_kv_heads // tp if num_kv_heads >= tp else 1
-
-
 def check_tp_compatible(mc: Any, tp: int, device: torch.device | None = None) -> None:
     """Raise TPConfigError naming every field that does not shard over `tp` ranks."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:

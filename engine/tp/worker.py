@@ -27,8 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from detent.engine.llm_engine import freeze_gc_heap
-from detent.engine.tp.validate import local_kv_heads
+from detent.engine.startup import build_runner, freeze_gc_heap
 
 # NVLink multicast (NVLS) reduces inside the switch in an order we do not control
 FORCED_ENV = {"NCCL_NVLS_ENABLE": "0"}
@@ -60,45 +59,19 @@ def rank_device(config, rank: int) -> torch.device:
 
 def build_rank(config, resolved, rank: int, world: int, device: torch.device, group=None,
                dispatcher=None) -> RankState:
-    """Load this rank's shard and build its runner (the tp = 1 path of
-    LLMEngine.__init__, with per-rank KV heads and an agreed block count)."""
-    from detent.engine.config import EngineState
-    from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-    from detent.engine.llm_engine import deployment_facts
-    from detent.engine.model_runner import ModelRunner
+    """Load this rank's shard and build its runner with the recipe tp = 1 uses
+    (engine/startup.py), with per-rank KV heads and an agreed block count."""
     from detent.models.loader import load_model
-    from detent.selection import make_dispatcher
 
     mc = resolved.config
     dtype = config.resolve_dtype(mc.dtype, device)
     model = load_model(mc, device=device, dtype=dtype, load_format=resolved.load_format, path=resolved.path,
                        tp_rank=rank, tp_size=world, tp_group=group, seed=config.seed,
                        progress=rank == 0)
-    max_len = config.max_model_len or mc.max_position_embeddings
-    spec = KVCacheSpec(mc.num_layers, local_kv_heads(mc.num_kv_heads, world), mc.head_dim, dtype,
-                       config.block_size)
-    reserve = config.max_num_batched_tokens * (6 * mc.hidden_size + 3 * mc.intermediate_size // world) * 4
-    num_blocks = num_blocks_for(spec, device, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
-                                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                                num_gpu_blocks=config.num_gpu_blocks,
-                                gpu_memory_utilization=config.gpu_memory_utilization,
-                                activation_reserve_bytes=reserve)
-    if world > 1:  # one block table serves every rank: agree on the smallest pool
-        t = torch.tensor([num_blocks], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        num_blocks = int(t.item())
-    state = EngineState(device, dtype, max_len, num_blocks, config.block_size)
-    facts = deployment_facts(config, mc, state)
-    if dispatcher is None:
-        dispatcher = make_dispatcher(facts, config.selection, config.tuple)
-    runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
-                         dispatcher, device)
-    if device.type == "cuda" and not config.enforce_eager:  # as LLMEngine does at tp = 1
-        from detent.engine.cuda_graph import enable_cuda_graphs
-        enable_cuda_graphs(runner, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
-    info = RankInfo(rank, os.getpid(), str(device), str(dtype).removeprefix("torch."), num_blocks,
-                    max_len, facts)
-    return RankState(runner, info)
+    rt = build_runner(config, model, mc, device, world=world, group=group, dispatcher=dispatcher)
+    info = RankInfo(rank, os.getpid(), str(device), str(dtype).removeprefix("torch."), rt.state.num_blocks,
+                    rt.state.max_model_len, rt.facts)
+    return RankState(rt.runner, info)
 
 
 def digest(obj: Any) -> str:

@@ -3,8 +3,8 @@ import hashlib
 
 import pytest
 
-from detent.engine.block_hash import NONE_HASH, hash_block, hash_blocks
-from detent.engine.block_manager import BlockManager
+from detent.scheduler.block_hash import NONE_HASH, hash_block, hash_blocks
+from detent.scheduler.block_manager import BlockManager
 from detent.sampling.params import SamplingParams
 from detent.scheduler.request import Request
 

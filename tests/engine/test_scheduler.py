@@ -1,7 +1,6 @@
 """Scheduler: token budget, chunked prefill, decodes first, preemption, abort."""
 import pytest
 
-from detent.engine.block_manager import BlockManager
 from detent.sampling.params import SamplingParams
 from detent.scheduler.outputs import ModelOutput, SampledToken
 from detent.scheduler.request import Request, RequestStatus
@@ -11,7 +10,7 @@ BS = 4
 
 
 def make(num_blocks=32, seqs=8, budget=16, max_len=64, caching=True):
-    return Scheduler(SchedulerLimits(seqs, budget, max_len), BlockManager(num_blocks, BS, caching))
+    return Scheduler(SchedulerLimits(seqs, budget, max_len), num_blocks, BS, caching)
 
 
 def req(rid, n, max_tokens=8, first=10, **kw):

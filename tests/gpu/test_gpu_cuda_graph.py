@@ -3,11 +3,10 @@ import pytest
 import torch
 
 from detent.engine.cuda_graph import CudaGraphRunner
-from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from detent.selection.context import AttentionMetadata, ForwardContext, forward_context
 from detent.models.config import ModelConfig
 from detent.models.loader import load_model
 from detent.selection import make_dispatcher
-from detent.selection.dispatch import use_dispatcher
 from detent.selection.facts import default_facts_for
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +49,7 @@ def test_graph_replay_matches_eager():
         meta = _meta(tables, chunks, dev)
         tok = torch.cat([ids[b][s:e] for b, (s, e) in enumerate(chunks)])
         pos = torch.cat([torch.arange(s, e, device=dev) for s, e in chunks])
-        with use_dispatcher(disp), forward_context(ForwardContext(attn=meta, kv_caches=caches)):
+        with forward_context(ForwardContext(attn=meta, kv_caches=caches, dispatcher=disp)):
             if eager:
                 return model(tok, pos)
             return graphs.run(tok, pos, meta)

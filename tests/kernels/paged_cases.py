@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from detent.engine.forward_context import AttentionMetadata
+from detent.selection.context import AttentionMetadata
 
 
 class PagedCase:

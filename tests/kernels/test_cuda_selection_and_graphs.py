@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from detent.engine.cuda_graph import CudaGraphRunner, _check_graph_safe, default_capture_sizes
-from detent.engine.forward_context import ForwardContext
+from detent.selection.context import ForwardContext
 from detent.selection import make_dispatcher
 from detent.selection.facts import default_facts_for
 
@@ -50,11 +50,9 @@ def test_graph_runner_refuses_cpu_and_host_metadata_attention():
     with pytest.raises(ValueError, match="CUDA device"):
         CudaGraphRunner(torch.nn.Linear(2, 2), [], 16, None, torch.device("cpu"), max_model_len=64,
                         capture_sizes=[1])
-    from detent.selection import registry
-    fn = registry.get("attention", "paged_split").fn
     ctx = ForwardContext(attn=None)
-    ctx.memo[("resolved", "attention", (), ())] = (fn, {})
+    ctx.memo[("attention", (), ())] = {"impl": "paged_split", "split_tokens": 256}
     with pytest.raises(RuntimeError, match="host metadata"):
         _check_graph_safe(ctx)
-    ctx.memo[("resolved", "attention", (), ())] = (registry.get("attention", "triton_paged").fn, {})
+    ctx.memo[("attention", (), ())] = {"impl": "triton_paged"}
     _check_graph_safe(ctx)

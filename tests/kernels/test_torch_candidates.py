@@ -3,7 +3,7 @@ neighbours for the invariant candidates; the stock ones can differ."""
 import pytest
 import torch
 
-from detent.engine.forward_context import AttentionMetadata
+from detent.selection.context import AttentionMetadata
 from detent.kernels.attention import attention_paged_split, attention_sdpa
 from detent.kernels.gemm import gemm_torch, gemm_torch_chunked
 

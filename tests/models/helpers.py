@@ -1,12 +1,12 @@
 """Run one sequence's prefill through a Detent model with a fresh paged KV
-cache (layout of engine/forward_context.py and the attention candidates:
+cache (layout of selection/context.py and the attention candidates:
 per layer [2, num_blocks, block_size, KVH, D], slot = block * bs + offset)."""
 from __future__ import annotations
 
 import torch
 
-from detent.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from detent.selection import make_dispatcher, use_dispatcher
+from detent.selection.context import AttentionMetadata, ForwardContext, forward_context
+from detent.selection import make_dispatcher
 
 BLOCK = 16
 
@@ -44,10 +44,10 @@ class Session:
         """Feed `ids` (after what came before); returns their logits [n, V] fp32."""
         n = len(ids)
         meta = _meta(self.len, n, self.len + n, self.num_blocks, self.device)
-        ctx = ForwardContext(attn=meta, kv_caches=self.kv)
+        ctx = ForwardContext(attn=meta, kv_caches=self.kv, dispatcher=cpu_dispatcher(self.mode))
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.arange(self.len, self.len + n, device=self.device)
-        with use_dispatcher(cpu_dispatcher(self.mode)), forward_context(ctx):
+        with forward_context(ctx):
             hidden = self.model(ids_t, pos)
             logits = self.model.compute_logits(hidden)
         self.len += n
@@ -97,6 +97,6 @@ def batch_prefill_logits(model, seqs: list[list[int]], mode: str = "pinned") -> 
         block_size=BLOCK, query_start_loc_cpu=tuple(qsl), seq_lens_cpu=lens)
     ids = torch.tensor([t for s in seqs for t in s])
     pos = torch.tensor([i for s in seqs for i in range(len(s))])
-    with use_dispatcher(cpu_dispatcher(mode)), forward_context(ForwardContext(attn=meta, kv_caches=kv)):
+    with forward_context(ForwardContext(attn=meta, kv_caches=kv, dispatcher=cpu_dispatcher(mode))):
         logits = model.compute_logits(model(ids, pos))
     return [logits[a:b] for a, b in zip(qsl[:-1], qsl[1:])]

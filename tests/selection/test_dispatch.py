@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from detent.engine.forward_context import ForwardContext, forward_context
+from detent.selection.context import ForwardContext, forward_context
 from detent.selection import TupleError, default_facts_for, default_tuple, make_dispatcher, ops
-from detent.selection.cli import main
+from detent.selection_cli import main
 from detent.selection.dispatch import use_dispatcher
 from detent.kernels import gemm as gemm_kernels  # tests may import kernels
 
@@ -39,12 +39,19 @@ def test_selection_runs_once_per_forward_step_per_site():
         return lambda **rt: calls.append(family) or sel(**rt)
     d.provider.selector = counting
     x, w = torch.randn(3, 64), torch.randn(48, 64)
-    with use_dispatcher(d):
-        for _ in range(2):
-            with forward_context(ForwardContext(attn=None)):
-                for _layer in range(4):
-                    ops.linear(x, w)
+    for _ in range(2):
+        with forward_context(ForwardContext(attn=None, dispatcher=d)):
+            for _layer in range(4):
+                ops.linear(x, w)
     assert calls == ["gemm", "gemm"]
+
+
+def test_ops_outside_a_step_context_name_the_missing_dispatcher():
+    with pytest.raises(RuntimeError, match="no kernel dispatcher is active"):
+        ops.linear(torch.randn(2, 64), torch.randn(48, 64))
+    with forward_context(ForwardContext(attn=None)):  # a context without a dispatcher
+        with pytest.raises(RuntimeError, match="no kernel dispatcher is active"):
+            ops.linear(torch.randn(2, 64), torch.randn(48, 64))
 
 
 def test_tuple_path_is_validated_at_startup(tmp_path):

@@ -3,6 +3,7 @@ import pytest
 
 from detent.selection import SelIRError, SelIRSyntaxError, parse_program, solve
 from detent.selection.lang import SelectionError
+from detent.selection import interp
 
 OK = '''
 TABLE = {1: 10, 4: 40}
@@ -34,12 +35,12 @@ def select(n: Fact[int], mode: Fact[str], m: Runtime[int]):
 def test_interpreter_runs_with_python_semantics_and_knobs():
     p = parse_program(OK, "ok.py")
     assert p.facts == ["n", "mode"] and p.runtime_inputs == ["m"]
-    out = p.run({"n": 5, "mode": "a", "m": 6})
+    out = interp.run(p, {"n": 5, "mode": "a", "m": 6})
     assert out == {"v": 12, "acc": 3, "c": 2 + 3 + 8 + 8 + 5}
-    assert p.run({"n": 5, "mode": "x", "m": 2})["v"] == 10
-    assert p.run({"n": 5, "mode": "a", "m": 2}, knobs={"k": 2})["acc"] == 6
+    assert interp.run(p, {"n": 5, "mode": "x", "m": 2})["v"] == 10
+    assert interp.run(p, {"n": 5, "mode": "a", "m": 2}, knobs={"k": 2})["acc"] == 6
     with pytest.raises(SelectionError, match="m out of range"):
-        p.run({"n": 5, "mode": "a", "m": 9})
+        interp.run(p, {"n": 5, "mode": "a", "m": 9})
 
 
 @pytest.mark.parametrize("body,construct,line", [

@@ -121,7 +121,7 @@ def test_gpu_programs():
 def test_gpu_selections_match_the_registered_triton_candidates():
     gemm_triton = pytest.importorskip("detent.kernels.gemm_triton")
     moe_triton = pytest.importorskip("detent.kernels.moe_triton")
-    from detent.selection import registry
+    from detent.kernels import registry
     from detent.selection.programs import moe as moe_program
     assert moe_program.GPU_KEYS == tuple(sorted(moe_triton.MOE_CONFIGS))
     for n in (128, 4096, 6144, 14336, 28672):

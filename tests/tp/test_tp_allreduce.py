@@ -43,7 +43,8 @@ def _message(rank: int, rows: int, pos: int, dtype: torch.dtype) -> torch.Tensor
 
 def _rank_checks(rank: int, world: int) -> dict:
     """Runs on every rank: each candidate on each (dtype, case); returns the token's rows."""
-    from detent.selection import make_dispatcher, ops, registry, use_dispatcher
+    from detent.kernels import registry
+    from detent.selection import make_dispatcher, ops, use_dispatcher
 
     out: dict = {"partial": _token_row(rank)}
     for name in ("native", "ordered_gather"):
@@ -93,7 +94,7 @@ def model_ranks4(_spawn4):
 def _facts(world: int) -> dict:
     """The deployment facts the engine would pass (tiny model, CPU, fp32)."""
     from detent.engine.config import EngineConfig, EngineState
-    from detent.engine.llm_engine import deployment_facts
+    from detent.engine.startup import deployment_facts
     from detent.models import ModelConfig
     cfg = EngineConfig(tensor_parallel_size=world, device="cpu", max_model_len=128)
     state = EngineState(torch.device("cpu"), torch.float32, 128, 64, 16)

@@ -35,7 +35,7 @@ def _need_two_gpus():
 
 
 def _allreduce_rank(rank: int, world: int) -> dict:
-    from detent.selection import registry
+    from detent.kernels import registry
     dev = torch.device("cuda", rank)
     out = {}
     for dt in (torch.bfloat16, torch.float32):
