@@ -13,7 +13,7 @@ from detent.models.config import ModelConfig
 from detent.models.loader import load_model
 from detent.models.presets import preset
 
-COPY_BW = 4.23e12  # measured on the H200 (DESIGN §9); main() re-measures it
+COPY_BW = 4.23e12  # measured on the H200 (docs/performance.md); main() re-measures it
 
 
 def measure_copy_bw() -> float:

@@ -3,7 +3,7 @@ JIT-cache hit <= 20 ms, repin <= 5 ms, one compiled selector call <= 3 us median
 
     python benchmarks/selection.py [--json out.json]
 
-A cold solve is one committed tuple's worth of work, as in the paper (§4.1):
+A cold solve is one committed tuple's worth of work (docs/selir.md sections 2-3):
 partial evaluation, lowering, cut, VRA of the pins' candidates, the default
 assignment and its legality, and the compiled selector. Runs on CPU only
 (solving needs no GPU); the GPU deployment is solved from its facts alone.

@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import decode_batch  # noqa: E402
 
-COPY_BW = 4.23e12  # H200 copy bandwidth, DESIGN §9
+COPY_BW = 4.23e12  # H200 copy bandwidth, measured (docs/performance.md)
 
 
 def rank_set_mode(st, mode: str, graphs: bool, capture_sizes: list[int], max_num_seqs: int,

@@ -1,5 +1,5 @@
 """`ModelConfig`: a Hugging Face `config.json` (+ `generation_config.json`)
-normalized once, at the boundary, into one frozen dataclass (STYLE.md item 5).
+normalized once, at the boundary, into one frozen dataclass.
 
 Reads both config dialects: transformers 4 (`rope_theta`, `rope_scaling`)
 and transformers 5 (`rope_parameters`); Mixtral/Qwen names for MoE fields

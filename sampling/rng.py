@@ -1,7 +1,7 @@
 """Keyed counter-based RNG: Philox-4x32-10 in exact torch int64 arithmetic.
 
 A draw is a pure function of (seed, absolute position, sample index, role,
-token id): never a shared stream, never the batch slot (seed 000 §10.4).
+token id): never a shared stream, never the batch slot (docs/architecture.md, "Sampling").
 
 Key   = (seed & 0xffffffff, seed >> 32)                 (seed as unsigned 64-bit)
 Counter = (token_id // 4, position, sample_index, role)   -> 4 words: token ids 4b..4b+3

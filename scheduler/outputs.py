@@ -1,5 +1,5 @@
 """The plain frozen records the scheduler and the model runner hand each
-other (STYLE.md item 3). No tensors here, so a step's plan can be sent to
+other, frozen at the boundary. No tensors here, so a step's plan can be sent to
 tensor-parallel workers as it is."""
 from __future__ import annotations
 

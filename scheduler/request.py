@@ -1,4 +1,4 @@
-"""A request's state as counters (STYLE.md item 2).
+"""A request's state as counters, not phase flags.
 
 Everything else is derived: a request is in prefill while
 ``num_computed_tokens < num_tokens - 1``; it samples a token in a step that

@@ -1,4 +1,4 @@
-"""Python source generation from the SSA graph (paper §4.1: compiled selectors).
+"""Python source generation from the SSA graph: compiled selectors (docs/selir.md section 3).
 
 `Emitter` turns the nodes needed by a set of roots into straight-line Python
 statements. A ``phi`` becomes an ``if``/``else`` whose arms are computed only

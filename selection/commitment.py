@@ -1,4 +1,4 @@
-"""The commitment tuple (DESIGN §3; paper §3): a legal value for every pin and
+"""The commitment tuple (docs/selir.md section 5): a legal value for every pin and
 a setting for every knob, per kernel family, fixed for a deployment.
 
     {"format": "detent-tuple/1", "selir_version": "1",

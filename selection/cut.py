@@ -1,4 +1,4 @@
-"""Taint and the weighted minimum vertex cut (paper §5).
+"""Taint and the weighted minimum vertex cut (docs/selir.md section 2).
 
 Values reachable from a Runtime/Unpinnable input are batch-dependent. The
 pins are a minimum-weight set of values whose removal disconnects every

@@ -1,4 +1,4 @@
-"""Deployment facts (DESIGN §1: D) and their hash.
+"""Deployment facts and their hash (docs/selir.md section 5).
 
 `default_facts_for(config, device, dtype, tp, page_size, max_context)` builds
 the facts the engine passes to `make_dispatcher`; `deployment_hash(facts)`

@@ -1,4 +1,4 @@
-"""The SSA dependence graph a SelIR program lowers to (paper §4).
+"""The SSA dependence graph a SelIR program lowers to (docs/selir.md section 2).
 
 Every value is one node: a constant, an input, a knob, or an operation on
 other nodes. Nodes are hash-consed (one node per distinct computation), and

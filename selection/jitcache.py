@@ -1,4 +1,4 @@
-"""On-disk JIT cache of solves (paper §4.1), keyed by a hash of everything
+"""On-disk JIT cache of solves (docs/selir.md section 3), keyed by a hash of everything
 that can change the answer: SelIR version, program source, facts, options.
 
 Default location ``~/.cache/detent/selir/``; ``DETENT_SELIR_CACHE=/path``

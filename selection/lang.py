@@ -1,4 +1,4 @@
-"""SelIR: the surface language (DESIGN §3, paper §4).
+"""SelIR: the surface language (docs/selir.md section 1).
 
 A SelIR program is a Python module holding pure functions. The entry
 function (``select``) takes inputs annotated ``Fact[T]`` (deployment facts),

@@ -1,5 +1,5 @@
 """Partial evaluation of a SelIR program for a deployment's facts, and its
-lowering to one SSA dependence graph (paper §4).
+lowering to one SSA dependence graph (docs/selir.md section 2).
 
 Facts become constants; constant conditions drop their dead branch; static
 ``for`` loops unroll; calls inline; module tables become constants. A

@@ -1,10 +1,10 @@
-"""The default profile of runtime inputs (DESIGN §3: the default tuple).
+"""The default profile of runtime inputs (docs/selir.md section 5: the default tuple).
 
 A small synthetic serving mix over the deployment's limits: decode steps at
 batch sizes 1..max_num_seqs (powers of two) and context lengths up to
 max_context, single prefill chunks up to max_num_batched_tokens, and mixed
 steps (one prefill chunk plus decodes). Every point carries all runtime
-values a selector may read (DESIGN §4 / docs/architecture.md).
+values a selector may read (docs/architecture.md).
 """
 from __future__ import annotations
 

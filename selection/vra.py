@@ -1,4 +1,4 @@
-"""Pin value range analysis (paper §5, "Legal values").
+"""Pin value range analysis: a pin's legal values (docs/selir.md section 2).
 
 A pin's candidates are the values it takes over the runtime inputs' domains
 (under every knob choice), plus the values it takes on the default profile.

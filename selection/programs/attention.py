@@ -74,7 +74,7 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
     if stock_kernels:
         stride = KV_BLOCK_GPU if gpu else block_size
     else:
-        # Detent's split stride: a knob the tuner sets (paper §7)
+        # Detent's split stride: a knob the tuner sets (benchmarks/tune_decode.py)
         stride = knob("split_stride", (block_size, 64, 256, 1024), 256)
     split_tokens = round_up(cdiv(max_seqlen_k, num_splits), stride)
     require(split_tokens % block_size == 0, "a split must cover whole KV pages")

@@ -4,7 +4,7 @@ the shape a row sees: `torch_chunked` calls the library on fixed chunks of
 rows (CPU); on GPU a Triton persistent matmul (fp32 accumulation, K in
 ascending order, no split-K) whose tile configs were measured bit-identical
 on the H200 (tests/gpu): its config may follow M, declared `neutral`, and the
-GPU GEMM has no pin (as in the paper, §8.2).
+GPU GEMM has no pin.
 """
 from detent.selection.lang import Fact, Runtime, assume, neutral, next_pow2, require  # noqa: F401
 

@@ -1,6 +1,6 @@
 """Fused MoE: SGLang/vLLM look up a tuned config table keyed by token count
 and take the row nearest the batch's M (`min(keys, key=|key - M|)`). Every
-config value follows that row key, so the cut falls on it (paper §5): one
+config value follows that row key, so the cut falls on it (docs/selir.md section 7): one
 pin fixes all of the row's selection points.
 """
 from detent.selection.lang import Fact, Runtime, assume, neutral  # noqa: F401

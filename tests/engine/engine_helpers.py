@@ -1,7 +1,7 @@
 """Shared pieces of the engine tests: the three test models, an LLM over an
 already loaded model, a target request and how its result is compared.
 
-Comparator (stated, seed 000 §10.3.3): token ids with `==` on lists;
+Comparator (stated): token ids with `==` on lists;
 chosen-token logprobs, top-5 ids and top-5 logprobs with `torch.equal` on
 tensors. Never a metric that can be 0 for unequal values."""
 from __future__ import annotations

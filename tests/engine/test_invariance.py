@@ -1,4 +1,4 @@
-"""Batch invariance, end to end on CPU (DESIGN §1; issue 4).
+"""Batch invariance, end to end on CPU (docs/architecture.md; issue 4).
 
 A target request's 16 greedy tokens, chosen-token logprobs and top-5
 logprobs are compared — `==` on token lists, `torch.equal` on logprob

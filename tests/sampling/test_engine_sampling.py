@@ -1,7 +1,7 @@
 """Sampling through the engine on a tiny dummy-weight Llama (CPU): distribution,
 batch invariance of seeded requests, golden tokens, n > 1, unseeded replay.
 
-Comparator: token lists with ==, logprob tensors with torch.equal (seed 000 §10.3.3)."""
+Comparator: token lists with ==, logprob tensors with torch.equal."""
 from __future__ import annotations
 
 import numpy as np

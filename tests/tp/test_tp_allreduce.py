@@ -1,4 +1,4 @@
-"""The all-reduce family on CPU gloo ranks (DESIGN §4, issue 8).
+"""The all-reduce family on CPU gloo ranks (docs/architecture.md, "Tensor parallelism"; issue 8).
 
 A token's hidden state is one row of the all-reduce's message. The claim:
 with `ordered_gather` the row's reduced bits are the same whether it is
