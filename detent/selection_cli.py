@@ -84,7 +84,7 @@ def _fmt(vals: tuple, limit: int = 12) -> str:
 def cmd_solve(args: argparse.Namespace) -> int:
     from detent.selection import programs
     from detent.selection.facts import site_key, sites_for
-    from detent.selection.solver import solve
+    from detent.selection.compiler.solver import solve
     facts = _facts(args)
     try:
         prog = programs.load(args.family)
@@ -124,7 +124,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 
 def cmd_tuple(args: argparse.Namespace) -> int:
-    from detent.selection.commitment import CommitmentTuple, TupleError, default_tuple
+    from detent.selection.compiler.commitment import CommitmentTuple, TupleError, default_tuple
     facts = _facts(args)
     try:
         if args.action == "default":

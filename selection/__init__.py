@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from detent.selection.dispatch import Dispatcher, get_dispatcher, use_dispatcher
-from detent.selection.lang import SelectionError, SelIRError, SelIRSyntaxError, parse_program
-from detent.selection.solver import MODES, IllegalAssignment, Solution, solve
+from detent.selection.compiler.lang import SelectionError, SelIRError, SelIRSyntaxError, parse_program
+from detent.selection.compiler.solver import MODES, IllegalAssignment, Solution, solve
 from detent.selection.facts import default_facts_for, deployment_hash
-from detent.selection.commitment import CommitmentTuple, TupleError, default_tuple, tuple_hash
+from detent.selection.compiler.commitment import CommitmentTuple, TupleError, default_tuple, tuple_hash
 
 
 def make_dispatcher(facts: dict[str, Any], mode: str = "pinned", tuple_path: str | None = None) -> Dispatcher:

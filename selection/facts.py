@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from detent.selection.jitcache import canonical
-from detent.selection.lang import SELIR_VERSION
+from detent.selection.compiler.jitcache import canonical
+from detent.selection.compiler.lang import SELIR_VERSION
 
 ENGINE_VERSION = "0.1.0"
 CPU_NUM_SMS = 8  # a notional SM count for FA3's split heuristic on CPU (fixed: facts must not vary by host)

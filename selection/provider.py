@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from detent.selection import programs
-from detent.selection.commitment import CommitmentTuple, resolve
-from detent.selection.solver import MODES, solve
+from detent.selection.compiler.commitment import CommitmentTuple, resolve
+from detent.selection.compiler.solver import MODES, solve
 
 
 class SelIRProvider:

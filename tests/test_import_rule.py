@@ -151,10 +151,20 @@ def test_no_circles_between_modules():
     assert nx.is_directed_acyclic_graph(g), "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_the_step_runtime_does_not_reach_the_compiler():
+    """What runs every step (ops, the step context, the dispatcher) reaches
+    no module of selection/compiler/, even indirectly: selectors are built
+    at startup and called by name."""
+    g = import_graph(_modules())
+    for runtime in ("detent.selection.ops", "detent.selection.context", "detent.selection.dispatch"):
+        reached = sorted(m for m in nx.descendants(g, runtime) if m.startswith("detent.selection.compiler"))
+        assert not reached, f"{runtime} reaches the compiler: {reached}"
+
+
 def test_the_graph_sees_the_package():
     mods = _modules()
     g = import_graph(mods)
-    assert "detent.kernels.registry" in mods and "detent.selection.context" in mods
+    assert "detent.kernels.registry" in mods and "detent.selection.compiler.lang" in mods
     assert g.has_edge("detent.selection.ops", "detent.selection.context")
     assert g.has_edge("detent.selection.dispatch", "detent.kernels.registry")  # a lazy import
     assert g.out_degree("detent.kernels.registry") == 0

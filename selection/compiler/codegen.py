@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from detent.selection import lang
-from detent.selection.ir import ABSENT, Check, Graph
+from detent.selection.compiler import lang
+from detent.selection.compiler.ir import ABSENT, Check, Graph
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
           "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "in": "in", "notin": "not in",
@@ -60,7 +60,7 @@ class Emitter:
             vals = [self.static(a) for a in g.args[n]]
             r = self._NO
             if all(v[0] for v in vals):
-                from detent.selection.ir import OPS
+                from detent.selection.compiler.ir import OPS
                 try:
                     r = (True, OPS[op][0](*(v[1] for v in vals)))
                 except Exception:

@@ -22,8 +22,8 @@ from typing import Any
 
 from detent.selection import programs
 from detent.selection.facts import deployment_hash, site_key, sites_for
-from detent.selection.jitcache import canonical
-from detent.selection.lang import SELIR_VERSION, SelIRError
+from detent.selection.compiler.jitcache import canonical
+from detent.selection.compiler.lang import SELIR_VERSION, SelIRError
 
 FORMAT = "detent-tuple/1"
 
@@ -153,7 +153,7 @@ class CommitmentTuple:
 def resolve(family: str, facts: dict[str, Any], site: dict[str, Any], t: CommitmentTuple | None):
     """(solution, assignment) for one site: the tuple's values over the defaults,
     checked for legality (TupleError naming the family, site and pin)."""
-    from detent.selection.solver import IllegalAssignment, solve
+    from detent.selection.compiler.solver import IllegalAssignment, solve
     sol = solve(programs.load(family), {**facts, **site})
     given = t.assignment_for(family, site) if t is not None else {}
     try:
@@ -202,7 +202,7 @@ def default_tuple(facts: dict[str, Any], families: tuple[str, ...] | None = None
 
 
 def solve_knobs(family: str, facts: dict[str, Any], site: dict[str, Any]) -> list[str]:
-    from detent.selection.solver import solve
+    from detent.selection.compiler.solver import solve
     return list(solve(programs.load(family), {**facts, **site}).lowered.knobs)
 
 

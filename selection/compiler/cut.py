@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import networkx as nx
 from networkx.algorithms.flow import edmonds_karp
 
-from detent.selection import lang
-from detent.selection.ir import Graph
+from detent.selection.compiler import lang
+from detent.selection.compiler.ir import Graph
 
 
 @dataclass(frozen=True)

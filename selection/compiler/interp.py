@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from detent.selection import lang
+from detent.selection.compiler import lang
 
 
 def run(prog: "lang.Program", inputs: dict[str, Any], knobs: dict[str, Any] | None = None,

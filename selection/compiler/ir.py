@@ -20,7 +20,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from detent.selection import lang
+from detent.selection.compiler import lang
 
 ABSENT = lang.ABSENT
 

@@ -15,7 +15,7 @@ import pickle
 import tempfile
 from typing import Any
 
-from detent.selection.lang import SELIR_VERSION
+from detent.selection.compiler.lang import SELIR_VERSION
 
 
 def cache_dir() -> str | None:

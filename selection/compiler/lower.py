@@ -16,10 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from detent.selection import lang
-from detent.selection.ir import ABSENT, Check, Graph
-from detent.selection.lower_expr import _BIN, _CMP, ExprLowering, FuncRef, RecordV, TupleV  # noqa: F401
-from detent.selection.lower_stmt import StmtLowering, _Bind  # noqa: F401
+from detent.selection.compiler import lang
+from detent.selection.compiler.ir import ABSENT, Check, Graph
+from detent.selection.compiler.lower_expr import _BIN, _CMP, ExprLowering, FuncRef, RecordV, TupleV  # noqa: F401
+from detent.selection.compiler.lower_stmt import StmtLowering, _Bind  # noqa: F401
 
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 _TYPES = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,)}

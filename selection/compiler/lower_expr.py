@@ -2,7 +2,7 @@
 (tuples, records, function references) a partial evaluation carries, their
 merge under a condition into ``phi`` nodes, and the lowering of expressions,
 calls (inlined) and ``knob()`` declarations to SSA nodes. Mixed into
-:class:`detent.selection.lower.Lowerer`, which provides ``self.g``, ``self.p``,
+:class:`detent.selection.compiler.lower.Lowerer`, which provides ``self.g``, ``self.p``,
 ``self.err`` and the statement lowering.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import ast
 from dataclasses import dataclass
 from typing import Any
 
-from detent.selection import lang
-from detent.selection.ir import ABSENT
+from detent.selection.compiler import lang
+from detent.selection.compiler.ir import ABSENT
 
 
 _BIN = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "truediv", ast.FloorDiv: "floordiv",
@@ -37,7 +37,7 @@ class FuncRef:
 
 
 class ExprLowering:
-    """Values and expressions of :class:`~detent.selection.lower.Lowerer`."""
+    """Values and expressions of :class:`~detent.selection.compiler.lower.Lowerer`."""
 
     # ---- values
     def node(self, v: Any, at: ast.AST) -> int:

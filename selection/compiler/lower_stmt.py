@@ -2,16 +2,16 @@
 conditions, conditionals merged with ``phi`` nodes, static ``for`` unrolling,
 assignment, ``require``/``assume`` checks, and a function's value as the
 first-match chain of its returns. Mixed into
-:class:`detent.selection.lower.Lowerer`.
+:class:`detent.selection.compiler.lower.Lowerer`.
 """
 from __future__ import annotations
 
 import ast
 from typing import Any
 
-from detent.selection import lang
-from detent.selection.ir import Check
-from detent.selection.lower_expr import _BIN, TupleV
+from detent.selection.compiler import lang
+from detent.selection.compiler.ir import Check
+from detent.selection.compiler.lower_expr import _BIN, TupleV
 
 
 class _Bind(ast.stmt):
@@ -24,7 +24,7 @@ class _Bind(ast.stmt):
 
 
 class StmtLowering:
-    """Statements and functions of :class:`~detent.selection.lower.Lowerer`."""
+    """Statements and functions of :class:`~detent.selection.compiler.lower.Lowerer`."""
 
     # ---- statements
     # A block runs with (env, live): live is the path condition under which

@@ -13,11 +13,11 @@ import sys
 import time
 from typing import Any, Callable
 
-from detent.selection import jitcache, lang
-from detent.selection.codegen import Emitter, base_namespace, compile_source
-from detent.selection.cut import GraphStats, min_vertex_cut, stats, taint
-from detent.selection.lower import Lowered, lower, lower_conservative
-from detent.selection.vra import VRA, sort_key
+from detent.selection.compiler import jitcache, lang
+from detent.selection.compiler.codegen import Emitter, base_namespace, compile_source
+from detent.selection.compiler.cut import GraphStats, min_vertex_cut, stats, taint
+from detent.selection.compiler.lower import Lowered, lower, lower_conservative
+from detent.selection.compiler.vra import VRA, sort_key
 
 MODES = ("pinned", "stock", "conservative")
 MEMO_CAP = 65536
@@ -62,7 +62,7 @@ class Solution:
         return dict(self.lowered.knobs)
 
     def profile(self) -> list[dict]:
-        from detent.selection.profile import default_profile
+        from detent.selection.compiler.profile import default_profile
         return default_profile(self.facts)
 
     @property

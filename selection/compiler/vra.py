@@ -14,9 +14,9 @@ import random
 from collections import Counter
 from typing import Any, Callable
 
-from detent.selection import lang
-from detent.selection.codegen import Emitter, base_namespace, compile_source
-from detent.selection.lower import Lowered
+from detent.selection.compiler import lang
+from detent.selection.compiler.codegen import Emitter, base_namespace, compile_source
+from detent.selection.compiler.lower import Lowered
 
 NOT_REACHED = object()
 EXHAUSTIVE_LIMIT = 4096

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 
-from detent.selection.lang import Program, load_program
+from detent.selection.compiler.lang import Program, load_program
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ("gemm", "attention", "moe", "allreduce", "norm", "rope", "act", "embedding", "logsoftmax", "sampling")

@@ -4,7 +4,7 @@ larger ones, within the custom buffer). Detent's algorithms all sum in a
 fixed rank order; pinning the algorithm makes the choice batch-invariant.
 On CPU the stock path is the library all-reduce (`native`).
 """
-from detent.selection.lang import Fact, Runtime, assume, require  # noqa: F401
+from detent.selection.compiler.lang import Fact, Runtime, assume, require  # noqa: F401
 
 ONE_SHOT_MAX = {2: 512 * 1024, 4: 256 * 1024, 8: 128 * 1024}
 BUFFER_BYTES = 512 * 1024 * 1024  # kernels/allreduce.py _MAX_WORKSPACE (DETENT_SYMM_MEM_MAX_BYTES default)

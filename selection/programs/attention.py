@@ -9,7 +9,7 @@ kernels take that split size in KV tokens, so a row reduces over the same
 KV segments in the same order however the batch looks once it is pinned.
 On stock kernels a single split is FA3's unsplit kernel (`sdpa` on CPU).
 """
-from detent.selection.lang import Fact, Runtime, assume, cdiv, knob, neutral, require, round_up  # noqa: F401
+from detent.selection.compiler.lang import Fact, Runtime, assume, cdiv, knob, neutral, require, round_up  # noqa: F401
 
 L2_BYTES = 50 * 1024 * 1024
 MAX_SPLITS = 128

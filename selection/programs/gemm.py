@@ -6,7 +6,7 @@ ascending order, no split-K) whose tile configs were measured bit-identical
 on the H200 (tests/gpu): its config may follow M, declared `neutral`, and the
 GPU GEMM has no pin.
 """
-from detent.selection.lang import Fact, Runtime, assume, neutral, next_pow2, require  # noqa: F401
+from detent.selection.compiler.lang import Fact, Runtime, assume, neutral, next_pow2, require  # noqa: F401
 
 CHUNK_MAX = 16
 # (block_m, block_n, block_k, num_warps, num_stages, tma) by max M and N

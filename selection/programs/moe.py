@@ -3,7 +3,7 @@ and take the row nearest the batch's M (`min(keys, key=|key - M|)`). Every
 config value follows that row key, so the cut falls on it (docs/selir.md section 7): one
 pin fixes all of the row's selection points.
 """
-from detent.selection.lang import Fact, Runtime, assume, neutral  # noqa: F401
+from detent.selection.compiler.lang import Fact, Runtime, assume, neutral  # noqa: F401
 
 # token count -> (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)
 CONFIGS = {

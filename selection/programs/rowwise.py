@@ -1,7 +1,7 @@
 """norm, rope, act, logsoftmax: row-wise kernels; their selection reads no batch value (no pins).
 
 One program for the four families (`programs.SOURCES`): a Triton kernel on CUDA, torch elsewhere."""
-from detent.selection.lang import Fact  # noqa: F401
+from detent.selection.compiler.lang import Fact  # noqa: F401
 
 
 def select(device: Fact[str], triton: Fact[bool]):

@@ -1,7 +1,7 @@
 """embedding, sampling: row-wise kernels with one candidate; their selection reads no batch value.
 
 One program for both families (`programs.SOURCES`)."""
-from detent.selection.lang import Fact  # noqa: F401
+from detent.selection.compiler.lang import Fact  # noqa: F401
 
 
 def select(device: Fact[str]):

@@ -2,7 +2,8 @@
 import os
 import time
 
-from detent.selection import jitcache, parse_program, programs, solve
+from detent.selection import parse_program, programs, solve
+from detent.selection.compiler import jitcache
 from tests.selection.conftest import ATTN_SITE, CPU
 
 SRC = "def select(m: Runtime[int]):\n    assume(0 <= m <= 9)\n    return {'x': m // 2}\n"

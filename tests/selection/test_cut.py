@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from detent.selection import SelIRError, parse_program, solve
-from detent.selection.cut import min_vertex_cut, taint
-from detent.selection.ir import Graph
+from detent.selection.compiler.cut import min_vertex_cut, taint
+from detent.selection.compiler.ir import Graph
 
 ROW_KEY = '''
 TABLE = {1: (16, 32, 4), 16: (32, 64, 4), 256: (64, 128, 8)}

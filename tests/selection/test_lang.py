@@ -2,8 +2,8 @@
 import pytest
 
 from detent.selection import SelIRError, SelIRSyntaxError, parse_program, solve
-from detent.selection.lang import SelectionError
-from detent.selection import interp
+from detent.selection.compiler.lang import SelectionError
+from detent.selection.compiler import interp
 
 OK = '''
 TABLE = {1: 10, 4: 40}

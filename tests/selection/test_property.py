@@ -2,8 +2,8 @@
 from hypothesis import given, settings, strategies as st
 
 from detent.selection import parse_program, solve
-from detent.selection.lang import SelectionError
-from detent.selection import interp
+from detent.selection.compiler.lang import SelectionError
+from detent.selection.compiler import interp
 
 VARS = ("a", "b")
 

@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from detent.selection import IllegalAssignment, SelectionError, parse_program, solve
-from detent.selection import interp
+from detent.selection.compiler import interp
 
 PROG = '''
 def pick(m, cap):
@@ -94,7 +94,7 @@ def test_checks_run_once_per_new_combination_and_batches_never_recompile(sol):
 
 
 def test_repin_regenerates_without_solving(sol):
-    from detent.selection.lang import ABSENT
+    from detent.selection.compiler.lang import ABSENT
     assert ABSENT in sol.candidates["split"]  # the selection point is left out on the small path
     a = sol.repin({"chunk": 4, "split": ABSENT})
     b = sol.repin({"chunk": 16, "split": 1})
