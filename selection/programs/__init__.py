@@ -9,12 +9,12 @@ import os
 from detent.selection.compiler.lang import Program, load_program
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAMILIES = ("gemm", "attention", "moe", "allreduce", "norm", "rope", "act", "embedding", "logsoftmax", "sampling")
+FAMILIES = ("gemm", "attention", "moe", "allreduce", "norm", "rope", "act", "embedding", "logsoftmax")
 
 
 # families whose programs are the same text share one file
 SOURCES = {"norm": "rowwise", "rope": "rowwise", "act": "rowwise", "logsoftmax": "rowwise",
-           "embedding": "rowwise_torch", "sampling": "rowwise_torch"}
+           "embedding": "rowwise_torch"}
 
 
 def path(family: str) -> str:

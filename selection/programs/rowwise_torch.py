@@ -1,6 +1,5 @@
-"""embedding, sampling: row-wise kernels with one candidate; their selection reads no batch value.
-
-One program for both families (`programs.SOURCES`)."""
+"""embedding: a row-wise kernel with one candidate; its selection reads no batch value
+(`programs.SOURCES` maps the family here)."""
 from detent.selection.compiler.lang import Fact  # noqa: F401
 
 

@@ -74,7 +74,7 @@ def test_allreduce_and_rowwise():
     assert st(message_bytes=1024) == {"impl": "one_shot"} and st(message_bytes=8 << 20) == {"impl": "two_shot"}
     pinned = g.compile(mode="pinned")
     assert pinned(message_bytes=1024) == pinned(message_bytes=8 << 20)
-    for fam in ("norm", "rope", "act", "embedding", "logsoftmax", "sampling"):
+    for fam in ("norm", "rope", "act", "embedding", "logsoftmax"):
         s = sol(fam, CPU, {"dtype": "float32"})
         assert s.pins == () and s.graph.batch_dependent_points == ()
         assert s.compile()(num_tokens=3) == {"impl": "torch_rowwise"}
@@ -164,3 +164,14 @@ def test_ablations(family, dev):
     every = sol(family, facts, site, cut=False, cache=False)
     assert (len(fold.pins), len(full.pins), len(every.pins)) == ABLATIONS[(family, dev)]
     assert full.graph.nodes <= fold.graph.nodes
+
+
+def test_every_program_family_is_one_ops_calls():
+    """A family with a program but no `ops` call is dead code (a "sampling" family was)."""
+    import ast
+    import inspect
+
+    from detent.selection import ops
+    called = {n.args[0].value for n in ast.walk(ast.parse(inspect.getsource(ops)))
+              if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_resolve"}
+    assert called == set(programs.FAMILIES)
