@@ -26,7 +26,9 @@ import torch
 import triton
 
 from detent.kernels.attention_triton import attention_triton_paged
-from detent.kernels.gemm_triton import GEMM_CONFIGS, config_for, gemm_triton_persistent
+from detent.kernels.gemm_triton import gemm_triton_persistent
+from detent.selection.programs import gemm as gemm_program
+from detent.selection.programs import gemm_tile_configs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_bench import attn_case, bench  # noqa: E402  (one attention case, CUDA-graph timing)
@@ -73,7 +75,7 @@ PREFILL = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (12
 
 def _candidates(m: int, tma: bool) -> list[tuple]:
     """(block_m, block_n, block_k, num_warps, num_stages, tma) configs worth timing at M = m."""
-    base = {tuple(c.values())[:5] for c in GEMM_CONFIGS} | set(EXTRA)
+    base = {tuple(c.values())[:5] for c in gemm_tile_configs()} | set(EXTRA)
     if m > 256:
         base = {c for c in base | set(PREFILL) if c[0] >= 128}
     else:
@@ -95,7 +97,7 @@ def gemm(ms: list[int], copies: int, shapes: dict[str, tuple[int, int]] = SHAPES
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             floor_us = max(n * k * 2 / 4.23e12, 2 * m * n * k / 989e12) * 1e6  # weight bytes, dense bf16 peak
             row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": floor_us,
-                   "table": str(tuple(config_for(m, n).values()))}
+                   "table": str(gemm_program.triton_config(m, n))}
             row["cublas_us"] = bench(lambda: [torch.nn.functional.linear(x, w) for w in ws], REP) * 1e3 / c
             ref, times = None, {}
             for cfg in _candidates(m, tma):
@@ -130,7 +132,9 @@ def moe(mc, ms: list[int], copies: int) -> list[dict]:
     over `copies` different expert weight sets so that each call streams its
     experts from HBM; every tile's result compared with `torch.equal` against
     the table's row for that M."""
-    from detent.kernels.moe_triton import MOE_CONFIGS, moe_triton_fused, nearest_row_key
+    from detent.kernels.moe_triton import moe_triton_fused
+    from detent.selection.programs import moe as moe_program
+    from detent.selection.programs import moe_tiles
     if not mc.num_experts:
         return []
     e, h, i, k = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, mc.num_experts_per_tok
@@ -140,7 +144,7 @@ def moe(mc, ms: list[int], copies: int) -> list[dict]:
     for m in ms:
         x = torch.randn(m, h, device="cuda", dtype=BF16)
         logits = torch.randn(m, e, device="cuda", dtype=BF16)
-        table = MOE_CONFIGS[nearest_row_key(m)]
+        table = moe_tiles()[moe_program.nearest_row(m, moe_program.GPU_KEYS)]
         tiles = [tuple(table.values())] + [(bm, bn, bk, 1 if m <= 64 else 8, 4, ns)
                                              for bm in ((16,) if m <= 16 else (16, 32))
                                              for bn in (32, 64, 128) for bk in (64, 128, 256)

@@ -4,8 +4,8 @@ y[M, N] = x[M, K] @ w[N, K].T (+ bias), fp32 accumulator, K walked in
 ascending BLOCK_K steps by one program (no split-K), no TF32 for fp32
 inputs. A row's result depends only on that row of x, w, and the config:
 the grid, the tile a row lands in and the other rows never enter its
-arithmetic. The config is a selection parameter (pinned per (N, K)); whether
-it is numerics-neutral on a device is a question for tests/gpu, not an
+arithmetic. The config is a selection parameter, read from the tuned table
+in selection/programs/gemm.py; whether it is numerics-neutral on a device is a question for tests/gpu, not an
 assumption here. Tiles reach the SM by pointer loads, or on Hopper by TMA
 (`tma=1`, `_tma_matmul_kernel`): the same tile walk and dots, faster loads.
 """
@@ -164,49 +164,6 @@ def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     return y
 
 
-# Tile configs for the H200 (Llama-3.1-8B shapes, bf16), by row count and
-# output width: the fastest of `benchmarks/tune_decode.py` (CUDA-graph timing
-# over 400 MB of weight copies, so no config is helped by weights left in
-# L2). Narrow outputs (N = 4096) need narrow tiles at M <= 256 to give the
-# SMs enough programs without split-K. From M = 17 the tiles move by TMA
-# (`tma=1`): at M = 2048 and 8192 that matches cuBLAS (gate_up at 2048:
-# 740 us against 740 us; pointer loads 864 us), and it takes 10-20% off
-# M = 128 and 256. Every config below gave identical row bits on the H200
-# for every shape and M tried, with and without TMA (tune_decode.py checks
-# it, and tests/gpu/test_gpu_gemm.py re-checks it on the device), so
-# choosing among them by M does not break batch invariance.
-def _cfg(bm, bn, bk, nw, ns, tma=0):
-    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, tma=tma)
-
-
-_WIDE = _cfg(128, 256, 64, 8, 3, 1)
-_TINY = _cfg(64, 32, 256, 4, 3, 1)
-# (max M, {"tiny": N <= 1024 (MoE routers), "narrow": N <= 4096, "mid": 4096 < N < 16384, "wide": N >= 16384})
-GEMM_TABLE: tuple[tuple[int, dict[str, dict]], ...] = (
-    (16, {"tiny": _cfg(16, 32, 256, 4, 5), "narrow": _cfg(16, 32, 256, 4, 5), "mid": _cfg(16, 64, 256, 4, 4),
-          "wide": _cfg(16, 128, 128, 4, 4)}),
-    (64, {"tiny": _TINY, "narrow": _cfg(64, 32, 128, 4, 5, 1), "mid": _cfg(64, 64, 128, 4, 5, 1),
-          "wide": _cfg(64, 256, 64, 8, 4, 1)}),
-    (128, {"tiny": _TINY, "narrow": _cfg(64, 64, 128, 4, 5, 1), "mid": _cfg(128, 64, 128, 4, 4, 1), "wide": _WIDE}),
-    (256, {"tiny": _TINY, "narrow": _cfg(128, 64, 128, 4, 4, 1), "mid": _cfg(128, 128, 128, 8, 3, 1),
-           "wide": _WIDE}),
-    (1 << 30, {"tiny": _cfg(128, 64, 128, 4, 4, 1), "narrow": _WIDE, "mid": _WIDE, "wide": _WIDE}),
-)
-# every config the table can pick, plus the mid-M ones the sweep measured
-# (all bit-identical on the H200): the set the neutrality test covers
-GEMM_CONFIGS: tuple[dict, ...] = tuple({tuple(c.values()): c for c in (
-    [c for _, row in GEMM_TABLE for c in row.values()]
-    + [_cfg(128, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 3), _cfg(128, 128, 128, 8, 3), _cfg(128, 256, 64, 8, 3)])}.values())
-
-
-def config_for(m: int, n: int = 4096) -> dict:
-    width = "tiny" if n <= 1024 else "narrow" if n <= 4096 else "wide" if n >= 16384 else "mid"
-    for upto, row in GEMM_TABLE:
-        if m <= upto:
-            return row[width]
-    return GEMM_TABLE[-1][1][width]
-
-
 def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Pure-torch reference: fp64 products and sums, rounded once to x.dtype."""
     y = x.double() @ w.double().t()
@@ -215,4 +172,4 @@ def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     return y.to(x.dtype)
 
 
-__all__ = ["GEMM_CONFIGS", "config_for", "gemm_triton_persistent", "gemm_reference"]
+__all__ = ["gemm_triton_persistent", "gemm_reference"]

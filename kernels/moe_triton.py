@@ -11,8 +11,8 @@ grouped GEMMs (w13, then w2) over expert-sorted row blocks.
 
 A row's GEMMs reduce over K in ascending BLOCK_K steps inside one program;
 the block it lands in and its neighbours never enter its arithmetic. The
-tile config comes from a tuned table keyed by token count: `row_key` picks
-the row (stock: the row nearest the batch's token count; pinned: one row).
+tile config is a parameter: the selection passes a row of the tuned table in
+selection/programs/moe.py (GPU_CONFIGS).
 The alignment is integer work on the device (no host sync, graph-safe).
 """
 from __future__ import annotations
@@ -24,20 +24,6 @@ import triton.language as tl
 from detent.kernels.common_triton import check_device, check_dtype, empty, lazy_jit
 from detent.kernels.rowwise_triton import silu_and_mul_triton
 from detent.kernels.registry import register
-
-# token count the row is tuned for -> config (SGLang's fused_moe table shape);
-# row_key is one of these keys, unless the selection passes the tile itself
-MOE_CONFIGS: dict[int, dict] = {
-    16: dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4),
-    128: dict(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4),
-    1024: dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3),
-    4096: dict(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3),
-}
-
-
-def nearest_row_key(num_tokens: int) -> int:
-    """Stock selection: the table row whose token count is nearest (ties: the smaller)."""
-    return min(MOE_CONFIGS, key=lambda key: (abs(key - num_tokens), key))
 
 
 @lazy_jit(do_not_specialize=["R", "NUM_BLK"])
@@ -289,16 +275,12 @@ def _grouped_gemm(a, w, rows, blk_expert, r, topk_div, cfg):
 TILE_PARAMS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 
 
-def _config(name: str, row_key: int, tile: dict) -> dict:
+def _config(name: str, tile: dict) -> dict:
     given = {k: v for k, v in tile.items() if v is not None}
-    if not given:
-        if row_key not in MOE_CONFIGS:
-            raise ValueError(f"{name}: row_key={row_key} is not a row of the config table "
-                             f"(token counts {sorted(MOE_CONFIGS)}); or pass the tile itself")
-        return MOE_CONFIGS[row_key]
     missing = [k for k in ("block_m", "block_n", "block_k") if k not in given]
     if missing:
-        raise ValueError(f"{name}: a tile config needs block_m, block_n and block_k; missing {missing}")
+        raise ValueError(f"{name}: a tile config needs block_m, block_n and block_k; missing {missing} "
+                         f"(the tuned rows: selection/programs/moe.py GPU_CONFIGS)")
     for k in ("block_m", "block_n", "block_k"):
         v = given[k]
         if v < 16 or v & (v - 1):
@@ -306,14 +288,13 @@ def _config(name: str, row_key: int, tile: dict) -> dict:
     return {"group_m": 1, "num_warps": 4, "num_stages": 3, **given}
 
 
-@register("moe", "triton_fused", params=("row_key",) + TILE_PARAMS + ("fuse_glue",), devices=("cuda",))
-def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, row_key: int = 16,
+@register("moe", "triton_fused", params=TILE_PARAMS + ("fuse_glue",), devices=("cuda",))
+def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool,
                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                      group_m: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, fuse_glue: int = 0):
-    """row_key: the config-table row (a token count) the selection chose; the
-    tile parameters, when given, override that row's config (a SelIR program
-    with its own table passes both). fuse_glue=1: the alignment and the
+    """block_m, block_n, block_k (required), group_m, num_warps, num_stages:
+    the tile, a row of selection/programs/moe.py's table. fuse_glue=1: the alignment and the
     slot combine run as one Triton launch each instead of ~30 small torch
     kernels; the same integers and the same roundings, so the same bits
     (tests/kernels under the interpreter, tests/gpu/test_gpu_moe.py on the
@@ -335,7 +316,7 @@ def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool, r
                          f"{tuple(router_logits.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise TypeError(f"{name}: w13/w2 dtype ({w13.dtype}, {w2.dtype}) must equal x dtype {x.dtype}")
-    cfg = _config(name, row_key, dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
+    cfg = _config(name, dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
                                       num_warps=num_warps, num_stages=num_stages))
     if not 1 <= top_k <= ne:
         raise ValueError(f"{name}: top_k={top_k} must be in 1..{ne}")
@@ -369,5 +350,5 @@ def moe_reference(x, router_logits, w13, w2, top_k, renormalize):
     return combine(y, topw)
 
 
-__all__ = ["MOE_CONFIGS", "align", "align_fused", "combine", "combine_fused",
-           "moe_reference", "moe_triton_fused", "nearest_row_key", "route", "route_fused"]
+__all__ = ["align", "align_fused", "combine", "combine_fused",
+           "moe_reference", "moe_triton_fused", "route", "route_fused"]

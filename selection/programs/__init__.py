@@ -26,3 +26,29 @@ def load(family: str) -> Program:
     if family not in FAMILIES:
         raise KeyError(f"no SelIR program for kernel family {family!r} (families: {list(FAMILIES)})")
     return load_program(path(family), family)
+
+
+GEMM_TILE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")
+
+
+def gemm_tile(cfg: tuple) -> dict:
+    """A GEMM_TABLE row as the Triton GEMM candidate's keyword parameters."""
+    return dict(zip(GEMM_TILE, cfg))
+
+
+def gemm_tile_configs() -> tuple[dict, ...]:
+    """Every tile the GEMM program can pick, plus the ones the sweep measured
+    (programs/gemm.py MEASURED), once each: the set whose bits must agree."""
+    from detent.selection.programs import gemm
+    rows = [c for _, row in gemm.GEMM_TABLE for c in row.values()] + list(gemm.MEASURED)
+    return tuple(gemm_tile(c) for c in dict.fromkeys(rows))
+
+
+MOE_TILE = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+
+
+def moe_tiles() -> dict[int, dict]:
+    """The Triton MoE kernel's tiles by the token count they are tuned for
+    (programs/moe.py GPU_CONFIGS), as the candidate's keyword parameters."""
+    from detent.selection.programs import moe
+    return {key: dict(zip(MOE_TILE, cfg)) for key, cfg in moe.GPU_CONFIGS.items()}

@@ -9,8 +9,19 @@ GPU GEMM has no pin.
 from detent.selection.compiler.lang import Fact, Runtime, assume, neutral, next_pow2, require  # noqa: F401
 
 CHUNK_MAX = 16
-# (block_m, block_n, block_k, num_warps, num_stages, tma) by max M and N
-# width: the table of kernels/gemm_triton.py (config_for)
+# Tile configs for the H200 (Llama-3.1-8B shapes, bf16), by row count and
+# output width: the fastest of `benchmarks/tune_decode.py` (CUDA-graph timing
+# over 400 MB of weight copies, so no config is helped by weights left in
+# L2). Narrow outputs (N = 4096) need narrow tiles at M <= 256 to give the
+# SMs enough programs without split-K. From M = 17 the tiles move by TMA
+# (`tma=1`): at M = 2048 and 8192 that matches cuBLAS (gate_up at 2048:
+# 740 us against 740 us; pointer loads 864 us), and it takes 10-20% off
+# M = 128 and 256. Every config of the table (and of MEASURED) gave identical row bits on the H200
+# for every shape and M tried, with and without TMA (benchmarks/tune_decode.py checks
+# it, and tests/gpu/test_gpu_gemm.py re-checks it on the device), so
+# choosing among them by M does not break batch invariance.
+# Rows: (block_m, block_n, block_k, num_warps, num_stages, tma) by max M and N
+# width ("tiny": N <= 1024 (MoE routers), "narrow": N <= 4096, "mid": 4096 < N < 16384, "wide": N >= 16384).
 WIDE = (128, 256, 64, 8, 3, 1)
 TINY = (64, 32, 256, 4, 3, 1)
 GEMM_TABLE = (
@@ -21,6 +32,9 @@ GEMM_TABLE = (
     (256, {"tiny": TINY, "narrow": (128, 64, 128, 4, 4, 1), "mid": (128, 128, 128, 8, 3, 1), "wide": WIDE}),
     (2 ** 30, {"tiny": (128, 64, 128, 4, 4, 1), "narrow": WIDE, "mid": WIDE, "wide": WIDE}),
 )
+# mid-M configs the sweep also measured bit-identical: with the table's, the set
+# tests/gpu/test_gpu_gemm.py checks for neutrality (`programs.gemm_tile_configs()`)
+MEASURED = ((128, 64, 128, 4, 4, 0), (64, 128, 128, 4, 3, 0), (128, 128, 128, 8, 3, 0), (128, 256, 64, 8, 3, 0))
 
 
 def triton_config(m, n):

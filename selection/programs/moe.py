@@ -15,8 +15,13 @@ CONFIGS = {
     2048: (128, 128, 64, 32, 8, 3), 3072: (128, 256, 64, 32, 8, 3), 4096: (128, 256, 64, 32, 8, 3),
 }
 KEYS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
-# the rows of the Triton kernel's own table (kernels/moe_triton.py MOE_CONFIGS)
-GPU_KEYS = (16, 128, 1024, 4096)
+# the Triton kernel's tiles by token count (SGLang's fused_moe table shape):
+# token count -> (block_m, block_n, block_k, group_m, num_warps, num_stages)
+GPU_CONFIGS = {
+    16: (16, 64, 128, 1, 4, 4), 128: (32, 64, 128, 8, 4, 4),
+    1024: (64, 128, 64, 8, 4, 3), 4096: (128, 128, 64, 16, 8, 3),
+}
+GPU_KEYS = (16, 128, 1024, 4096)  # the keys of GPU_CONFIGS, in order
 
 
 def nearest_row(m, keys):
@@ -39,7 +44,9 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
         # small torch kernels (1.6x faster decode at batch 1 on the H200); its routing
         # rounds the weights its own way, so it is one constant for every batch.
         row = nearest_row(num_tokens, GPU_KEYS)
-        return {"impl": "triton_fused", "row_key": row if stock_kernels else neutral(row), "fuse_glue": 2}
+        tile = GPU_CONFIGS[row if stock_kernels else neutral(row)]
+        return {"impl": "triton_fused", "block_m": tile[0], "block_n": tile[1], "block_k": tile[2],
+                "group_m": tile[3], "num_warps": tile[4], "num_stages": tile[5], "fuse_glue": 2}
     row_key = nearest_row(num_tokens, KEYS)
     cfg = CONFIGS[row_key]
     if stock_kernels:
@@ -49,5 +56,7 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
 
 def conservative(device: Fact[str], triton: Fact[bool]):
     if device == "cuda" and triton:
-        return {"impl": "triton_fused", "row_key": GPU_KEYS[-1], "fuse_glue": 2}
+        tile = GPU_CONFIGS[GPU_KEYS[-1]]
+        return {"impl": "triton_fused", "block_m": tile[0], "block_n": tile[1], "block_k": tile[2],
+                "group_m": tile[3], "num_warps": tile[4], "num_stages": tile[5], "fuse_glue": 2}
     return {"impl": "torch_chunked", "chunk": 1, "row_key": 1}

@@ -47,12 +47,13 @@ def test_tile_configs_give_identical_bits():
     # measured on the H200: the config (and MMA shape: mma.sync at block_m 16,
     # wgmma at 64+) does not change a row's bits; selection may rely on this
     # only while this test holds on the device
-    from detent.kernels.gemm_triton import GEMM_CONFIGS
+    from detent.selection.programs import gemm_tile_configs
+    configs = gemm_tile_configs()
     for n, k in ((6144, 4096), (4096, 14336)):
         w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
         for m in (1, 64, 300):
             x = torch.randn(m, k, device="cuda", dtype=BF16)
-            outs = [gemm_triton_persistent(x, w, None, **cfg) for cfg in GEMM_CONFIGS]
+            outs = [gemm_triton_persistent(x, w, None, **cfg) for cfg in configs]
             assert all(torch.equal(o, outs[0]) for o in outs[1:]), (n, k, m)
 
 
@@ -60,12 +61,13 @@ def test_tile_configs_give_identical_bits():
 @pytest.mark.parametrize("bias", [False, True])
 def test_tma_loads_give_identical_bits(m, bias):
     # tma=1 moves the same tiles with TMA; the dot per K step is the same
-    from detent.kernels.gemm_triton import GEMM_CONFIGS
+    from detent.selection.programs import gemm_tile_configs
+    configs = gemm_tile_configs()
     w = torch.randn(6144, 4096, device="cuda", dtype=BF16) * 0.02
     b = torch.randn(6144, device="cuda", dtype=BF16) if bias else None
     x = torch.randn(m, 4096, device="cuda", dtype=BF16)
-    ref = gemm_triton_persistent(x, w, b, **GEMM_CONFIGS[0])
-    for cfg in GEMM_CONFIGS:
+    ref = gemm_triton_persistent(x, w, b, **configs[0])
+    for cfg in configs:
         if cfg["block_m"] >= 64:
             assert torch.equal(gemm_triton_persistent(x, w, b, **{**cfg, "tma": 1}), ref), (m, cfg)
 

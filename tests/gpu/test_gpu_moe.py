@@ -3,7 +3,10 @@ import torch
 import torch.nn.functional as F
 
 from detent.kernels.moe import moe_torch_loop
-from detent.kernels.moe_triton import MOE_CONFIGS, moe_reference, moe_triton_fused
+from detent.kernels.moe_triton import moe_reference, moe_triton_fused
+from detent.selection.programs import moe_tiles
+
+MOE_TILES = moe_tiles()
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -19,24 +22,24 @@ def test_matches_reference():
     w13, w2 = _weights()
     x = torch.randn(37, 512, device="cuda", dtype=BF16)
     logits = torch.randn(37, 16, device="cuda", dtype=BF16)
-    for key in MOE_CONFIGS:
-        y = moe_triton_fused(x, logits, w13, w2, 4, True, row_key=key)
+    for key in MOE_TILES:
+        y = moe_triton_fused(x, logits, w13, w2, 4, True, **MOE_TILES[key])
         ref = moe_reference(x, logits, w13, w2, 4, True)
         assert not y.isnan().any()
         assert ((y.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-2, key
 
 
-@pytest.mark.parametrize("row_key", sorted(MOE_CONFIGS))
+@pytest.mark.parametrize("row_key", sorted(MOE_TILES))
 def test_row_bits_invariant_across_m_and_neighbours(row_key):
     w13, w2 = _weights()
     x = torch.randn(256, 512, device="cuda", dtype=BF16)
     logits = torch.randn(256, 16, device="cuda", dtype=BF16)
-    full = moe_triton_fused(x, logits, w13, w2, 4, True, row_key=row_key)
+    full = moe_triton_fused(x, logits, w13, w2, 4, True, **MOE_TILES[row_key])
     for m in (1, 2, 5, 17, 64, 129, 255):
-        assert torch.equal(moe_triton_fused(x[:m], logits[:m], w13, w2, 4, True, row_key=row_key), full[:m]), m
+        assert torch.equal(moe_triton_fused(x[:m], logits[:m], w13, w2, 4, True, **MOE_TILES[row_key]), full[:m]), m
     x2, l2 = torch.randn_like(x), torch.randn_like(logits)
     x2[100], l2[100] = x[0], logits[0]
-    assert torch.equal(moe_triton_fused(x2, l2, w13, w2, 4, True, row_key=row_key)[100], full[0])
+    assert torch.equal(moe_triton_fused(x2, l2, w13, w2, 4, True, **MOE_TILES[row_key])[100], full[0])
 
 
 def test_stock_torch_loop_is_not_row_invariant():
@@ -56,7 +59,7 @@ def test_every_row_key_gives_identical_bits():
     for m in (1, 7, 64, 300):
         x = torch.randn(m, 512, device="cuda", dtype=BF16)
         logits = torch.randn(m, 16, device="cuda", dtype=BF16)
-        outs = [moe_triton_fused(x, logits, w13, w2, 4, True, row_key=key) for key in MOE_CONFIGS]
+        outs = [moe_triton_fused(x, logits, w13, w2, 4, True, **MOE_TILES[key]) for key in MOE_TILES]
         assert all(torch.equal(o, outs[0]) for o in outs[1:]), m
 
 
@@ -69,13 +72,13 @@ def test_fuse_glue_gives_identical_bits(m):
     w13, w2 = _weights(e=128, h=512, i=128)
     x = torch.randn(m, 512, device="cuda", dtype=BF16)
     logits = torch.randn(m, 128, device="cuda", dtype=BF16)
-    want = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16)
-    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16, fuse_glue=1), want)
+    want = moe_triton_fused(x, logits, w13, w2, 8, True, **MOE_TILES[16])
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 8, True, **MOE_TILES[16], fuse_glue=1), want)
     topi = torch.topk(logits.float(), 8, dim=-1).indices
     assert all(torch.equal(a.int(), b) for a, b in zip(align(topi, 128, 16), align_fused(topi, 128, 16)))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16, fuse_glue=1)
+        out = moe_triton_fused(x, logits, w13, w2, 8, True, **MOE_TILES[16], fuse_glue=1)
     g.replay()
     assert torch.equal(out, want)
 
@@ -101,10 +104,10 @@ def test_fuse_glue_2_rows_are_invariant_and_close():
     w13, w2 = _weights(e=128, h=512, i=128)
     x = torch.randn(130, 512, device="cuda", dtype=BF16)
     logits = torch.randn(130, 128, device="cuda", dtype=BF16)
-    full = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16, fuse_glue=2)
+    full = moe_triton_fused(x, logits, w13, w2, 8, True, **MOE_TILES[16], fuse_glue=2)
     for m in (1, 8, 64):
-        assert torch.equal(moe_triton_fused(x[:m], logits[:m], w13, w2, 8, True, row_key=16, fuse_glue=2), full[:m])
-    ref = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16)
+        assert torch.equal(moe_triton_fused(x[:m], logits[:m], w13, w2, 8, True, **MOE_TILES[16], fuse_glue=2), full[:m])
+    ref = moe_triton_fused(x, logits, w13, w2, 8, True, **MOE_TILES[16])
     assert ((full.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-2
 
 
@@ -114,6 +117,6 @@ def test_fewer_row_blocks_give_the_same_bits(m, monkeypatch):
     w13, w2 = _weights(e=128, h=512, i=128)
     x = torch.randn(m, 512, device="cuda", dtype=BF16)
     logits = torch.randn(m, 128, device="cuda", dtype=BF16)
-    tight = moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16)
+    tight = moe_triton_fused(x, logits, w13, w2, 8, True, **MOE_TILES[16])
     monkeypatch.setattr(moe_triton, "max_row_blocks", lambda r, e, bm: (r + e * (bm - 1)) // bm)
-    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 8, True, row_key=16), tight)
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 8, True, **MOE_TILES[16]), tight)

@@ -1,7 +1,11 @@
 import pytest
 import torch
 
-from detent.kernels.moe_triton import MOE_CONFIGS, align, moe_reference, moe_triton_fused, nearest_row_key
+from detent.kernels.moe_triton import align, moe_reference, moe_triton_fused
+from detent.selection.programs import moe as moe_program
+from detent.selection.programs import moe_tiles
+
+TILES = moe_tiles()
 
 
 def _case(m, e=6, h=32, i=16, seed=0):
@@ -27,21 +31,22 @@ def test_align_groups_rows_by_expert():
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_matches_reference(row_key, renormalize):
     x, logits, w13, w2 = _case(9, seed=row_key)
-    y = moe_triton_fused(x, logits, w13, w2, 2, renormalize, row_key=row_key)
+    y = moe_triton_fused(x, logits, w13, w2, 2, renormalize, **TILES[row_key])
     ref = moe_reference(x, logits, w13, w2, 2, renormalize)
     assert not y.isnan().any()
     assert ((y - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def test_stock_row_key_follows_token_count():
-    keys = [nearest_row_key(n) for n in (1, 16, 17, 500, 700, 100000)]
-    assert keys == [16, 16, 16, 128, 1024, max(MOE_CONFIGS)]
+    keys = [moe_program.nearest_row(n, moe_program.GPU_KEYS) for n in (1, 16, 17, 500, 700, 100000)]
+    assert keys == [16, 16, 16, 128, 1024, max(TILES)]
+    assert moe_program.GPU_KEYS == tuple(TILES)
 
 
 def test_explicit_tile_overrides_the_row():
-    # a SelIR program with its own table passes row_key and the tile (odd group_m: launch order only)
+    # a tile outside the tuned table (odd group_m: launch order only)
     x, logits, w13, w2 = _case(21, seed=4)
-    y = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=48, block_m=32, block_n=16, block_k=16,
+    y = moe_triton_fused(x, logits, w13, w2, 2, True, block_m=32, block_n=16, block_k=16,
                          group_m=3, num_warps=4, num_stages=2)
     ref = moe_reference(x, logits, w13, w2, 2, True)
     assert ((y - ref).norm() / ref.norm()).item() < 1e-5
@@ -49,8 +54,8 @@ def test_explicit_tile_overrides_the_row():
 
 def test_errors():
     x, logits, w13, w2 = _case(3)
-    with pytest.raises(ValueError, match="row_key=9 is not a row"):
-        moe_triton_fused(x, logits, w13, w2, 2, True, row_key=9)
+    with pytest.raises(ValueError, match="missing"):
+        moe_triton_fused(x, logits, w13, w2, 2, True)
     with pytest.raises(ValueError, match="missing"):
         moe_triton_fused(x, logits, w13, w2, 2, True, block_m=16)
     with pytest.raises(ValueError, match="router_logits"):
@@ -83,8 +88,8 @@ def test_combine_kernel_rounds_like_the_torch_expression(k):
 @pytest.mark.parametrize("m", [1, 7, 70])
 def test_fuse_glue_gives_the_same_bits(m):
     x, logits, w13, w2 = _case(m, e=6, seed=m)
-    plain = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16)
-    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=1), plain)
+    plain = moe_triton_fused(x, logits, w13, w2, 2, True, **TILES[16])
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 2, True, **TILES[16], fuse_glue=1), plain)
 
 
 @pytest.mark.parametrize("e,k,renormalize", [(6, 2, True), (128, 8, True), (60, 4, False)])
@@ -106,10 +111,10 @@ def test_route_kernel_matches_route_and_keeps_rows_apart(e, k, renormalize):
 
 def test_fuse_glue_2_routes_the_same_experts(monkeypatch):
     x, logits, w13, w2 = _case(40, e=6, seed=5)
-    plain = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16)
-    y = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=2)
+    plain = moe_triton_fused(x, logits, w13, w2, 2, True, **TILES[16])
+    y = moe_triton_fused(x, logits, w13, w2, 2, True, **TILES[16], fuse_glue=2)
     assert ((y.double() - plain.double()).norm() / plain.double().norm()).item() < 1e-5
-    assert torch.equal(moe_triton_fused(x[:7], logits[:7], w13, w2, 2, True, row_key=16, fuse_glue=2), y[:7])
+    assert torch.equal(moe_triton_fused(x[:7], logits[:7], w13, w2, 2, True, **TILES[16], fuse_glue=2), y[:7])
 
 
 @pytest.mark.parametrize("m,fuse_glue", [(1, 0), (3, 0), (50, 0), (1, 1), (3, 1)])
@@ -118,10 +123,10 @@ def test_fewer_row_blocks_give_the_same_bits(m, fuse_glue, monkeypatch):
     # looser bound only added empty blocks, so the result must not move
     from detent.kernels import moe_triton
     x, logits, w13, w2 = _case(m, e=6, seed=11 + m)
-    tight = moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=fuse_glue)
+    tight = moe_triton_fused(x, logits, w13, w2, 2, True, **TILES[16], fuse_glue=fuse_glue)
     assert moe_triton.max_row_blocks(2 * m, 6, 16) == min(2 * m, (2 * m + 90) // 16)
     monkeypatch.setattr(moe_triton, "max_row_blocks", lambda r, e, bm: (r + e * (bm - 1)) // bm)
-    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 2, True, row_key=16, fuse_glue=fuse_glue), tight)
+    assert torch.equal(moe_triton_fused(x, logits, w13, w2, 2, True, **TILES[16], fuse_glue=fuse_glue), tight)
 
 
 def test_row_block_bound_holds_for_every_routing():

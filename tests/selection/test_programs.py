@@ -115,20 +115,25 @@ def test_gpu_programs():
     assert mo.pins == ()
     for mode in ("stock", "pinned"):
         f = mo.compile(mode=mode)
-        assert [f(num_tokens=n)["row_key"] for n in (1, 100, 600, 8000)] == [16, 128, 1024, 4096]
+        tiles = programs.moe_tiles()
+        for n, key in ((1, 16), (100, 128), (600, 1024), (8000, 4096)):
+            assert f(num_tokens=n) == {"impl": "triton_fused", **tiles[key], "fuse_glue": 2}, (mode, n)
+    assert mo.compile(mode="conservative")(num_tokens=1) == {"impl": "triton_fused", **tiles[4096], "fuse_glue": 2}
 
 
 def test_gpu_selections_match_the_registered_triton_candidates():
-    gemm_triton = pytest.importorskip("detent.kernels.gemm_triton")
-    moe_triton = pytest.importorskip("detent.kernels.moe_triton")
+    pytest.importorskip("detent.kernels.gemm_triton")
+    pytest.importorskip("detent.kernels.moe_triton")
     from detent.kernels import registry
+    from detent.selection.programs import gemm as gemm_program
     from detent.selection.programs import moe as moe_program
-    assert moe_program.GPU_KEYS == tuple(sorted(moe_triton.MOE_CONFIGS))
+    assert moe_program.GPU_KEYS == tuple(programs.moe_tiles())
     for n in (128, 4096, 6144, 14336, 28672):
         g = sol("gemm", GPU, dict(GEMM_SITE, n=n, dtype="bfloat16")).compile(mode="pinned")
         for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 5000):
             sel = dict(g(num_tokens=m))
-            assert sel.pop("impl") == "triton_persistent" and sel == gemm_triton.config_for(m, n), (n, m)
+            want = programs.gemm_tile(gemm_program.triton_config(m, n))  # the compiled selector vs Python
+            assert sel.pop("impl") == "triton_persistent" and sel == want, (n, m)
     for fam, facts, site, r in [
             ("attention", GPU, dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128), rt(max_seqlen_k=900)),
             ("gemm", GPU, GEMM_SITE, rt()), ("moe", GPU, MOE_SITE, rt()),
