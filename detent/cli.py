@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from detent import selection_cli
+from detent.engine.config import SELECTION_MODES
 
 
 def _add_generate(sub) -> None:
@@ -23,7 +24,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     p.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
-    p.add_argument("--selection", default="pinned", choices=["pinned", "stock", "conservative"])
+    p.add_argument("--selection", default="pinned", choices=SELECTION_MODES)
     p.add_argument("--tuple", default=None, help="commitment tuple (t.json)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

@@ -15,6 +15,7 @@ _LAZY = {
     "LLMEngine": "detent.engine.llm_engine",
     "EngineConfig": "detent.engine.config",
     "EngineLimits": "detent.engine.config",
+    "SELECTION_MODES": "detent.engine.config",
     "Fingerprint": "detent.engine.fingerprint",
     "TrainerForward": "detent.engine.trainer",
 }

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import torch
 
-SELECTION_MODES = ("pinned", "stock", "conservative")
-DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "half": torch.float16}
+from detent.models.loader import DTYPES, LOAD_FORMATS, resolve_dtype
+from detent.selection.compiler.solver import MODES as SELECTION_MODES
+
+# The user's choices are checked here, once, against the lists of the floors
+# that use them: selection modes (selection/compiler/solver.py), dtypes and
+# load formats (models/loader.py).
 
 
 @dataclass(frozen=True)
@@ -53,14 +58,14 @@ class EngineConfig:
             positive(name)
         if self.selection not in SELECTION_MODES:
             raise ValueError(f"selection must be one of {SELECTION_MODES}, got {self.selection!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.max_logprobs < 0:
@@ -74,13 +79,9 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} but no CUDA device is available")
         return dev
 
-    def resolve_dtype(self, model_dtype: str, device: torch.device) -> torch.dtype:
+    def resolve_dtype(self, mc: Any, device: torch.device) -> torch.dtype:
         """'auto': the checkpoint's dtype on GPU (float32 checkpoints stay float32), float32 on CPU."""
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        if device.type == "cpu":
-            return torch.float32
-        return DTYPES.get(model_dtype) or torch.bfloat16
+        return resolve_dtype(self.dtype, mc, device)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ def load(config: EngineConfig, device: torch.device) -> tuple[torch.nn.Module, A
 
     resolved = resolve_model(config.model, config.load_format)
     mc = resolved.config
-    dtype = config.resolve_dtype(mc.dtype, device)
+    dtype = config.resolve_dtype(mc, device)
     model = load_model(mc, device=device, dtype=dtype, load_format=resolved.load_format,
                        path=resolved.path, seed=config.seed)
     tokenizer = Tokenizer.from_pretrained(resolved.tokenizer_source) if resolved.tokenizer_source else None

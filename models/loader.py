@@ -12,21 +12,23 @@ from detent.models.layers import TPInfo
 from detent.models.registry import model_class
 from detent.models.weights import CheckpointError, init_dummy, load_safetensors
 
+# the one list of load formats and dtype names (EngineConfig validates against these)
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "gguf")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """"auto"/None: the checkpoint's dtype on GPU, float32 on CPU."""
+    """"auto"/None: the checkpoint's dtype on GPU (bfloat16 when it names none we
+    know; float32 checkpoints stay float32), float32 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return _DTYPES[config.dtype] if device.type != "cpu" else torch.float32
+        return DTYPES.get(config.dtype, torch.bfloat16) if device.type != "cpu" else torch.float32
     try:
-        return _DTYPES[str(dtype)]
+        return DTYPES[str(dtype)]
     except KeyError:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}") from None
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}") from None
 
 
 @contextlib.contextmanager
@@ -74,4 +76,4 @@ def load_model(config: ModelConfig, *, device: str | torch.device = "cpu",
     return model.eval()
 
 
-__all__ = ["CheckpointError", "LOAD_FORMATS", "load_model", "resolve_dtype"]
+__all__ = ["CheckpointError", "DTYPES", "LOAD_FORMATS", "load_model", "resolve_dtype"]

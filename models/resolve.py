@@ -61,8 +61,9 @@ def _has_tokenizer(d: str | None) -> bool:
 
 
 def _check_format(load_format: str) -> None:
-    if load_format not in ("auto", "safetensors", "dummy", "gguf"):
-        raise ValueError(f"load_format must be auto, safetensors, dummy or gguf; got {load_format!r}")
+    from detent.models.loader import LOAD_FORMATS
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
 
 
 def _from_dir(d: str, load_format: str, name: str, source: str) -> ResolvedModel:

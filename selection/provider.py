@@ -7,13 +7,11 @@ from typing import Any, Callable
 
 from detent.selection import programs
 from detent.selection.compiler.commitment import CommitmentTuple, resolve
-from detent.selection.compiler.solver import MODES, solve
+from detent.selection.compiler.solver import solve
 
 
 class SelIRProvider:
     def __init__(self, facts: dict[str, Any], mode: str = "pinned", tuple_: CommitmentTuple | None = None):
-        if mode not in MODES:
-            raise ValueError(f"selection mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.facts, self.mode, self.tuple = dict(facts), mode, tuple_
         self.assignments: dict[tuple[str, str], dict] = {}  # what each site runs with (pinned mode)
 

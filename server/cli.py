@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from detent.engine import SELECTION_MODES
+
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 
@@ -21,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model directory, HF cache name or preset (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--tuple", default=None, help="commitment tuple t.json (default: the default tuple)")
-    p.add_argument("--selection", choices=("pinned", "stock", "conservative"), default="pinned")
+    p.add_argument("--selection", choices=SELECTION_MODES, default="pinned")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -64,7 +64,7 @@ def build_rank(config, resolved, rank: int, world: int, device: torch.device, gr
     from detent.models.loader import load_model
 
     mc = resolved.config
-    dtype = config.resolve_dtype(mc.dtype, device)
+    dtype = config.resolve_dtype(mc, device)
     model = load_model(mc, device=device, dtype=dtype, load_format=resolved.load_format, path=resolved.path,
                        tp_rank=rank, tp_size=world, tp_group=group, seed=config.seed,
                        progress=rank == 0)
