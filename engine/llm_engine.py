@@ -67,11 +67,12 @@ class LLMEngine:
                 model, model_config, tokenizer = load(config, device)
             self._build_local(model, model_config, device)
         self.model_config, self.tokenizer = model_config, tokenizer
+        self.outputs = OutputProcessor(tokenizer)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.state.max_model_len),
-                                   self.state.num_blocks, config.block_size, config.enable_prefix_caching)
+                                   self.state.num_blocks, config.block_size, config.enable_prefix_caching,
+                                   stop_strings=self.outputs.update_text)
         self.block_manager = self.scheduler.bm  # read-only view for stats()
-        self.outputs = OutputProcessor(tokenizer)
         eos = set(getattr(model_config, "eos_token_ids", ()) or ())
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -230,17 +231,9 @@ class LLMEngine:
 
     def _finish_step(self, handle) -> list[RequestOutput]:
         """Collect a launched step, advance the requests, emit their outputs."""
-        progressed = self.scheduler.update(handle.plan, self.runner.collect(handle))
+        progressed = self.scheduler.update(handle.plan, self.runner.collect(handle))  # every stop decided here
         self._num_steps += 1
-        groups: dict[str, None] = {}
-        for req in progressed:
-            stop = self.outputs.update_text(req)
-            if stop is not None:
-                if req.is_finished:  # it also hit a length limit or EOS: the stop string wins
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                else:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
-            groups[self.outputs.parent_of[req.request_id]] = None
+        groups = {self.outputs.parent_of[req.request_id]: None for req in progressed}
         return [self._emit(g) for g in groups]
 
     def _fail_plan(self, plan, message: str) -> list[RequestOutput]:

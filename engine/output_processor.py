@@ -1,5 +1,6 @@
-"""Turns request state into `RequestOutput`s: detokenization, stop strings,
-logprob dicts, and the grouping of `n > 1` samples under one request id."""
+"""Turns request state into `RequestOutput`s: detokenization (and finding
+stop strings in the text, for the scheduler to stop on), logprob dicts, and
+the grouping of `n > 1` samples under one request id."""
 from __future__ import annotations
 
 import time
@@ -56,7 +57,8 @@ class OutputProcessor:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def update_text(self, req: Request) -> str | None:
-        """Re-detokenize `req`'s output; return the stop string it now contains, if any."""
+        """Re-detokenize `req`'s output and cut its text at the first stop string;
+        return that stop string, if any (the scheduler finishes the request for it)."""
         g = self.groups[self.parent_of[req.request_id]]
         s = next(x for x in g.samples if x.req is req)
         self._extend_logprobs(s)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from detent.scheduler.block_manager import BlockManager
 from detent.sampling.sampler import SamplingRow
@@ -52,11 +53,16 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True,
+                 stop_strings: Callable[[Request], str | None] | None = None):
         """`num_blocks` KV blocks of `block_size` tokens (the null block included):
-        the scheduler owns the `BlockManager` that hands them out."""
+        the scheduler owns the `BlockManager` that hands them out.
+        `stop_strings(req)`: the request's text is detokenized up to its last
+        token; the stop string it now holds, if any (the engine's output
+        processor). The scheduler decides every stop, this one included."""
         self.limits = limits
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.stop_strings = stop_strings
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id
@@ -187,8 +193,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
     def update(self, plan: SchedulerOutput, out: ModelOutput) -> list[Request]:
-        """Advance the counters by the step's results; returns the requests
-        that got a token (finished ones included, already freed)."""
+        """Advance the counters by the step's results and finish the requests
+        that stop (EOS, stop token ids, max_tokens, max_model_len, grammar,
+        stop strings); returns the requests that got a token (finished ones
+        included, already freed)."""
         progressed = []
         for seq in plan.seqs:
             req = self.requests.get(seq.request_id)
@@ -207,8 +215,20 @@ class Scheduler:
                 stop = self._advance_grammar(req, st.token_id, stop)
             if stop is not None:
                 self.finish(req, *stop)
+            if self.stop_strings is not None:  # after the finish: a finished request flushes its text
+                hit = self.stop_strings(req)
+                if hit is not None:
+                    self._stop_at_string(req, hit)
             progressed.append(req)
         return progressed
+
+    def _stop_at_string(self, req: Request, stop: str) -> None:
+        """The text reached a stop string: the request stops for it, even when the
+        same token also ended it (length, EOS): the string wins, as in vLLM."""
+        if req.is_finished:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        else:
+            self.finish(req, RequestStatus.FINISHED_STOPPED, stop)
 
     def fail_grammar_errors(self) -> list[Request]:
         """Finish (status error) the waiting requests whose grammar failed to compile or timed out."""

@@ -50,6 +50,10 @@ def test_stop_string_truncates_text(llm):
     c2 = llm.generate(["abc"], SamplingParams(max_tokens=24, stop=stop, include_stop_str_in_output=True, **G),
                       use_tqdm=False)[0].outputs[0]
     assert c2.text == full.text[:first + len(stop)]
+    # the token that completes the stop string is also the last max_tokens allows: the string wins
+    c3 = llm.generate(["abc"], SamplingParams(max_tokens=len(c.token_ids), stop=stop, **G),
+                      use_tqdm=False)[0].outputs[0]
+    assert (c3.finish_reason, c3.stop_reason, c3.text) == ("stop", stop, c.text)
 
 
 def test_stop_token_ids_and_eos(llm):

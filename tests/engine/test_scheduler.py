@@ -194,3 +194,21 @@ def test_a_preempted_request_with_a_pending_token_waits_for_it():
     p2 = s.schedule()
     # recomputes prompt + the token (its first full block is a prefix-cache hit)
     assert [(q.request_id, q.start, q.token_ids) for q in p2.seqs] == [("a", 4, (14, 8))]
+
+
+def test_the_scheduler_stops_on_a_stop_string_and_frees_the_blocks():
+    seen = []
+
+    def stop_strings(r):  # the output processor's role: "the text now holds this stop string"
+        seen.append((r.request_id, r.num_output_tokens, r.status))
+        return "END" if r.num_output_tokens == 2 else None
+    s = Scheduler(SchedulerLimits(8, 16, 64), 32, BS, stop_strings=stop_strings)
+    a, b = req("a", 5), req("b", 5, max_tokens=2)  # b's second token also reaches max_tokens
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)
+    assert (a.status, a.stop_reason) == (RequestStatus.FINISHED_STOPPED, "END")
+    assert (b.status, b.stop_reason) == (RequestStatus.FINISHED_STOPPED, "END")  # the string wins
+    assert ("b", 2, RequestStatus.FINISHED_LENGTH) in seen  # asked after the length stop, to flush text
+    assert not s.requests and s.bm.num_free_blocks == 31
