@@ -1,4 +1,4 @@
-"""Every import points down (docs/architecture.md, "Floors").
+"""Every import points down (docs/architecture.md, "Folders" and "Floors").
 
 The module graph is read from the source with `ast`, lazy imports inside
 functions included, with the folder -> `detent.*` mapping taken from
@@ -6,7 +6,8 @@ pyproject.toml's package-dir. Floors, bottom up:
 
     kernels/registry.py        imports nothing of ours
     kernels/                   nothing of ours outside kernels/
-    selection/                 kernels/ only (by name, through the registry)
+    selection/                 kernels/registry.py only (candidates by name);
+                               ops, context and dispatch reach no selection/compiler/
     models/, sampling/         selection/ (the `ops` façade) and themselves
     scheduler/                 sampling/; never engine/
     engine/                    everything below; never kernels/
