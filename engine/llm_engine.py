@@ -35,11 +35,11 @@ from typing import Any, Sequence
 
 import torch
 
-from detent.engine.config import EngineConfig, EngineLimits, EngineState
+from detent.engine.config import EngineConfig, EngineLimits
 from detent.engine.fingerprint import Fingerprint, fingerprint
 from detent.engine.output_processor import OutputProcessor
-from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.engine.outputs import RequestOutput
+from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.sampling.params import SamplingParams
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from detent.engine.tp.executor import TPExecutor, TPWorkerError
 from detent.engine.startup import local_kv_heads, max_model_len_for
+from detent.engine.tp.executor import TPExecutor, TPWorkerError
 from detent.engine.tp.validate import TPConfigError, check_tp_compatible
 
 
