@@ -118,7 +118,7 @@ def server(tiny_model):
     extra = os.environ.get("DETENT_TEST_SERVER_ARGS", "").split()
     with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024", "--max-num-seqs", "32",
                           "--max-request-bytes", "1000000", "--served-model-name", "smollm2", "detent-smollm2",
-                          *extra)) as s:
+                          "--request-timeout", "3", *extra)) as s:
         yield s
 
 
