@@ -148,3 +148,27 @@ def test_json_walk(obj, needle):
     else:
         with pytest.raises(APIError, match=needle.replace("[", r"\[").replace("]", r"\]")):
             check_json(obj)
+
+
+def test_client_templates_pass_only_when_trusted():
+    from detent.server.chat import client_template
+    from detent.server.protocol import ChatCompletionRequest
+    req = ChatCompletionRequest.model_validate(
+        {"messages": MSGS, "chat_template_kwargs": {"chat_template": WRITES, "flag": 1}})
+    with pytest.raises(APIError, match="--trust-request-chat-template"):
+        client_template(req, trusted=False)
+    assert client_template(req, trusted=True) == {"chat_template": WRITES, "flag": 1}
+    plain = ChatCompletionRequest.model_validate({"messages": MSGS, "chat_template_kwargs": {"flag": 1}})
+    assert client_template(plain, trusted=False) == {"flag": 1}
+
+
+def test_limit_flags_build_the_servers_limits():
+    from detent.server.cli import parse_args
+    a = parse_args(["--max-n", "4", "--request-timeout", "2.5", "--trust-request-chat-template",
+                    "--max-logprob-entries", "10"])
+    assert a.limits == ServerLimits(max_n=4, request_timeout_s=2.5, trust_request_chat_template=True,
+                                    max_logprob_entries=10)
+    assert parse_args([]).limits == ServerLimits()
+    for bad in (["--max-n", "0"], ["--chat-template-timeout", "-1"], ["--max-request-bytes", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
