@@ -65,10 +65,13 @@ class TimedRange:
         return iter(TimedRange(self.r[::-1], self.deadline, self.limit_s))
 
 
+def _too_slow(limit_s: float) -> APIError:
+    return bad_request(f"rendering the chat template took over {limit_s:g} s (--chat-template-timeout)", "messages")
+
+
 def _check_deadline(deadline: float, limit_s: float) -> None:
     if time.monotonic() > deadline:
-        raise bad_request(f"rendering the chat template took over {limit_s:g} s (--chat-template-timeout)",
-                          "messages")
+        raise _too_slow(limit_s)
 
 
 class Preprocessor:
@@ -81,9 +84,10 @@ class Preprocessor:
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
         """`fn(*args)` on the pool; a slot is held until the thread is done with it,
-        even when the request that asked has gone (a thread cannot be stopped)."""
+        even when the request that asked has gone (a thread cannot be stopped).
+        With `timeout_s`, the caller stops waiting that long after the job started."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limits.preprocess_workers)
         await self._slots.acquire()
@@ -93,7 +97,7 @@ class Preprocessor:
             self._slots.release()
             raise
         fut.add_done_callback(lambda _: self._slots.release())
-        return await asyncio.shield(fut)
+        return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
 
     def check_chars(self, n: int, param: str) -> None:
         if n > self.max_chars:
@@ -111,7 +115,13 @@ class Preprocessor:
 
     async def render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
         self.check_chars(sum(len(m.get("content") or "") for m in messages), "messages")
-        return await self.run(self._render, messages, add_generation_prompt, kwargs)
+        limit_s = self.limits.chat_template_timeout_s
+        try:
+            # the thread checks its own deadline; this answers the client even when
+            # the template is stuck in one operation the thread cannot interrupt
+            return await self.run(self._render, messages, add_generation_prompt, kwargs, timeout_s=limit_s + 1.0)
+        except asyncio.TimeoutError:
+            raise _too_slow(limit_s) from None
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
         """On a pool thread: the rendering, stopped at the time and size bounds."""

@@ -30,7 +30,7 @@ def tokenizer(tiny_model):
     return Tokenizer(tiny_model)
 
 
-def _render_while_ticking(pre: Preprocessor, template: str, kwargs=None):
+def _render_while_ticking(pre: Preprocessor, template: str, content: str = "hello there"):
     """Renders `template` while a coroutine ticks every 10 ms: (error, seconds, longest gap between ticks)."""
     async def main():
         gaps, stop = [], False
@@ -46,7 +46,7 @@ def _render_while_ticking(pre: Preprocessor, template: str, kwargs=None):
         ticker = asyncio.ensure_future(tick())
         t0 = time.monotonic()
         try:
-            await pre.render(MSGS, True, {"chat_template": template, **(kwargs or {})})
+            await pre.render([{"role": "user", "content": content}], True, {"chat_template": template})
             err = None
         except APIError as e:
             err = e
@@ -64,6 +64,18 @@ def test_a_looping_template_stops_at_its_deadline_off_the_event_loop(tokenizer):
     assert err is not None and err.status == 400 and "--chat-template-timeout" in err.message
     assert took < 2.0          # 10**10 iterations unbounded
     assert gap < 0.25          # the event loop kept running meanwhile (on the loop: one 0.5 s+ gap)
+    pre.shutdown()
+
+
+def test_a_template_looping_over_data_silently_is_answered_at_the_deadline(tokenizer):
+    """Loops over the messages' text that write nothing are not seen by the thread's
+    checks (no range, no output); the client still gets its 400 a second after the
+    deadline, and the loop keeps running meanwhile."""
+    pre = Preprocessor(tokenizer, ServerLimits(chat_template_timeout_s=0.2), max_model_len=1024)
+    quadratic = "{% for a in messages[0].content %}{% for b in messages[0].content %}{% endfor %}{% endfor %}"
+    err, took, gap = _render_while_ticking(pre, quadratic, content="y" * 6000)
+    assert err is not None and "--chat-template-timeout" in err.message
+    assert took < 2.5 and gap < 0.25
     pre.shutdown()
 
 
