@@ -13,7 +13,7 @@ import json
 import os
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -133,6 +133,13 @@ class Tokenizer:
                             **kwargs) -> str:
         """Render a conversation to the prompt string (tokenize it with
         `encode(..., add_special_tokens=False)`, or use `encode_chat`)."""
+        return "".join(self.chat_template_chunks(messages, add_generation_prompt, tools, chat_template, **kwargs))
+
+    def chat_template_chunks(self, messages: Iterable[dict], add_generation_prompt: bool = True,
+                             tools: list[dict] | None = None, chat_template: str | None = None,
+                             **kwargs) -> Iterator[str]:
+        """The rendering piece by piece as Jinja produces it, so that a caller
+        (the server) can stop a template that runs too long or writes too much."""
         template = chat_template or self.chat_template
         if template is None:
             raise ChatTemplateError(f"the tokenizer at {self.path} has no chat template "
@@ -143,7 +150,7 @@ class Tokenizer:
                    "messages": list(messages), "add_generation_prompt": add_generation_prompt,
                    "tools": tools}
         try:
-            return _compile_template(template).render(**context)
+            yield from _compile_template(template).generate(**context)
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
 

@@ -16,6 +16,12 @@ Semantics (documented in sampling/README.md-style here, tested in tests/sampling
   output tokens are these ids whatever the model says (teacher forcing); the
   reported logprobs are the model's along that continuation.
 - seed: any int in [-2**63, 2**64); negative seeds are taken mod 2**64.
+
+Every numeric field has an upper bound as well as a lower one, so nothing a
+request sends can overflow a tensor (a top_k of 2**70 overflowed an int64 in
+the sampler and failed every request of the step) or leave float32's range
+(a temperature of 1e39 is inf there, and -inf / inf is NaN). The bounds are
+wide: no useful value is refused.
 """
 from __future__ import annotations
 
@@ -26,6 +32,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+MAX_INT32 = 2**31 - 1  # top_k, token ids, token counts: any vocabulary and context is smaller
+MAX_TEMPERATURE = 1e4  # logits / temperature stays finite and normal in float32 down to SAMPLING_EPS
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)  # logits x or / the penalty stays finite in float32
 _LOGPROBS_MODES = {"raw": "raw", "processed": "processed", "raw_logprobs": "raw",
                    "processed_logprobs": "processed", "raw_logits": "raw_logits",
                    "processed_logits": "processed_logits"}
@@ -57,8 +66,8 @@ def _token_list(name: str, v: Any) -> list[int]:
         raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {v!r}")
     out = list(v)
     for t in out:
-        if not _is_int(t) or t < 0:
-            raise ValueError(f"{name} must be a list of token ids (integers >= 0), got element {t!r}")
+        if not _is_int(t) or not 0 <= t <= MAX_INT32:
+            raise ValueError(f"{name} must be a list of token ids (integers in [0, {MAX_INT32}]), got element {t!r}")
     return out
 
 
@@ -180,18 +189,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _int_field("n", self.n, 1, 1024)
-        _float_field("temperature", self.temperature, "[0, inf)", lambda v: v >= 0)
-        _int_field("top_k", self.top_k, -1)
+        _float_field("temperature", self.temperature, f"[0, {MAX_TEMPERATURE:g}]",
+                     lambda v: 0 <= v <= MAX_TEMPERATURE)
+        _int_field("top_k", self.top_k, -1, MAX_INT32)
         _float_field("top_p", self.top_p, "(0, 1]", lambda v: 0 < v <= 1)
         _float_field("min_p", self.min_p, "[0, 1]", lambda v: 0 <= v <= 1)
         _float_field("presence_penalty", self.presence_penalty, "[-2, 2]", lambda v: -2 <= v <= 2)
         _float_field("frequency_penalty", self.frequency_penalty, "[-2, 2]", lambda v: -2 <= v <= 2)
-        _float_field("repetition_penalty", self.repetition_penalty, "(0, inf)", lambda v: v > 0)
+        lo, hi = REPETITION_PENALTY_RANGE
+        _float_field("repetition_penalty", self.repetition_penalty, f"[{lo:g}, {hi:g}]", lambda v: lo <= v <= hi)
         if self.seed is not None:
             _int_field("seed", self.seed, -(2**63), 2**64 - 1)
         if self.max_tokens is not None:
-            _int_field("max_tokens", self.max_tokens, 1)
-        _int_field("min_tokens", self.min_tokens, 0, self.max_tokens)
+            _int_field("max_tokens", self.max_tokens, 1, MAX_INT32)
+        _int_field("min_tokens", self.min_tokens, 0, MAX_INT32 if self.max_tokens is None else self.max_tokens)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -202,9 +213,9 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
-            _int_field("logprobs", self.logprobs, 0)  # the engine caps it at its max_logprobs
+            _int_field("logprobs", self.logprobs, 0, MAX_INT32)  # the engine caps it at its max_logprobs
         if self.prompt_logprobs is not None:
-            _int_field("prompt_logprobs", self.prompt_logprobs, 0)
+            _int_field("prompt_logprobs", self.prompt_logprobs, 0, MAX_INT32)
         if self.logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {sorted(_LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         self.logprobs_mode = _LOGPROBS_MODES[self.logprobs_mode]
@@ -221,8 +232,8 @@ class SamplingParams:
             bias = {}
             for k, v in self.logit_bias.items():
                 tid = int(k) if isinstance(k, str) and k.isdigit() else k
-                if not _is_int(tid) or tid < 0:
-                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+                if not _is_int(tid) or not 0 <= tid <= MAX_INT32:
+                    raise ValueError(f"logit_bias keys must be token ids (integers in [0, {MAX_INT32}]), got {k!r}")
                 _float_field(f"logit_bias[{tid}]", v, "[-100, 100]", lambda x: -100 <= x <= 100)
                 bias[tid] = float(v)
             self.logit_bias = bias

@@ -8,9 +8,11 @@ import hmac
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from detent.server import chat, completions
-from detent.server.errors import APIError, request_validation_handler, unhandled_handler
+from detent.server.errors import (APIError, http_exception_handler, request_validation_handler, short_reason,
+                                  unhandled_handler)
 from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
 from detent.server.serving import ServerState, read_body
@@ -36,7 +38,12 @@ class DetentASGIMiddleware:
 
         async def send_with_headers(msg):
             if msg["type"] == "http.response.start":
-                msg = {**msg, "headers": list(msg.get("headers", [])) + self.headers}
+                headers = list(msg.get("headers", [])) + self.headers
+                if msg.get("status") == 500 and not any(k.lower() == b"connection" for k, _ in headers):
+                    # uvicorn drops the connection after an unhandled error; say so,
+                    # or a pooling client sends its next request into a closed socket
+                    headers.append((b"connection", b"close"))
+                msg = {**msg, "headers": headers}
             await send(msg)
 
         key = self.state.api_key
@@ -63,6 +70,7 @@ def build_app(state: ServerState) -> FastAPI:
             state.engine.start(asyncio.get_running_loop())
         yield
         state.engine.shutdown()
+        state.preprocess.shutdown()
 
     app = FastAPI(title="Detent", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.detent = state
@@ -74,13 +82,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, request_validation_handler)
+    app.add_exception_handler(HTTPException, http_exception_handler)
     app.add_exception_handler(Exception, unhandled_handler)
 
     @app.get("/health")
     async def health() -> Response:
         if state.engine.running:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "reason": state.engine.dead or "engine not running"},
+        # the engine thread logged the full error; a prober gets one line without paths
+        return JSONResponse({"status": "unhealthy", "reason": short_reason(state.engine.dead or "engine not running")},
                             status_code=503)
 
     @app.get("/metrics")
@@ -118,9 +128,10 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = chat.chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+            ids = await chat.chat_prompt_ids(state, req.messages, req.add_generation_prompt, kwargs=chat.client_template(
+                req, state.limits.trust_request_chat_template))
         else:
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await state.preprocess.encode(req.prompt, "prompt", req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
 
     @app.post("/v1/detokenize")
@@ -131,7 +142,7 @@ def build_app(state: ServerState) -> FastAPI:
         from detent.server.params import check_prompt_ids
         if req.tokens:
             check_prompt_ids(req.tokens, state.vocab_size, "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+        return JSONResponse({"prompt": await state.preprocess.decode(req.tokens)})
 
     wrapped = DetentASGIMiddleware(app, state)
     wrapped.fastapi = app  # type: ignore[attr-defined]

@@ -8,11 +8,12 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from detent.server.errors import APIError, bad_request
+from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
-from detent.server.params import check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs
-from detent.server.protocol import ChatCompletionRequest, ChatMessage
+from detent.server.params import (check_counts, check_logprob_entries, check_prompt_ids, resolve_max_tokens,
+                                  sampling_params, structured_outputs)
+from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
 
 
@@ -32,29 +33,43 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
-    try:
-        text = state.tokenizer.apply_chat_template(
-            messages_to_dicts(messages), add_generation_prompt=add_generation_prompt and not continue_final_message,
-            **(kwargs or {}))
-    except APIError:
-        raise
-    except Exception as e:  # a template that raises on these messages is the request's fault
-        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+def client_template(req: ChatCompletionRequest | TokenizeRequest, trusted: bool) -> dict[str, Any]:
+    """The template kwargs a request may pass: a client's own template only when the
+    server trusts them (--trust-request-chat-template), as vLLM does."""
+    kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    template = getattr(req, "chat_template", None)
+    param = "chat_template"
+    if "chat_template" in kwargs:
+        template, param = kwargs.pop("chat_template"), "chat_template_kwargs.chat_template"
+    if template is not None:
+        if not trusted:
+            raise bad_request(f"{param}: this server does not accept chat templates in requests; it renders "
+                              f"with the model's own (start it with --trust-request-chat-template to allow them)",
+                              param)
+        if not isinstance(template, str):
+            raise bad_request(f"{param} must be a string, got {type(template).__name__}", param)
+        kwargs["chat_template"] = template
+    return kwargs
+
+
+async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
+    text = await state.preprocess.render(messages_to_dicts(messages), add_generation_prompt and not
+                                         continue_final_message, kwargs or {})
     if continue_final_message:
         last = messages[-1].content if isinstance(messages[-1].content, str) else None
         if last and last in text:
             text = text[: text.rindex(last) + len(last)]
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    return await state.preprocess.encode(text, "messages", add_special_tokens=False)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     model = state.check_model(req.model)
     if req.tools:
         raise bad_request("tools are not supported by this server", "tools")
-    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                          req.chat_template_kwargs)
+    check_counts(req, state.limits, 1)
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                client_template(req, state.limits.trust_request_chat_template))
     check_prompt_ids(ids, None, "messages")
     structured = structured_outputs(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -65,6 +80,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
+    check_logprob_entries(state.limits, [len(ids)], [mt], req.n, k, req.prompt_logprobs, 1)
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
                              structured=structured)
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"

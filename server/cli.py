@@ -15,8 +15,6 @@ import sys
 
 from detent.engine import SELECTION_MODES
 
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser("detent-serve", description="OpenAI-compatible server for the Detent engine")
@@ -43,15 +41,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="name(s) the API accepts in `model` (default: the --model argument)")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="refuse new requests with 503 while this many are waiting")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="refuse larger request bodies with 413")
     p.add_argument("--graceful-timeout", type=float, default=5.0)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    _limit_flags(p)
     a = p.parse_args(argv)
-    for name in ("tp", "max_queue_len", "max_request_bytes", "port"):
+    for name in ("tp", "max_queue_len", "port"):
         if getattr(a, name) < (0 if name == "max_queue_len" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    try:
+        a.limits = limits_from_args(a)
+    except ValueError as e:
+        p.error(str(e))
     return a
+
+
+# flag -> ServerLimits field (server/limits.py says what each bounds)
+LIMIT_FLAGS = {
+    "--max-request-bytes": ("max_request_bytes", int, "refuse larger request bodies with 413"),
+    "--request-timeout": ("request_timeout_s", float, "seconds to receive a request body, else 408"),
+    "--max-prompts-per-request": ("max_prompts", int, "prompts in one completion request"),
+    "--max-n": ("max_n", int, "samples per prompt (n, best_of)"),
+    "--max-sequences-per-request": ("max_sequences", int, "prompts x n in one request"),
+    "--max-logprob-entries": ("max_logprob_entries", int,
+                              "logprob values one response may hold (tokens x (top-k + 1), prompt and output)"),
+    "--max-chars-per-token": ("chars_per_token", int,
+                              "a prompt over max-model-len x this many characters is refused before tokenizing"),
+    "--chat-template-timeout": ("chat_template_timeout_s", float, "seconds to render one conversation"),
+    "--preprocess-workers": ("preprocess_workers", int, "threads that tokenize and render chat templates"),
+}
+
+
+def _limit_flags(p: argparse.ArgumentParser) -> None:
+    from detent.server.limits import ServerLimits
+    d = ServerLimits()
+    for flag, (name, typ, doc) in LIMIT_FLAGS.items():
+        p.add_argument(flag, dest=name, type=typ, default=getattr(d, name), help=f"{doc} (default {getattr(d, name)})")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat template in the request (chat_template, chat_template_kwargs.chat_template); "
+                        "off by default: a template is code, and a client's can loop for as long as it likes")
+
+
+def limits_from_args(a: argparse.Namespace):
+    from detent.server.limits import ServerLimits
+    kw = {name: getattr(a, name) for name, _, _ in LIMIT_FLAGS.values()}
+    return ServerLimits(trust_request_chat_template=a.trust_request_chat_template, **kw)
 
 
 def build_state(a: argparse.Namespace):
@@ -75,7 +108,7 @@ def build_state(a: argparse.Namespace):
         model_root=a.model or "embedded:SmolLM2-135M-Instruct",
         max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
-        selection=a.selection, api_key=a.api_key or None, max_request_bytes=a.max_request_bytes)
+        selection=a.selection, api_key=a.api_key or None, limits=a.limits)
 
 
 def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:

@@ -11,28 +11,33 @@ from fastapi.responses import JSONResponse, Response
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, completion_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
-from detent.server.params import check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs
+from detent.server.params import (check_counts, check_logprob_entries, check_prompt_ids, resolve_max_tokens,
+                                  sampling_params, structured_outputs)
 from detent.server.protocol import CompletionRequest
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
 
 
-def _prompts(req: CompletionRequest, state: ServerState) -> list[tuple[str | None, list[int]]]:
-    p = req.prompt
+def _split(p: Any) -> tuple[list[str] | None, list[list[int]] | None]:
+    """(texts, token id lists): exactly one is not None."""
     if isinstance(p, str):
-        texts, ids_list = [p], None
-    elif not p:
+        return [p], None
+    if not p:
         raise bad_request("prompt is empty", "prompt")
-    elif isinstance(p[0], str):
-        texts, ids_list = p, None
-    elif isinstance(p[0], int):
-        texts, ids_list = None, [p]
-    else:
-        texts, ids_list = None, p
+    if isinstance(p[0], str):
+        return p, None
+    if isinstance(p[0], int):
+        return None, [p]
+    return None, p
+
+
+async def _prompts(texts: list[str] | None, ids_list: list[list[int]] | None,
+                   state: ServerState) -> list[tuple[str | None, list[int]]]:
     out = []
     if texts is not None:
         for i, t in enumerate(texts):
-            ids = state.tokenizer.encode(t, add_special_tokens=True)
-            check_prompt_ids(ids, None, f"prompt[{i}]" if len(texts) > 1 else "prompt")
+            param = f"prompt[{i}]" if len(texts) > 1 else "prompt"
+            ids = await state.preprocess.encode(t, param)
+            check_prompt_ids(ids, None, param)
             out.append((t, ids))
     else:
         for i, ids in enumerate(ids_list):
@@ -43,20 +48,24 @@ def _prompts(req: CompletionRequest, state: ServerState) -> list[tuple[str | Non
 
 async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
     model = state.check_model(req.model)
+    texts, ids_list = _split(req.prompt)
+    check_counts(req, state.limits, len(texts or ids_list))
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of must equal n ({req.n}) when given, got {req.best_of}", "best_of")
-    prompts = _prompts(req, state)
+    prompts = await _prompts(texts, ids_list, state)
     structured = structured_outputs(req)
     prompt_lp = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_lp = max(prompt_lp or 0, req.logprobs)
-    params = []
-    for _, ids in prompts:
-        mt = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, "max_tokens")
-        params.append(sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
-                                      structured=structured))
+    mts = [resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, "max_tokens") for _, ids in prompts]
+    # each choice repeats its prompt's logprobs: once as prompt_logprobs, once more when echoed
+    copies = req.n * ((req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None))
+    check_logprob_entries(state.limits, [len(ids) for _, ids in prompts], mts, req.n, req.logprobs, prompt_lp,
+                          copies)
+    params = [sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
+                              structured=structured) for mt in mts]
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     gen = await Generation(state, rid, [ids for _, ids in prompts], params).start()
     tok = TokenText(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=False),

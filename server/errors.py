@@ -14,11 +14,14 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     503: "service_unavailable_error",
     500: "internal_server_error",
@@ -56,9 +59,20 @@ class Overloaded(APIError):
                          headers={"Retry-After": str(retry_after_s)})
 
 
+_FILE = re.compile(r"(?:[A-Za-z]:)?[\\/]?(?:[\w.+-]+[\\/])+[\w.+-]+\.(?:py|pyx|c|cc|cpp|cu|cuh|h|hpp|so)\b(?::\d+)?")
+
+
+def short_reason(why: str, limit: int = 200) -> str:
+    """A failure's reason for a client: its first line, without file paths, at most
+    `limit` characters. The full text (a C++ stack trace, say) goes to the log."""
+    first = next((ln.strip() for ln in str(why).splitlines() if ln.strip()), "unknown error")
+    first = _FILE.sub("<file>", first)
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
 class EngineDead(APIError):
     def __init__(self, why: str):
-        super().__init__(503, f"the engine has stopped: {why}", code="engine_dead",
+        super().__init__(503, f"the engine has stopped: {short_reason(why)}", code="engine_dead",
                          headers={"Retry-After": "30"})
 
 
@@ -74,7 +88,7 @@ def _path(loc: tuple) -> tuple[tuple, tuple]:
     return loc, ()
 
 
-def _dotted(path: tuple) -> str:
+def dotted(path: tuple) -> str:
     out = ""
     for p in path:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -94,7 +108,7 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     groups: dict[str, list[tuple[tuple, dict]]] = {}
     for e in exc.errors():
         path, tags = _path(tuple(e.get("loc", ())))
-        groups.setdefault(_dotted(path), []).append((tags, e))
+        groups.setdefault(dotted(path), []).append((tags, e))
     msgs = []
     for where, group in list(groups.items())[:8]:
         if len(group) > 1 or group[0][0]:
@@ -112,5 +126,19 @@ async def request_validation_handler(_: Request, exc: RequestValidationError) ->
     return validation_error(exc).response()
 
 
+async def http_exception_handler(request: Request, exc: HTTPException) -> JSONResponse:
+    """Routing errors (404 no such path, 405 wrong method) in OpenAI's body, not FastAPI's `detail`."""
+    if exc.status_code == 404:
+        msg, code = f"no route {request.method} {request.url.path}", "not_found"
+    elif exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+        msg, code = f"method {request.method} is not allowed on {request.url.path}" + \
+            (f" (allowed: {allow})" if allow else ""), "method_not_allowed"
+    else:
+        msg, code = str(exc.detail), None
+    return APIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})).response()
+
+
 async def unhandled_handler(_: Request, exc: Exception) -> JSONResponse:
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    # Starlette re-raises after this response, and uvicorn logs the traceback
+    return APIError(500, f"internal error: {type(exc).__name__}: {short_reason(str(exc))}").response()

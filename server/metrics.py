@@ -6,6 +6,7 @@ thread's latest stats snapshot at scrape time.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -32,6 +33,16 @@ def kv_usage(stats: dict[str, Any]) -> float:
     total = stat(stats, "num_total_blocks", "num_blocks", "num_gpu_blocks")
     free = stat(stats, "num_free_blocks", default=total)
     return 0.0 if total <= 0 else (total - free) / total
+
+
+def metric_label(served_name: str) -> str:
+    """The `model_name` label: a served name as given, but a model directory
+    (the default served name when --served-model-name is unset) by its last
+    component, so no file path of the host reaches a metrics scraper. A hub
+    id ("org/name") is not a path and stays as it is."""
+    if os.path.isabs(served_name) or served_name.startswith((".", "~")) or os.path.exists(served_name):
+        return os.path.basename(os.path.normpath(served_name)) or served_name
+    return served_name
 
 
 class Metrics:

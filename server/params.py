@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from detent.sampling.params import SamplingParams, StructuredOutputs
+from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs
 from detent.server.errors import APIError, bad_request
+from detent.server.limits import ServerLimits
 from detent.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
 MAX_LOGPROBS = 20
-MAX_N = 128
 
 
 def structured_outputs(req: _Sampling) -> StructuredOutputs | None:
@@ -53,7 +53,7 @@ def structured_outputs(req: _Sampling) -> StructuredOutputs | None:
 def check_prompt_ids(ids: list[int], vocab_size: int | None, param: str = "prompt") -> None:
     if not ids:
         raise bad_request(f"{param} is empty: at least one prompt token is needed", param)
-    if vocab_size is not None:
+    if vocab_size is not None and not 0 <= min(ids) <= max(ids) < vocab_size:  # in C; the loop finds which
         for i, t in enumerate(ids):
             if not 0 <= t < vocab_size:
                 raise bad_request(f"{param} token id {t} at index {i} is outside the vocabulary "
@@ -78,17 +78,50 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return requested
 
 
-def _range(value: int | None, lo: int, hi: int, param: str) -> None:
+def _range(value: int | None, lo: int, hi: int, param: str, flag: str = "") -> None:
     if value is not None and not lo <= value <= hi:
-        raise bad_request(f"{param} must be between {lo} and {hi}, got {value}", param)
+        raise bad_request(f"{param} must be between {lo} and {hi}{f' ({flag})' if flag else ''}, got {value}", param)
+
+
+def check_counts(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits, num_prompts: int) -> None:
+    """The bounds that need no tokens, checked before any tokenizing: n, logprob
+    counts, max_tokens, and how many sequences the request asks for."""
+    _range(req.n, 1, limits.max_n, "n", "--max-n")
+    if isinstance(req, CompletionRequest):
+        _range(req.best_of, 1, limits.max_n, "best_of", "--max-n")
+        _range(req.logprobs, 0, MAX_LOGPROBS, "logprobs")
+    else:
+        _range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
+        _range(req.max_completion_tokens, 1, MAX_INT32, "max_completion_tokens")
+    _range(req.prompt_logprobs, 0, MAX_LOGPROBS, "prompt_logprobs")
+    _range(req.max_tokens, 1, MAX_INT32, "max_tokens")
+    if num_prompts > limits.max_prompts:
+        raise bad_request(f"prompt: {num_prompts} prompts in one request, over the limit of {limits.max_prompts} "
+                          f"(--max-prompts-per-request)", "prompt")
+    if num_prompts * req.n > limits.max_sequences:
+        raise bad_request(f"n: {num_prompts} prompt(s) x n={req.n} is {num_prompts * req.n} sequences, over the "
+                          f"limit of {limits.max_sequences} per request (--max-sequences-per-request)", "n")
+
+
+def check_logprob_entries(limits: ServerLimits, prompt_lens: list[int], max_tokens: list[int], n: int,
+                          logprobs: int | None, prompt_logprobs: int | None, prompt_copies: int) -> None:
+    """The logprob values the response would hold (each token's top-k plus its own),
+    over --max-logprob-entries: n x echo x prompt_logprobs built ~140 MB bodies."""
+    total = 0
+    if prompt_logprobs is not None:
+        total += prompt_copies * sum(prompt_lens) * (prompt_logprobs + 1)
+    if logprobs is not None:
+        total += n * sum(max_tokens) * (logprobs + 1)
+    if total > limits.max_logprob_entries:
+        param = "prompt_logprobs" if prompt_logprobs is not None else "logprobs"
+        raise bad_request(f"{param}: this request could return {total} logprob values (prompt tokens x "
+                          f"(prompt_logprobs + 1) x copies + n x max_tokens x (logprobs + 1)), over the limit "
+                          f"of {limits.max_logprob_entries} (--max-logprob-entries); ask for fewer", param)
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
                     logprobs: int | None, prompt_logprobs: int | None,
                     structured: StructuredOutputs | None) -> SamplingParams:
-    _range(req.n, 1, MAX_N, "n")
-    _range(logprobs, 0, MAX_LOGPROBS, "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
-    _range(prompt_logprobs, 0, MAX_LOGPROBS, "prompt_logprobs")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     kw: dict[str, Any] = dict(
@@ -111,7 +144,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
 def _field_named(message: str) -> str | None:
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                 "seed", "stop", "golden_token_ids", "structured_outputs", "n"):
+                 "seed", "stop_token_ids", "stop", "golden_token_ids", "logit_bias", "structured_outputs", "n"):
         if re.search(rf"\b{name}\b", message):
             return name
     return None

@@ -109,6 +109,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -118,6 +119,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -15,8 +15,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import StreamingResponse
 
 from detent.server.async_engine import AsyncEngine
-from detent.server.errors import APIError, bad_request, validation_error
-from detent.server.metrics import Metrics
+from detent.server.body import parse_json, receive_body
+from detent.server.errors import APIError, validation_error
+from detent.server.limits import ServerLimits
+from detent.server.metrics import Metrics, metric_label
+from detent.server.preprocess import Preprocessor
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -34,13 +37,16 @@ class ServerState:
     selection: str = "pinned"
     vocab_size: int | None = None
     api_key: str | None = None
-    max_request_bytes: int = 16 << 20
+    limits: ServerLimits = field(default_factory=ServerLimits)
     metrics: Metrics | None = None
+    preprocess: Preprocessor | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
+        if self.preprocess is None:
+            self.preprocess = Preprocessor(self.tokenizer, self.limits, self.max_model_len)
         if self.metrics is None:
-            self.metrics = Metrics(self.served_model_names[0])
+            self.metrics = Metrics(metric_label(self.served_model_names[0]))
 
     @property
     def model_name(self) -> str:
@@ -64,24 +70,8 @@ class ServerState:
 
 
 async def read_body(request: Request, state: ServerState, cls: type[M]) -> M:
-    """The JSON body as `cls`: 413 over the size limit, 400 if malformed or mistyped."""
-    limit = state.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit} bytes "
-                            f"(--max-request-bytes)", code="request_too_large")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes (--max-request-bytes)",
-                           code="request_too_large")
-    try:
-        obj = json.loads(bytes(buf))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"malformed JSON body: {e}") from None
-    if not isinstance(obj, dict):
-        raise bad_request(f"the body must be a JSON object, got {type(obj).__name__}")
+    """The JSON body as `cls`: 413/408 over the size/time limits, 400 if malformed or mistyped."""
+    obj = parse_json(await receive_body(request, state.limits))
     try:
         return cls.model_validate(obj)
     except ValidationError as e:

@@ -1,7 +1,7 @@
 """Real server processes on 127.0.0.1, on free ports.
 
-`launch(args)` starts `python -m detent.server.cli ARGS` (what `detent-serve`
-runs), waits for /health and stops it with SIGTERM at the end, checking
+`launch(args)` starts `python plain_install.py ARGS` (what `detent-serve`
+runs, unable to import anything but the runtime dependencies), waits for /health and stops it with SIGTERM at the end, checking
 that it exits cleanly. Most tests use a tiny random Llama with the
 embedded model's tokenizer (the real engine, fast steps); one test serves
 the embedded SmolLM2 itself.
@@ -82,8 +82,10 @@ class Server:
 
 
 def real_argv(*args: str) -> list[str]:
-    launcher = os.environ.get("DETENT_TEST_SERVE_SCRIPT")  # a dev override; default: what detent-serve runs
-    cmd = [launcher] if launcher else ["-m", "detent.server.cli"]
+    """`detent-serve ARGS`, run as a plain install would run it (plain_install.py:
+    nothing outside the runtime dependencies can be imported)."""
+    launcher = os.environ.get("DETENT_TEST_SERVE_SCRIPT")  # a dev override
+    cmd = [launcher] if launcher else [os.path.join(HERE, "plain_install.py")]
     return [sys.executable, *cmd, "--log-level", "warning", *args]
 
 
@@ -116,7 +118,7 @@ def server(tiny_model):
     extra = os.environ.get("DETENT_TEST_SERVER_ARGS", "").split()
     with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024", "--max-num-seqs", "32",
                           "--max-request-bytes", "1000000", "--served-model-name", "smollm2", "detent-smollm2",
-                          *extra)) as s:
+                          "--request-timeout", "3", *extra)) as s:
         yield s
 
 
