@@ -49,6 +49,14 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def update_weights(self, named_tensors) -> int:
+        """New weights, in the checkpoint's names: an iterable of (name, tensor)
+        or a state dict. All are checked before any is copied (in place, each
+        rank its shard); the prefix cache is reset. Returns the number copied;
+        raises WeightUpdateError (nothing changed) on an unknown name, a wrong
+        shape or dtype, a non-finite value, or while requests are running."""
+        return self.llm_engine.update_weights(named_tensors)
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 

@@ -323,6 +323,11 @@ class LLMEngine:
             "num_steps": self._num_steps,
         }
 
+    def update_weights(self, named_tensors) -> int:
+        """Copy new weights (checkpoint names) into the model in place; see engine/weight_update.py."""
+        from detent.engine.weight_update import update_engine
+        return update_engine(self, named_tensors)
+
     def reset_prefix_cache(self) -> bool:
         with self._step_lock:
             return self.block_manager.reset_prefix_cache()
