@@ -193,6 +193,9 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.state.max_model_len}")
         if hasattr(p, "verify_vocab"):
             p.verify_vocab(vocab)
+        if self.config.rl:
+            from detent.engine.rl_contract import check_rl_params
+            check_rl_params(p)
         if p.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer (the engine has none)")
         for name in ("logprobs", "prompt_logprobs"):

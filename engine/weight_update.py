@@ -23,6 +23,10 @@ class WeightUpdateError(ValueError):
     """A weight update was refused; the engine's weights did not change."""
 
 
+class WeightUpdateBusy(WeightUpdateError):
+    """Refused because requests are running (retry once they finish)."""
+
+
 def normalize(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
               ) -> list[tuple[str, torch.Tensor]]:
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
@@ -104,7 +108,7 @@ def update_engine(engine: Any, named_tensors) -> int:
     metas = metadata(items)
     with engine._step_lock:
         if engine.has_unfinished_requests():
-            raise WeightUpdateError("update_weights refused while requests are running: finish or abort them "
+            raise WeightUpdateBusy("update_weights refused while requests are running: finish or abort them "
                                     "first (their outputs would mix old and new weights)")
         if engine._inflight is not None:  # a launched step of finished requests (async scheduling): settle it
             engine._finish_step(engine._inflight)

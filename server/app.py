@@ -14,6 +14,7 @@ from detent.server.errors import APIError, request_validation_handler, unhandled
 from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
 from detent.server.serving import ServerState, read_body
+from detent.server.weights import add_weight_routes
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -133,6 +134,7 @@ def build_app(state: ServerState) -> FastAPI:
             check_prompt_ids(req.tokens, state.vocab_size, "tokens")
         return JSONResponse({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
+    add_weight_routes(app, state)
     wrapped = DetentASGIMiddleware(app, state)
     wrapped.fastapi = app  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]

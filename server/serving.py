@@ -36,6 +36,7 @@ class ServerState:
     api_key: str | None = None
     max_request_bytes: int = 16 << 20
     metrics: Metrics | None = None
+    allowed_weight_dirs: tuple[str, ...] = ()  # POST /v1/update_weights reads only inside these (server/weights.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
