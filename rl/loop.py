@@ -18,6 +18,7 @@ import torch
 
 from detent.engine.train_model import TrainerModel
 from detent.rl.grpo import group_advantages, grpo_loss
+from detent.rl.optim import MasterWeightsAdamW
 from detent.rl.task import Task
 from detent.sampling.params import SamplingParams
 
@@ -96,7 +97,7 @@ def train_grpo(llm, task: Task, cfg: GRPOConfig = GRPOConfig(),
     ref = None
     if cfg.kl_coef:
         ref = TrainerModel(llm, logprob_chunk=cfg.logprob_chunk).requires_grad_(False).eval()
-    opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = MasterWeightsAdamW(trainer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # fp32 masters
     logs = []
     for step in range(cfg.steps):
         rng = random.Random(cfg.seed * 1_000_003 + step)
@@ -118,7 +119,7 @@ def train_grpo(llm, task: Task, cfg: GRPOConfig = GRPOConfig(),
             with torch.no_grad():
                 ref_lps = ref(seqs, starts)
         loss = grpo_loss(lps, old, adv[keep].to(device), cfg.clip_eps, ref_lps, cfg.kl_coef)
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         loss.backward()
         if cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.max_grad_norm)

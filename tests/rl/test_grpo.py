@@ -55,3 +55,19 @@ def test_config_is_validated():
         GRPOConfig(group_size=1)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         GRPOConfig(temperature=0.0)
+
+
+def test_master_weights_keep_small_bf16_updates():
+    """Plain AdamW at lr 1e-4 never moves a bf16 weight of 1.0 (each step rounds
+    away); the fp32 masters accumulate the steps and the weight moves."""
+    from detent.rl.optim import MasterWeightsAdamW
+    plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    mastered = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt_plain, opt_master = torch.optim.AdamW([plain], lr=1e-4), MasterWeightsAdamW([mastered], lr=1e-4)
+    for _ in range(100):
+        for p, opt in ((plain, opt_plain), (mastered, opt_master)):
+            opt.zero_grad()
+            p.grad = torch.ones_like(p)
+            opt.step()
+    assert torch.equal(plain, torch.ones(4, dtype=torch.bfloat16))
+    assert (mastered < 1.0).all() and mastered.dtype == torch.bfloat16
