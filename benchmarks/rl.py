@@ -40,7 +40,7 @@ def run_grpo(a) -> dict:
     from detent.rl import ArithmeticTask, GRPOConfig, train_grpo
 
     cfg = GRPOConfig(steps=a.steps, prompts_per_step=a.prompts_per_step, group_size=a.group_size,
-                     max_tokens=a.max_tokens, lr=a.lr, kl_coef=a.kl_coef, seed=a.seed,
+                     max_tokens=a.max_tokens, temperature=a.temperature, lr=a.lr, kl_coef=a.kl_coef, seed=a.seed,
                      checkpoint_layers=a.checkpoint_layers)
     out = {"config": {**cfg.__dict__, "model": a.model or "embedded:SmolLM2-135M-Instruct", "dtype": a.dtype,
                       "device": a.device, "kv_cache_gb": a.kv_cache_gb}, "runs": {}}
@@ -189,7 +189,8 @@ def main(argv=None) -> None:
     g.add_argument("--prompts-per-step", type=int, default=16)
     g.add_argument("--group-size", type=int, default=8)
     g.add_argument("--max-tokens", type=int, default=12)
-    g.add_argument("--max-operand", type=int, default=20)
+    g.add_argument("--max-operand", type=int, default=10)
+    g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--lr", type=float, default=1e-5)
     g.add_argument("--kl-coef", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)

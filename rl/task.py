@@ -2,9 +2,11 @@
 reward needs; the reward is a program, never a model.
 
 `ArithmeticTask`: "What is 23 + 48?" through the model's chat template,
-reward 1.0 when the first integer in the completion is the sum (0.0
-otherwise). SmolLM2-135M-Instruct answers some of these right from the
-start, so the group advantage has signal from step one.
+reward 1.0 when the first integer in the completion is the answer, 0.5 when
+the answer is some later integer ("1 + 8 equals 9."), 0.0 otherwise.
+SmolLM2-135M-Instruct at temperature 1 writes the answer somewhere in a few
+of its samples from the start, so the group advantage has signal from step
+one, and the full reward asks for the answer first.
 
 `TargetTokenTask`: token-level, no tokenizer: reward is the fraction of
 completion tokens equal to a target id (for tiny random test models).
@@ -48,8 +50,10 @@ class ArithmeticTask:
         return Problem(tuple(self.tok.encode(text, add_special_tokens=False)), answer)
 
     def reward(self, problem: Problem, completion_ids: Sequence[int]) -> float:
-        m = _INT.search(self.tok.decode(list(completion_ids), skip_special_tokens=True))
-        return 1.0 if m is not None and int(m.group()) == problem.answer else 0.0
+        nums = [int(m) for m in _INT.findall(self.tok.decode(list(completion_ids), skip_special_tokens=True))]
+        if nums and nums[0] == problem.answer:
+            return 1.0
+        return 0.5 if problem.answer in nums else 0.0
 
 
 class TargetTokenTask:

@@ -71,3 +71,26 @@ def test_master_weights_keep_small_bf16_updates():
             opt.step()
     assert torch.equal(plain, torch.ones(4, dtype=torch.bfloat16))
     assert (mastered < 1.0).all() and mastered.dtype == torch.bfloat16
+
+
+def test_arithmetic_reward_reads_the_answer():
+    from detent.rl import ArithmeticTask, Problem
+
+    class Tok:  # one character per id
+        def apply_chat_template(self, msgs, add_generation_prompt=True):
+            return msgs[0]["content"]
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+    task = ArithmeticTask(Tok())
+    p = Problem((), 9)
+    enc = Tok().encode
+    assert [task.reward(p, enc(t)) for t in ("9", " 9.", "1 + 8 equals 9.", "10", "nine", "-9")] == \
+        [1.0, 1.0, 0.5, 0.0, 0.0, 0.0]
+    import random
+    q = task.sample(random.Random(0))
+    a, b = map(int, "".join(map(chr, q.prompt_ids)).removeprefix("What is ").split("?")[0].split(" + "))
+    assert q.answer == a + b
