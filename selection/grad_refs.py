@@ -21,12 +21,16 @@ def attention(q, k, v, *, query_start_loc: tuple[int, ...], scale: float):
     """Causal attention per sequence, each sequence's whole KV in this step.
     q: [T, H, D]; k, v: [T, KVH, D] (grouped-query: H a multiple of KVH)."""
     out = []
+    g = q.shape[1] // k.shape[1]
+    # KV heads repeated rather than enable_gqa, so that float32 SDPA can take its
+    # memory-efficient kernel on GPU instead of materializing [H, L, L] scores
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [T, H, D]
     for b in range(len(query_start_loc) - 1):
         s, e = query_start_loc[b], query_start_loc[b + 1]
         if e == s:
             continue
-        qb, kb, vb = (t[s:e].transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
-        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+        qb, kb, vb = (t[s:e].transpose(0, 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)  # [H, L, D]
         out.append(o.transpose(0, 1))  # [L, H, D]
     return torch.cat(out) if out else q.new_zeros(q.shape)
 
