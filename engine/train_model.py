@@ -65,6 +65,17 @@ class TrainerModel(nn.Module):
         """Per sequence x with P = num_prompt_tokens[j] (default 1), a float32
         tensor [len(x) - P] whose entry i is log p(x[P + i] | x[:P + i]),
         differentiable in the parameters."""
+        return [lp for lp, _ in self._score(sequences, num_prompt_tokens, entropy=False)]
+
+    def logprobs_and_entropy(self, sequences: Sequence[Sequence[int]],
+                             num_prompt_tokens: Sequence[int] | None = None
+                             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """As `forward`, plus each scored position's entropy of the raw next-token
+        distribution (float32, differentiable: for an entropy bonus)."""
+        pairs = self._score(sequences, num_prompt_tokens, entropy=True)
+        return [lp for lp, _ in pairs], [h for _, h in pairs]
+
+    def _score(self, sequences, num_prompt_tokens, entropy: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         eng = self.engine
         seqs = [list(map(int, s)) for s in sequences]
         check_sequences(seqs, eng.state.max_model_len, eng.model_config.vocab_size)
@@ -79,10 +90,10 @@ class TrainerModel(nn.Module):
             if len(s) > budget:
                 raise ValueError(f"sequence {j} has {len(s)} tokens, more than max_num_batched_tokens="
                                  f"{budget}: the trainer runs each sequence whole in one step")
-        out: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
+        out: list = [None] * len(seqs)
         for group in self._pack(seqs):
-            for j, lp in zip(group, self._step([seqs[j] for j in group], [starts[j] for j in group])):
-                out[j] = lp
+            for j, pair in zip(group, self._step([seqs[j] for j in group], [starts[j] for j in group], entropy)):
+                out[j] = pair
         return out
 
     def _pack(self, seqs: list[list[int]]) -> list[list[int]]:
@@ -97,7 +108,8 @@ class TrainerModel(nn.Module):
             n += len(s)
         return groups + [cur] if cur else groups
 
-    def _step(self, seqs: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+    def _step(self, seqs: list[list[int]], starts: list[int], entropy: bool
+              ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         eng = self.engine
         bs, mc, dev = eng.config.block_size, eng.model_config, eng.state.device
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.state.dtype, bs)
@@ -120,11 +132,15 @@ class TrainerModel(nn.Module):
         tgt_t = torch.tensor(targets, dtype=torch.long, device=dev)
         with scope():
             hidden = self._hidden(batch.input_ids, batch.positions, scope)  # [T, H]
-            parts = [checkpoint(scope.wrap(self._chosen_logprobs), hidden.index_select(0, rows_t[c:c + self.logprob_chunk]),
+            score = scope.wrap(self._chosen_logprobs_entropy if entropy else self._chosen_logprobs)
+            parts = [checkpoint(score, hidden.index_select(0, rows_t[c:c + self.logprob_chunk]),
                                 tgt_t[c:c + self.logprob_chunk], use_reentrant=False)
                      for c in range(0, len(rows), self.logprob_chunk)]
-        lps = torch.cat(parts)  # [R] float32
-        return list(lps.split([len(s) - p for s, p in zip(seqs, starts)]))
+        sizes = [len(s) - p for s, p in zip(seqs, starts)]
+        if not entropy:
+            return [(lp, None) for lp in torch.cat(parts).split(sizes)]  # [R] float32
+        both = torch.cat(parts)  # [R, 2]: logprob, entropy
+        return list(zip(both[:, 0].split(sizes), both[:, 1].split(sizes)))
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, scope: "_Scope") -> torch.Tensor:
         if not self.checkpoint_layers:
@@ -136,12 +152,18 @@ class TrainerModel(nn.Module):
         x, _ = m.norm(x, residual)
         return x
 
-    def _chosen_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The sampler's raw logprob of each target: log_softmax of the LM head's
-        float32 logits, through the same ops (`sampling.sampler`)."""
+    def _log_softmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The sampler's raw logprobs: log_softmax of the LM head's float32 logits,
+        through the same ops (`sampling.sampler`). [C, V] float32."""
         from detent.selection import ops
-        lp = ops.log_softmax(self.model.compute_logits(hidden))  # [C, V] float32
-        return lp.gather(1, targets[:, None])[:, 0]
+        return ops.log_softmax(self.model.compute_logits(hidden))
+
+    def _chosen_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._log_softmax(hidden).gather(1, targets[:, None])[:, 0]
+
+    def _chosen_logprobs_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lp = self._log_softmax(hidden)
+        return torch.stack([lp.gather(1, targets[:, None])[:, 0], -(lp.exp() * lp).sum(-1)], dim=1)
 
     # ------------------------------------------------------------ weights
     def checkpoint_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -77,3 +77,19 @@ def test_trainer_refuses_bad_input():
         tm([[3, 4, 5]], [5])
     with pytest.raises(ValueError, match="vocabulary"):
         tm([[3, 10_000]])
+
+
+def test_entropy_comes_with_the_same_logprob_bits():
+    b = model_bundle("qwen3")
+    llm = make_llm(b, "pinned", max_num_batched_tokens=BUDGET)
+    seqs = [prompt(3, 12, b.config.vocab_size), prompt(4, 30, b.config.vocab_size)]
+    tm = TrainerModel(llm, logprob_chunk=7)
+    lps, ents = tm.logprobs_and_entropy(seqs, [4, 10])
+    assert all(torch.equal(a.detach(), c.detach()) for a, c in zip(lps, tm(seqs, [4, 10])))
+    with torch.no_grad():  # every position, other chunking: the same rows give the same bits
+        full = TrainerModel(llm).logprobs_and_entropy(seqs)[1]
+    for e, f, p in zip(ents, full, [4, 10]):
+        torch.testing.assert_close(e.detach(), f[p - 1:], rtol=0, atol=0)
+        assert (e > 0).all() and (e <= torch.log(torch.tensor(float(b.config.vocab_size)))).all()
+    sum(e.sum() for e in ents).backward()
+    assert all(p.grad is not None for p in tm.parameters())
