@@ -4,9 +4,9 @@ A tiny checkpoint is built and saved by transformers; Detent loads it, and
 both compute the same loss (a fixed random weighting of the completion
 tokens' logprobs of two packed sequences) and its gradient for every
 checkpoint tensor. Stated tolerances, per tensor, relative to the largest
-|gradient| of that tensor: float32 max |diff| <= 1e-4; bfloat16 (Detent's
+|gradient| of that tensor: float32 max |diff| <= 1e-5 (measured 1.6e-6); bfloat16 (Detent's
 engine and trainer in bf16, backward in fp32, against transformers in
-float32) relative L2 error <= 0.1 (bf16 rounding of the weights and
+float32) relative L2 error <= 0.1 (measured 0.026-0.053; bf16 rounding of the weights and
 activations alone moves a tiny MoE expert's gradient by ~5%)."""
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _compare(ours, theirs, dtype):
         else:
             worst[name] = ((g.float() - h).norm() / h.norm()).item()
     assert len(worst) >= 10
-    tol = 1e-4 if dtype == torch.float32 else 0.1
+    tol = 1e-5 if dtype == torch.float32 else 0.1
     bad = {n: f"{e:.2g}" for n, e in worst.items() if not e <= tol}
     assert not bad, f"gradients differ from transformers beyond {tol}: {bad}"
 
