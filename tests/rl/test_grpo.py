@@ -34,6 +34,17 @@ def test_three_grpo_steps_match_exactly_under_pinned():
     assert not torch.equal(llm.llm_engine.runner.model.model.norm.weight, w0)  # the engine got new weights
 
 
+def test_colocated_shared_weights_match_exactly():
+    """share_weights=True: the optimizer steps the engine's own tensors (no copy)."""
+    from dataclasses import replace
+    llm = _llm("pinned")
+    w = llm.llm_engine.runner.model.model.norm.weight
+    w0 = w.detach().clone()
+    logs = train_grpo(llm, TargetTokenTask(TINY_LLAMA["vocab_size"]), replace(CFG, share_weights=True, kl_coef=0.0))
+    assert all(log.match_rate == 1.0 and log.max_abs_diff == 0.0 for log in logs), logs
+    assert not torch.equal(w.detach(), w0)
+
+
 def test_stock_selection_shows_a_mismatch():
     logs = train_grpo(_llm("stock"), TargetTokenTask(TINY_LLAMA["vocab_size"]), CFG)
     assert min(log.match_rate for log in logs) < 1.0, logs
