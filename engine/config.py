@@ -47,6 +47,9 @@ class EngineConfig:
     # again: that walk stalled one decode step by 0.11 s on the H200's host
     # (None: on for CUDA; it is process-wide, so off for CPU test processes)
     freeze_gc: bool | None = None
+    # RL sampling contract: every request must carry a seed and sample (temperature > 0);
+    # see engine/rl_contract.py
+    rl: bool = False
 
     def __post_init__(self):
         def positive(name):

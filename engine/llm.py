@@ -27,7 +27,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
                  load_format: str = "auto", seed: int = 0, **kwargs: Any):
         """Extra keyword arguments: gpu_memory_utilization, kv_cache_memory_bytes,
-        num_gpu_blocks, max_logprobs, enforce_eager, async_scheduling, freeze_gc (see EngineConfig)."""
+        num_gpu_blocks, max_logprobs, enforce_eager, async_scheduling, freeze_gc, rl (see EngineConfig)."""
         config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, tuple=tuple,
                               selection=selection, dtype=dtype, device=device,
                               enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
@@ -48,6 +48,14 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def update_weights(self, named_tensors) -> int:
+        """New weights, in the checkpoint's names: an iterable of (name, tensor)
+        or a state dict. All are checked before any is copied (in place, each
+        rank its shard); the prefix cache is reset. Returns the number copied;
+        raises WeightUpdateError (nothing changed) on an unknown name, a wrong
+        shape or dtype, a non-finite value, or while requests are running."""
+        return self.llm_engine.update_weights(named_tensors)
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()

@@ -140,6 +140,9 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.state.max_model_len}")
         if hasattr(p, "verify_vocab"):
             p.verify_vocab(vocab)
+        if self.config.rl:
+            from detent.engine.rl_contract import check_rl_params
+            check_rl_params(p)
         if p.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer (the engine has none)")
         for name in ("logprobs", "prompt_logprobs"):
@@ -261,6 +264,11 @@ class LLMEngine:
             "num_preemptions": sch.num_preemptions,
             "num_steps": self._num_steps,
         }
+
+    def update_weights(self, named_tensors) -> int:
+        """Copy new weights (checkpoint names) into the model in place; see engine/weight_update.py."""
+        from detent.engine.weight_update import update_engine
+        return update_engine(self, named_tensors)
 
     def reset_prefix_cache(self) -> bool:
         with self._step_lock:

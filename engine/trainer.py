@@ -5,8 +5,8 @@ It runs the engine's model with the engine's dispatcher through the same
 runner code (prompt-logprob path) on a scratch KV cache, so with
 selection="pinned" every logprob equals, bit for bit, the one the engine
 reported when it sampled that token — whatever the rollout's batch,
-chunking, prefix hits or preemptions were. (Gradients are out of scope:
-this is the scoring pass an RL trainer checks its rollouts against.)
+chunking, prefix hits or preemptions were. (This is the scoring pass; `engine/train_model.py`'s TrainerModel is the
+same forward with gradients.)
 
     tf = TrainerForward(llm)
     lps = tf.logprobs([prompt_ids + out.outputs[0].token_ids])[0]   # [len - 1] fp32
@@ -23,6 +23,17 @@ from detent.engine.model_runner import ModelRunner
 from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
 
 
+def check_sequences(seqs: list[list[int]], max_model_len: int, vocab: int) -> None:
+    """Sequences a scoring pass accepts: 2 .. max_model_len tokens, ids in the vocabulary."""
+    for j, s in enumerate(seqs):
+        if len(s) < 2:
+            raise ValueError(f"sequence {j} has {len(s)} tokens: scoring needs at least 2")
+        if len(s) > max_model_len:
+            raise ValueError(f"sequence {j} has {len(s)} tokens, more than max_model_len={max_model_len}")
+        if not all(0 <= t < vocab for t in s):
+            raise ValueError(f"sequence {j} has token ids outside the vocabulary [0, {vocab})")
+
+
 class TrainerForward:
     def __init__(self, llm_or_engine):
         eng = getattr(llm_or_engine, "llm_engine", llm_or_engine)
@@ -35,15 +46,7 @@ class TrainerForward:
         """For each sequence x, a float32 tensor [len(x) - 1] whose entry i is
         log p(x[i + 1] | x[:i + 1])."""
         seqs = [list(map(int, s)) for s in sequences]
-        limit = self.engine.state.max_model_len
-        vocab = self.engine.model_config.vocab_size
-        for j, s in enumerate(seqs):
-            if len(s) < 2:
-                raise ValueError(f"sequence {j} has {len(s)} tokens: scoring needs at least 2")
-            if len(s) > limit:
-                raise ValueError(f"sequence {j} has {len(s)} tokens, more than max_model_len={limit}")
-            if not all(0 <= t < vocab for t in s):
-                raise ValueError(f"sequence {j} has token ids outside the vocabulary [0, {vocab})")
+        check_sequences(seqs, self.engine.state.max_model_len, self.engine.model_config.vocab_size)
         out, g = [], self.engine.config.max_num_seqs
         for i in range(0, len(seqs), g):  # a scratch KV cache per group of sequences
             out += self._score(seqs[i:i + g])

@@ -16,6 +16,7 @@ from detent.server.errors import (APIError, http_exception_handler, request_vali
 from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
 from detent.server.serving import ServerState, read_body
+from detent.server.weights import add_weight_routes
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -144,6 +145,7 @@ def build_app(state: ServerState) -> FastAPI:
             check_prompt_ids(req.tokens, state.vocab_size, "tokens")
         return JSONResponse({"prompt": await state.preprocess.decode(req.tokens)})
 
+    add_weight_routes(app, state)
     wrapped = DetentASGIMiddleware(app, state)
     wrapped.fastapi = app  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]

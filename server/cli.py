@@ -42,9 +42,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="refuse new requests with 503 while this many are waiting")
     p.add_argument("--graceful-timeout", type=float, default=5.0)
+    p.add_argument("--rl", action="store_true",
+                   help="RL sampling contract: every request must carry a seed and temperature > 0")
+    p.add_argument("--allowed-weight-dir", action="append", default=[],
+                   help="allow POST /v1/update_weights to read safetensors inside DIR (repeatable; "
+                        "default: weight updates refused)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     _limit_flags(p)
     a = p.parse_args(argv)
+    for d in a.allowed_weight_dir:
+        if not os.path.isdir(d):
+            p.error(f"--allowed-weight-dir {d!r} is not a directory")
     for name in ("tp", "max_queue_len", "port"):
         if getattr(a, name) < (0 if name == "max_queue_len" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
@@ -94,7 +102,7 @@ def build_state(a: argparse.Namespace):
 
     kw = dict(model=a.model, tensor_parallel_size=a.tp, tuple=a.tuple, selection=a.selection, dtype=a.dtype,
               device=a.device, enable_prefix_caching=a.enable_prefix_caching, load_format=a.load_format,
-              seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling)
+              seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl)
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
@@ -108,7 +116,8 @@ def build_state(a: argparse.Namespace):
         model_root=a.model or "embedded:SmolLM2-135M-Instruct",
         max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
-        selection=a.selection, api_key=a.api_key or None, limits=a.limits)
+        selection=a.selection, api_key=a.api_key or None, limits=a.limits,
+        allowed_weight_dirs=tuple(a.allowed_weight_dir))
 
 
 def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:

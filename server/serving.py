@@ -40,6 +40,7 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     metrics: Metrics | None = None
     preprocess: Preprocessor | None = None
+    allowed_weight_dirs: tuple[str, ...] = ()  # POST /v1/update_weights reads only inside these (server/weights.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

@@ -1,0 +1,203 @@
+"""`TrainerModel`: the engine's model with gradients, for an RL trainer.
+
+    trainer = TrainerModel(llm)                       # its own copy of the weights, trainable
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+    lps = trainer([prompt + completion, ...], num_prompt_tokens=[len(prompt), ...])
+    # lps[j][i] == the rollout's logprob of completion token i, bit for bit (selection="pinned")
+    loss = -(lps[0] * adv).sum(); loss.backward(); opt.step()
+    llm.update_weights(trainer.checkpoint_tensors())  # weights back into the engine
+
+Every op goes through the `ops` façade with the engine's own dispatcher (same
+deployment, same tuple, same pins), wrapped by `GradDispatcher`: forwards
+are the engine's candidates, backwards are reference torch math in float32
+(`selection/autograd.py`). Sequences are packed varlen, whole sequences per
+step under the engine's token budget, and logprobs are computed in row
+chunks under activation checkpointing, so [tokens, vocab] float32 logits
+never exist for more than `logprob_chunk` rows at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches
+from detent.engine.model_runner import ModelRunner
+from detent.engine.trainer import check_sequences
+from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
+from detent.selection.autograd import GradDispatcher
+from detent.selection.context import ForwardContext, forward_context
+
+
+class TrainerModel(nn.Module):
+    def __init__(self, llm_or_engine, *, share_weights: bool = False, checkpoint_layers: bool = False,
+                 logprob_chunk: int = 1024):
+        """share_weights: train the engine's own parameter tensors (colocated; the
+        optimizer's in-place steps reach the engine at once; call
+        `llm.reset_prefix_cache()` after each step). Otherwise a copy, pushed
+        with `llm.update_weights(trainer.checkpoint_tensors())`."""
+        super().__init__()
+        eng = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+        if not isinstance(eng.runner, ModelRunner):
+            raise NotImplementedError("TrainerModel needs a single-process engine (tensor_parallel_size=1); "
+                                      "train at tp=1 and push weights to a tp>1 engine with update_weights")
+        if logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
+        self.model = eng.runner.model if share_weights else copy.deepcopy(eng.runner.model)
+        for p in self.model.parameters():
+            p.requires_grad_(True)
+        self._engine = [eng]  # a list: not a submodule, not in state_dict
+        self.checkpoint_layers = checkpoint_layers
+        self.logprob_chunk = logprob_chunk
+
+    @property
+    def engine(self):
+        return self._engine[0]
+
+    # ------------------------------------------------------------ forward
+    def forward(self, sequences: Sequence[Sequence[int]],
+                num_prompt_tokens: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Per sequence x with P = num_prompt_tokens[j] (default 1), a float32
+        tensor [len(x) - P] whose entry i is log p(x[P + i] | x[:P + i]),
+        differentiable in the parameters."""
+        return [lp for lp, _ in self._score(sequences, num_prompt_tokens, entropy=False)]
+
+    def logprobs_and_entropy(self, sequences: Sequence[Sequence[int]],
+                             num_prompt_tokens: Sequence[int] | None = None
+                             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """As `forward`, plus each scored position's entropy of the raw next-token
+        distribution (float32, differentiable: for an entropy bonus)."""
+        pairs = self._score(sequences, num_prompt_tokens, entropy=True)
+        return [lp for lp, _ in pairs], [h for _, h in pairs]
+
+    def _score(self, sequences, num_prompt_tokens, entropy: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        eng = self.engine
+        seqs = [list(map(int, s)) for s in sequences]
+        check_sequences(seqs, eng.state.max_model_len, eng.model_config.vocab_size)
+        starts = [1] * len(seqs) if num_prompt_tokens is None else [int(p) for p in num_prompt_tokens]
+        if len(starts) != len(seqs):
+            raise ValueError(f"num_prompt_tokens has {len(starts)} entries for {len(seqs)} sequences")
+        budget = eng.config.max_num_batched_tokens
+        for j, (s, p) in enumerate(zip(seqs, starts)):
+            if not 1 <= p < len(s):
+                raise ValueError(f"num_prompt_tokens[{j}]={p}: must be in [1, {len(s) - 1}] for a "
+                                 f"sequence of {len(s)} tokens")
+            if len(s) > budget:
+                raise ValueError(f"sequence {j} has {len(s)} tokens, more than max_num_batched_tokens="
+                                 f"{budget}: the trainer runs each sequence whole in one step")
+        out: list = [None] * len(seqs)
+        for group in self._pack(seqs):
+            for j, pair in zip(group, self._step([seqs[j] for j in group], [starts[j] for j in group], entropy)):
+                out[j] = pair
+        return out
+
+    def _pack(self, seqs: list[list[int]]) -> list[list[int]]:
+        """Consecutive sequences into steps under the engine's token and sequence limits."""
+        cfg = self.engine.config
+        groups, cur, n = [], [], 0
+        for j, s in enumerate(seqs):
+            if cur and (n + len(s) > cfg.max_num_batched_tokens or len(cur) == cfg.max_num_seqs):
+                groups.append(cur)
+                cur, n = [], 0
+            cur.append(j)
+            n += len(s)
+        return groups + [cur] if cur else groups
+
+    def _step(self, seqs: list[list[int]], starts: list[int], entropy: bool
+              ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        eng = self.engine
+        bs, mc, dev = eng.config.block_size, eng.model_config, eng.state.device
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.state.dtype, bs)
+        need = [-(-len(s) // bs) for s in seqs]
+        caches = allocate_kv_caches(spec, sum(need) + 1, dev)  # scratch; block 0: null
+        planned, first = [], 1
+        for i, s in enumerate(seqs):
+            planned.append(ScheduledSeq(str(i), tuple(s), 0, tuple(range(first, first + need[i])), None))
+            first += need[i]
+        batch = ModelRunner(self.model, caches, bs, eng.dispatcher, dev).prepare(
+            SchedulerOutput(tuple(planned), sum(map(len, seqs))))
+        ctx = ForwardContext(attn=batch.attn, kv_caches=caches, dispatcher=GradDispatcher(eng.dispatcher))
+        scope = _Scope(ctx)
+        rows, targets, qs = [], [], 0
+        for s, p in zip(seqs, starts):
+            rows += range(qs + p - 1, qs + len(s) - 1)  # row i scores token i + 1
+            targets += s[p:]
+            qs += len(s)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        tgt_t = torch.tensor(targets, dtype=torch.long, device=dev)
+        with scope():
+            hidden = self._hidden(batch.input_ids, batch.positions, scope)  # [T, H]
+            score = scope.wrap(self._chosen_logprobs_entropy if entropy else self._chosen_logprobs)
+            parts = [checkpoint(score, hidden.index_select(0, rows_t[c:c + self.logprob_chunk]),
+                                tgt_t[c:c + self.logprob_chunk], use_reentrant=False)
+                     for c in range(0, len(rows), self.logprob_chunk)]
+        sizes = [len(s) - p for s, p in zip(seqs, starts)]
+        if not entropy:
+            return [(lp, None) for lp in torch.cat(parts).split(sizes)]  # [R] float32
+        both = torch.cat(parts)  # [R, 2]: logprob, entropy
+        return list(zip(both[:, 0].split(sizes), both[:, 1].split(sizes)))
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, scope: "_Scope") -> torch.Tensor:
+        if not self.checkpoint_layers:
+            return self.model(ids, positions)
+        m = self.model.model  # models.blocks.DecoderModel: embed_tokens, layers, norm
+        x, residual = m.embed_tokens(ids), None
+        for layer in m.layers:
+            x, residual = checkpoint(scope.wrap(layer), positions, x, residual, use_reentrant=False)
+        x, _ = m.norm(x, residual)
+        return x
+
+    def _log_softmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The sampler's raw logprobs: log_softmax of the LM head's float32 logits,
+        through the same ops (`sampling.sampler`). [C, V] float32."""
+        from detent.selection import ops
+        return ops.log_softmax(self.model.compute_logits(hidden))
+
+    def _chosen_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._log_softmax(hidden).gather(1, targets[:, None])[:, 0]
+
+    def _chosen_logprobs_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lp = self._log_softmax(hidden)
+        return torch.stack([lp.gather(1, targets[:, None])[:, 0], -(lp.exp() * lp).sum(-1)], dim=1)
+
+    # ------------------------------------------------------------ weights
+    def checkpoint_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor) for every weight, views of the parameters
+        (detached): what `LLM.update_weights` takes."""
+        return [(n, s.dest.detach()) for n, s in self.model.weight_sources().items()]
+
+    def checkpoint_grads(self) -> dict[str, torch.Tensor | None]:
+        """Each checkpoint tensor's gradient (a view of its parameter's .grad)."""
+        out = {}
+        params = list(self.model.parameters())
+        for name, src in self.model.weight_sources().items():
+            p = next(q for q in params if q.untyped_storage().data_ptr() == src.dest.untyped_storage().data_ptr())
+            if p.grad is None:
+                out[name] = None
+                continue
+            off = src.dest.storage_offset() - p.storage_offset()
+            out[name] = p.grad.as_strided(src.dest.shape, src.dest.stride(), p.grad.storage_offset() + off)
+        return out
+
+
+class _Scope:
+    """The trainer's dispatcher and forward context, entered for the forward
+    and re-entered by checkpointed segments when they recompute in backward."""
+
+    def __init__(self, ctx: ForwardContext):
+        self.ctx = ctx  # carries the GradDispatcher
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with forward_context(self.ctx):
+            yield
+
+    def wrap(self, fn):
+        def run(*args):
+            with self():
+                return fn(*args)
+        return run

@@ -1,0 +1,38 @@
+"""The GRPO objective (group-relative advantages, clipped ratio, optional KL).
+
+On-policy, the "old" logprobs are the rollout's, which Detent reports bit
+for bit equal to the trainer's under selection="pinned": the ratio is then
+exactly 1 on every token and the clip never acts on noise.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [P, G] (P prompts, G samples each) -> (r - group mean) / (group std + eps)."""
+    mean = rewards.mean(-1, keepdim=True)
+    std = rewards.std(-1, keepdim=True, unbiased=False)
+    return (rewards - mean) / (std + eps)
+
+
+def grpo_loss(logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor], advantages: torch.Tensor,
+              clip_eps: float = 0.2, ref_logprobs: list[torch.Tensor] | None = None,
+              kl_coef: float = 0.0) -> torch.Tensor:
+    """Per completion i: logprobs[i] [n_i] (with grad), old_logprobs[i] [n_i]
+    (the rollout's), advantages [N]. Token-mean of
+    -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) (+ kl_coef * k3 KL to
+    the reference), each completion's tokens averaged, then the completions."""
+    if len(logprobs) != len(old_logprobs) or len(logprobs) != advantages.numel():
+        raise ValueError(f"{len(logprobs)} logprob tensors, {len(old_logprobs)} old, {advantages.numel()} advantages")
+    per_seq = []
+    for i, (lp, old) in enumerate(zip(logprobs, old_logprobs)):
+        a = advantages[i]
+        ratio = torch.exp(lp - old.to(lp.device))
+        obj = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+        loss = -obj
+        if ref_logprobs is not None and kl_coef:
+            d = ref_logprobs[i].to(lp.device) - lp
+            loss = loss + kl_coef * (torch.exp(d) - d - 1)  # k3: unbiased, >= 0
+        per_seq.append(loss.mean())
+    return torch.stack(per_seq).mean()

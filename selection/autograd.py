@@ -1,0 +1,135 @@
+"""Gradients through the serving kernels: the trainer is the engine's model
+with gradients (docs/rl.md).
+
+`GradDispatcher(inner)` selects exactly as the engine's dispatcher `inner`
+does (same provider, same pins, same per-step memo) and hands the `ops`
+façade a wrapper of the selected candidate: a `KernelFunction` whose forward
+*is* that candidate, so the forward bits are the engine's, and whose
+backward differentiates the family's reference math (`grad_refs`)
+recomputed in float32 (float64 inputs stay float64) from the saved inputs.
+Gradients are ordinary, not bitwise stable; the forward is bitwise the
+engine's.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from detent.selection import grad_refs as R
+
+
+def _compute_dtype(dt: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dt, torch.float32)  # bf16/fp16 -> fp32; fp32, fp64 unchanged
+
+
+def _leaf(t, need: bool):
+    if t is None or not t.is_floating_point():
+        return t
+    return t.detach().to(_compute_dtype(t.dtype)).requires_grad_(need)
+
+
+class KernelFunction(torch.autograd.Function):
+    """forward: `run(*inputs)` (the selected candidate); backward: autograd of
+    `ref(*inputs)` in the compute dtype. `inputs` are tensors or None; static
+    arguments live in the `run` / `ref` closures."""
+
+    @staticmethod
+    def forward(ctx, run: Callable, ref: Callable, *inputs):
+        ctx.ref = ref
+        ctx.save_for_backward(*inputs)
+        return run(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            xs = [_leaf(t, n) for t, n in zip(inputs, needs)]
+            outs = ctx.ref(*xs)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            wrt = [x for x, n in zip(xs, needs) if n]
+            got = (torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs],
+                                       allow_unused=True) if pairs and wrt else [None] * len(wrt))
+        it = iter(got)
+        res = []
+        for t, n in zip(inputs, needs):
+            g = next(it) if n else None
+            res.append(None if g is None else g.to(t.dtype))
+        return (None, None, *res)
+
+
+def _apply(run, ref, *inputs):
+    return KernelFunction.apply(run, ref, *inputs)
+
+
+# one wrapper per family: (candidate fn, the ops call's arguments, the selection's params)
+def _gemm(fn, x, w, bias, **kw):
+    return _apply(lambda x, w, b: fn(x, w, b, **kw), R.linear, x, w, bias)
+
+
+def _attention(fn, q, k, v, kv_cache, meta, scale, **kw):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        partial = [b for b in range(meta.num_seqs) if lens[b] != qsl[b + 1] - qsl[b]]
+        if partial:
+            raise ValueError(f"gradients through attention need every sequence whole in one step; sequences "
+                             f"{partial[:5]} attend to KV computed in an earlier step")
+    ref = functools.partial(R.attention, query_start_loc=meta.query_start_loc_cpu, scale=scale)
+    return _apply(lambda q, k, v: fn(q, k, v, kv_cache, meta, scale, **kw), ref, q, k, v)
+
+
+def _norm(fn, x, w, eps, residual, **kw):
+    ref = functools.partial(R.rms_norm, eps=eps)
+    return _apply(lambda x, w, r: fn(x, w, eps, r, **kw), ref, x, w, residual)
+
+
+def _rope(fn, q, k, positions, cos_sin, **kw):
+    return _apply(lambda q, k, p, cs: fn(q, k, p, cs, **kw), R.rope, q, k, positions, cos_sin)
+
+
+def _act(fn, x, **kw):
+    return _apply(lambda x: fn(x, **kw), R.silu_and_mul, x)
+
+
+def _embedding(fn, ids, weight, **kw):
+    return _apply(lambda i, w: fn(i, w, **kw), R.embedding, ids, weight)
+
+
+def _log_softmax(fn, logits, **kw):
+    return _apply(lambda x: fn(x, **kw), R.log_softmax, logits)
+
+
+def _moe(fn, x, router_logits, w13, w2, top_k, renormalize, **kw):
+    ref = functools.partial(R.moe, top_k=top_k, renormalize=renormalize)
+    return _apply(lambda x, r, a, b: fn(x, r, a, b, top_k, renormalize, **kw), ref, x, router_logits, w13, w2)
+
+
+WRAPPERS: dict[str, Callable] = {"gemm": _gemm, "attention": _attention, "norm": _norm, "rope": _rope,
+                                 "act": _act, "embedding": _embedding, "logsoftmax": _log_softmax, "moe": _moe}
+
+
+class GradDispatcher:
+    """The engine's dispatcher, with each selected candidate wrapped in its
+    family's `KernelFunction`. A family without a backward (allreduce: the
+    trainer runs at tensor_parallel_size 1) raises, naming it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    @property
+    def mode(self) -> str:
+        return self.inner.mode
+
+    def select(self, family: str, site, runtime: dict[str, int]) -> dict:
+        return self.inner.select(family, site, runtime)
+
+    def resolve(self, family: str, site, runtime: dict[str, int]) -> tuple[Callable, dict]:
+        fn, kw = self.inner.resolve(family, site, runtime)
+        wrap = WRAPPERS.get(family)
+        if wrap is None:
+            raise NotImplementedError(f"kernel family {family!r} has no backward; the trainer supports "
+                                      f"{sorted(WRAPPERS)}")
+        return functools.partial(wrap, fn), kw

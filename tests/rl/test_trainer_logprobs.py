@@ -1,0 +1,95 @@
+"""The trainer's logprobs are the rollout's, bit for bit (torch.equal), under
+selection="pinned": seeded T=1 rollouts of tiny Llama, Qwen3 and Qwen3-MoE
+in a co-batched and chunked prefill, a prefix-cache hit and preemptions, all
+scored in one packed trainer call with gradients on. With selection="stock"
+some logprob differs, so the comparison can fail."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detent.engine.train_model import TrainerModel
+from rl_helpers import make_llm, model_bundle, prompt, rollout
+
+BUDGET = 48  # one deployment for every cell (the budget is a deployment fact): sequences fit it whole
+
+
+def _cells(b, sel):
+    """(prompt, completion ids, rollout logprobs, what the cell exercised) for each rollout."""
+    V = b.config.vocab_size
+    prompts = [prompt(100 + i, 5 + 6 * i, V) for i in range(5)]
+    out = []
+    llm = make_llm(b, sel, max_num_batched_tokens=BUDGET)  # 5 prompts: prefills cut by the budget
+    for p, (c, lp) in zip(prompts, rollout(llm, prompts, seeds=list(range(5)))):
+        out.append((p, c, lp))
+    again = rollout(llm, prompts[3:4], seeds=[77])  # prefix-cache hit on prompt 3
+    assert llm.llm_engine.stats()["prefix_cache_hits"] > 0
+    out.append((prompts[3], *again[0]))
+    tight = make_llm(b, sel, max_num_batched_tokens=BUDGET, num_gpu_blocks=17)  # 16 blocks for 22 needed
+    for p, (c, lp) in zip(prompts * 2, rollout(tight, prompts * 2, seeds=list(range(10, 20)))):
+        out.append((p, c, lp))
+    assert tight.llm_engine.stats()["num_preemptions"] > 0
+    return llm, out
+
+
+def _score(llm, cells):
+    tm = TrainerModel(llm, logprob_chunk=5)
+    lps = tm([p + c for p, c, _ in cells], [len(p) for p, _, _ in cells])
+    assert all(lp.requires_grad and lp.dtype == torch.float32 for lp in lps)
+    return [torch.equal(lp.detach(), want) for lp, (_, _, want) in zip(lps, cells)]
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3", "qwen3_moe"])
+def test_trainer_logprobs_equal_rollout_logprobs(model):
+    llm, cells = _cells(model_bundle(model), "pinned")
+    assert all(len(c) == 10 for _, c, _ in cells)
+    assert all(_score(llm, cells))
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_stock_selection_breaks_trainer_equality(model):
+    llm, cells = _cells(model_bundle(model), "stock")
+    assert not all(_score(llm, cells)), "stock matched every rollout: this comparison could not fail"
+
+
+def test_checkpointed_layers_give_the_same_bits_and_gradients():
+    b = model_bundle("llama")
+    llm = make_llm(b, "pinned", max_num_batched_tokens=BUDGET)
+    seqs = [prompt(7, 20, b.config.vocab_size), prompt(8, 33, b.config.vocab_size)]
+    grads, lps = [], []
+    for ckpt in (False, True):
+        tm = TrainerModel(llm, checkpoint_layers=ckpt, logprob_chunk=4 if ckpt else 1024)
+        lp = tm(seqs)
+        sum(x.sum() for x in lp).backward()
+        lps.append(torch.cat(lp).detach())
+        grads.append(torch.cat([p.grad.flatten() for p in tm.parameters()]))
+    assert torch.equal(lps[0], lps[1])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_refuses_bad_input():
+    b = model_bundle("llama")
+    llm = make_llm(b, "pinned", max_num_batched_tokens=BUDGET)
+    tm = TrainerModel(llm)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=48"):
+        tm([list(range(2, 60))])
+    with pytest.raises(ValueError, match=r"num_prompt_tokens\[0\]=5"):
+        tm([[3, 4, 5]], [5])
+    with pytest.raises(ValueError, match="vocabulary"):
+        tm([[3, 10_000]])
+
+
+def test_entropy_comes_with_the_same_logprob_bits():
+    b = model_bundle("qwen3")
+    llm = make_llm(b, "pinned", max_num_batched_tokens=BUDGET)
+    seqs = [prompt(3, 12, b.config.vocab_size), prompt(4, 30, b.config.vocab_size)]
+    tm = TrainerModel(llm, logprob_chunk=7)
+    lps, ents = tm.logprobs_and_entropy(seqs, [4, 10])
+    assert all(torch.equal(a.detach(), c.detach()) for a, c in zip(lps, tm(seqs, [4, 10])))
+    with torch.no_grad():  # every position, other chunking: the same rows give the same bits
+        full = TrainerModel(llm).logprobs_and_entropy(seqs)[1]
+    for e, f, p in zip(ents, full, [4, 10]):
+        torch.testing.assert_close(e.detach(), f[p - 1:], rtol=0, atol=0)
+        assert (e > 0).all() and (e <= torch.log(torch.tensor(float(b.config.vocab_size)))).all()
+    sum(e.sum() for e in ents).backward()
+    assert all(p.grad is not None for p in tm.parameters())
