@@ -18,6 +18,10 @@ _LAZY = {
     "SELECTION_MODES": "detent.engine.config",
     "Fingerprint": "detent.engine.fingerprint",
     "TrainerForward": "detent.engine.trainer",
+    "WeightUpdateBusy": "detent.engine.weight_update",
+    "WeightUpdateError": "detent.engine.weight_update",
+    "tensors_from_safetensors": "detent.engine.weight_update",
+    "CheckpointError": "detent.models.weights",
 }
 
 

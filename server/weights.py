@@ -18,8 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from detent.engine.weight_update import WeightUpdateBusy, WeightUpdateError, tensors_from_safetensors
-from detent.models.weights import CheckpointError
+from detent.engine import CheckpointError, WeightUpdateBusy, WeightUpdateError, tensors_from_safetensors
 from detent.server.errors import APIError
 from detent.server.serving import ServerState, read_body
 

@@ -18,7 +18,7 @@ import torch
 
 from detent.selection.context import AttentionMetadata
 from detent.selection import grad_refs as R
-from detent.selection import registry
+from detent.kernels import registry
 from detent.selection.autograd import WRAPPERS
 
 D64 = dict(dtype=torch.float64)
