@@ -102,7 +102,8 @@ class LLMEngine:
         self.model_config, self.tokenizer = model_config, tokenizer
         self.block_manager = BlockManager(self.state.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.state.max_model_len), self.block_manager)
+                                                   self.state.max_model_len, config.max_mixed_batched_tokens),
+                                   self.block_manager)
         self.outputs = OutputProcessor(tokenizer)
         eos = set(getattr(model_config, "eos_token_ids", ()) or ())
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -144,9 +145,8 @@ class LLMEngine:
         self.dispatcher = make_dispatcher(self.facts, config.selection, config.tuple)
         self.runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device),
                                   config.block_size, self.dispatcher, device)
-        if device.type == "cuda" and not config.enforce_eager:
-            from detent.engine.cuda_graph import enable_cuda_graphs
-            enable_cuda_graphs(self.runner, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        from detent.engine.cuda_graph import enable_graphs
+        enable_graphs(self.runner, config, max_model_len=max_len)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel ranks and grammar workers (if any). Idempotent."""

@@ -29,3 +29,9 @@ def fingerprint(engine: Any, *, tuple_path: str | None, selection: str) -> tuple
     if t is None:
         t = CommitmentTuple.load(tuple_path) if tuple_path else default_tuple(facts)
     return tuple_hash(t), dep
+
+
+def core_info(engine: Any, *, tuple_path: str | None, selection: str) -> dict[str, str]:
+    """`fingerprint` as a dict, computed where the engine lives (the engine core's process)."""
+    th, dh = fingerprint(engine, tuple_path=tuple_path, selection=selection)
+    return {"tuple_hash": th, "deployment_hash": dh}

@@ -93,9 +93,8 @@ def build_rank(config, resolved, rank: int, world: int, device: torch.device, gr
         dispatcher = make_dispatcher(facts, config.selection, config.tuple)
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
                          dispatcher, device)
-    if device.type == "cuda" and not config.enforce_eager:  # as LLMEngine does at tp = 1
-        from detent.engine.cuda_graph import enable_cuda_graphs
-        enable_cuda_graphs(runner, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+    from detent.engine.cuda_graph import enable_graphs
+    enable_graphs(runner, config, max_model_len=max_len)
     info = RankInfo(rank, os.getpid(), str(device), str(dtype).removeprefix("torch."), num_blocks,
                     max_len, facts)
     return RankState(runner, info)
