@@ -132,7 +132,8 @@ async def main_async(a, server_argv: list[str]) -> None:
     from detent.server.app import build_app
     from detent.server.cli import build_state, parse_args
 
-    sa = parse_args(server_argv + ["--port", str(a.port)])
+    # the recorders wrap the engine's methods, so it runs in this process here
+    sa = parse_args(server_argv + ["--port", str(a.port), "--no-engine-process"])
     state = build_state(sa)
     ae = state.engine
     eng = getattr(ae, "engine", None)
