@@ -22,6 +22,11 @@ _LAZY = {
     "WeightUpdateError": "detent.engine.weight_update",
     "tensors_from_safetensors": "detent.engine.weight_update",
     "CheckpointError": "detent.models.weights",
+    "CoreProcess": "detent.engine.core_process",
+    "DeltaDecoder": "detent.engine.core_process",
+    "build_engine": "detent.engine.core_process",
+    "load_tokenizer": "detent.engine.loader",
+    "update_weights_from_file": "detent.engine.weight_update",
 }
 
 

@@ -40,6 +40,12 @@ class EngineConfig:
     num_gpu_blocks: int | None = None  # overrides any memory budget
     max_logprobs: int = 20
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    # GPU: steps with prefill tokens replay piecewise CUDA graphs (everything but
+    # attention) up to this many tokens; larger steps run eagerly; 0: never
+    piecewise_max_tokens: int = 2048
+    # a step that carries decodes takes at most this many tokens (prompts wait for
+    # later steps rather than stall every generating request); None: no cap
+    max_mixed_batched_tokens: int | None = 2048
     # plan and launch step N+1 while step N runs on the device (None: on for CUDA)
     async_scheduling: bool | None = None
     # after startup, move every object alive to Python's permanent GC generation
@@ -57,8 +63,10 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks"):
+                     "max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks", "max_mixed_batched_tokens"):
             positive(name)
+        if not isinstance(self.piecewise_max_tokens, int) or self.piecewise_max_tokens < 0:
+            raise ValueError(f"piecewise_max_tokens must be an int >= 0, got {self.piecewise_max_tokens!r}")
         if self.selection not in SELECTION_MODES:
             raise ValueError(f"selection must be one of {SELECTION_MODES}, got {self.selection!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -20,3 +20,12 @@ def load(config: EngineConfig, device: torch.device) -> tuple[torch.nn.Module, A
                        path=resolved.path, seed=config.seed)
     tokenizer = Tokenizer.from_pretrained(resolved.tokenizer_source) if resolved.tokenizer_source else None
     return model, mc, tokenizer
+
+
+def load_tokenizer(model: str | None, load_format: str = "auto") -> Any:
+    """The tokenizer `load` gives for this model, without building the model
+    (a server whose engine runs in another process)."""
+    from detent.models import Tokenizer, resolve_model
+
+    resolved = resolve_model(model, load_format)
+    return Tokenizer.from_pretrained(resolved.tokenizer_source) if resolved.tokenizer_source else None

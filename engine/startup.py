@@ -105,7 +105,6 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, mc: Any, device: 
         dispatcher = make_dispatcher(facts, config.selection, config.tuple)
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
                          dispatcher, device)
-    if device.type == "cuda" and not config.enforce_eager:
-        from detent.engine.cuda_graph import enable_cuda_graphs
-        enable_cuda_graphs(runner, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+    from detent.engine.cuda_graph import enable_graphs
+    enable_graphs(runner, config, max_model_len=max_len)
     return RankRuntime(runner, state, facts, dispatcher)

@@ -134,6 +134,12 @@ def update_engine(engine: Any, named_tensors) -> int:
     return n
 
 
+def update_weights_from_file(engine: Any, path: str) -> int:
+    """`engine.update_weights` from a safetensors file or directory (the server's
+    route; it runs where the engine lives, in its core process)."""
+    return engine.update_weights(tensors_from_safetensors(path))
+
+
 def tensors_from_safetensors(path: str) -> list[tuple[str, torch.Tensor]]:
     """Every tensor of a .safetensors file or checkpoint directory, on the CPU."""
     from detent.models.weights import _open, safetensors_files

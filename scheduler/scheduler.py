@@ -43,11 +43,17 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # a step that carries decodes takes at most this many tokens in all (None: the
+    # whole budget): prompts then wait for later steps instead of stalling every
+    # generating request behind one long step
+    max_mixed_batched_tokens: int | None = None
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_mixed_batched_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if name == "max_mixed_batched_tokens" and v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
@@ -110,20 +116,10 @@ class Scheduler:
 
         decodes = [r for r in self.running if not r.is_prefill]
         prefills = [r for r in self.running if r.is_prefill]
-        for req in decodes + prefills:
-            if req.status != RequestStatus.RUNNING or budget == 0 or not self._plannable(req):
-                continue
-            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
-            while not self.bm.allocate(req, n):
-                victim = self.running[-1]  # the most recently admitted
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                budget += planned.pop(victim.request_id, 0)
-                if victim is req:
-                    break
-            else:
-                planned[req.request_id] = n
-                budget -= n
+        budget = self._plan_running(decodes, budget, planned, preempted)
+        if planned:  # the step carries decodes: prompts get what the mixed budget leaves
+            budget = self._mixed_budget(budget)
+        budget = self._plan_running(prefills, budget, planned, preempted)
 
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             # a request whose grammar is still compiling waits; the ready ones behind it go first
@@ -155,7 +151,34 @@ class Scheduler:
             req.num_computed_tokens += n
             if seqs[-1].sample is not None:
                 req.num_pending += 1
-        return SchedulerOutput(tuple(seqs), self.limits.max_num_batched_tokens - budget, tuple(preempted))
+        return SchedulerOutput(tuple(seqs), sum(planned.values()), tuple(preempted))
+
+    def _plan_running(self, reqs: list[Request], budget: int, planned: dict[str, int],
+                      preempted: list[str]) -> int:
+        """Plan running requests in order (preempting the newest when blocks run out); the budget left."""
+        for req in reqs:
+            if req.status != RequestStatus.RUNNING or budget == 0 or not self._plannable(req):
+                continue
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            while not self.bm.allocate(req, n):
+                victim = self.running[-1]  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                budget += planned.pop(victim.request_id, 0)
+                if victim is req:
+                    break
+            else:
+                planned[req.request_id] = n
+                budget -= n
+        return budget
+
+    def _mixed_budget(self, budget: int) -> int:
+        """What is left of `budget` once the step carries decodes (max_mixed_batched_tokens)."""
+        cap = self.limits.max_mixed_batched_tokens
+        if cap is None:
+            return budget
+        used = self.limits.max_num_batched_tokens - budget
+        return max(0, min(budget, cap - used))
 
     def _plannable(self, req: Request) -> bool:
         """False while its pending token is needed on the host first, or will be its last."""

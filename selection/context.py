@@ -55,6 +55,9 @@ class ForwardContext:
     dispatcher: Any = None
     # selections memoized for this step: (family, site, runtime) -> dict
     memo: dict[Any, dict] = field(default_factory=dict)
+    # when set, ops.attention calls it instead of dispatching: the piecewise
+    # CUDA graphs split the model there (engine/piecewise_graph.py)
+    attention_hook: Any = None
 
     def runtime(self, num_tokens: int) -> dict[str, int]:
         """The batch-dependent inputs a SelIR selector may read."""

@@ -45,6 +45,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: i
     ctx = get_forward_context()
     if ctx is None or ctx.attn is None:
         raise RuntimeError("ops.attention needs a forward context with attention metadata")
+    if ctx.attention_hook is not None:
+        return ctx.attention_hook(q, k, v, layer_idx=layer_idx, scale=scale)
     kv_cache = ctx.kv_caches[layer_idx]
     _, h, d = q.shape
     site = (("num_heads", h), ("num_kv_heads", k.shape[1]), ("head_dim", d),

@@ -1,19 +1,26 @@
-"""The engine's step loop in its own thread, fanned out to asyncio streams.
+"""The engine's step loop, fanned out to asyncio streams.
 
-HTTP handlers run on the event loop; `LLMEngine.step()` runs here, in one
-background thread that alone touches the engine. Handlers talk to it
-through a command deque (add, abort) and a wake event; the thread hands
-each step's outputs to the request's `asyncio.Queue` with
-`loop.call_soon_threadsafe`, so no HTTP work (JSON, SSE writes, slow
-clients) ever delays a step, and no step blocks the event loop.
+HTTP handlers run on the event loop and never call the engine. Two ways to
+run the step loop share this interface (`add`, `cancel`, `stats`, `running`):
 
-Outputs are cumulative (the engine's contract), so a consumer that falls
-behind only needs the newest one: `generate` coalesces its queue.
+- `AsyncCoreEngine` (what `detent-serve` runs): the engine core in its own
+  process (engine/core_process.py). The step loop then never waits for the
+  GIL that HTTP work holds. A reader thread here receives each step's output
+  deltas and hands them to the event loop in one call per step.
+- `AsyncEngine`: `LLMEngine.step()` in one background thread of this
+  process (tests with a fake engine, and `--no-engine-process`). Handlers
+  talk to it through a command deque (add, abort) and a wake event.
+
+Either way each step's outputs reach the request's `asyncio.Queue` with
+`loop.call_soon_threadsafe`. Outputs are cumulative (the engine's contract),
+so a consumer that falls behind only needs the newest one: `_outputs`
+coalesces its queue.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -23,6 +30,13 @@ from typing import Any, AsyncIterator
 from detent.server.errors import APIError, EngineDead, Overloaded
 
 log = logging.getLogger("detent.server")
+
+
+def short_reason(why: str, limit: int = 300) -> str:
+    """The first line of an engine failure, bounded: what /health and 503s say
+    (the whole traceback goes to the log, never to clients)."""
+    line = (why or "").strip().splitlines()[0] if (why or "").strip() else "unknown error"
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 class AsyncEngine:
@@ -113,7 +127,7 @@ class AsyncEngine:
                 while not q.empty() and not isinstance(item, BaseException):
                     item = q.get_nowait()
                 if isinstance(item, BaseException):
-                    finished = True  # the engine died: nothing left to abort
+                    finished = isinstance(item, EngineDead)  # a dead engine has nothing left to abort
                     raise item
                 finished = bool(item.finished)
                 yield item
@@ -123,6 +137,17 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """`fn(engine, *args)` where the engine lives (here: a worker thread; the
+        engine serializes it with its steps), e.g. a weight update."""
+        return await asyncio.to_thread(fn, self.engine, *args)
+
+    def end_streams(self, why: str) -> None:
+        """On the event loop: end every open stream with a 503 (`why`) and abort its
+        request; an SSE response then sends the error event and [DONE] and closes."""
+        for q in self._streams.values():
+            q.put_nowait(APIError(503, why, code="shutting_down"))
 
     def cancel(self, request_id: str) -> None:
         """Stops delivering to a request's stream and aborts it in the engine (idempotent)."""
@@ -200,7 +225,7 @@ class AsyncEngine:
                     self._wake.clear()
                 self._stats = self._read_stats()
         except BaseException as e:  # the engine is broken: fail every request, report unhealthy
-            self.dead = f"{type(e).__name__}: {e}"
+            self.dead = short_reason(f"{type(e).__name__}: {e}")
             log.error("engine step loop died:\n%s", traceback.format_exc())
             for rid in list(self._streams):
                 self._deliver(rid, EngineDead(self.dead))
@@ -208,3 +233,139 @@ class AsyncEngine:
                 cmd = self._cmds.popleft()
                 if cmd[0] == "add":
                     self._resolve(cmd[4], EngineDead(self.dead))
+
+
+class AsyncCoreEngine(AsyncEngine):
+    """The same streams over an engine core in its own process (`CoreProcess`).
+
+    Commands go down the core's pipe from the event loop (a send is a few µs);
+    a reader thread receives "admitted"/"rejected" answers and each step's
+    output deltas, rebuilds cumulative outputs (`DeltaDecoder`) and wakes the
+    loop once per message."""
+
+    def __init__(self, core: Any, *, max_queue_len: int | None = None):
+        super().__init__(None, max_queue_len=max_queue_len)
+        from detent.engine import DeltaDecoder
+        self.core = core
+        self._decoder = DeltaDecoder()
+        self._admitting: dict[str, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._stats = {}
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._read, name="detent-core-reader", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return super().running and self.core.alive()
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        self.check_admission()
+        if request_id in self._streams:
+            raise APIError(400, f"request id {request_id!r} is already in use", param="request_id")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        admitted = asyncio.get_running_loop().create_future()
+        self._admitting[request_id] = admitted
+        with self._lock:
+            self._pending_adds += 1
+        try:
+            self.core.send("add", request_id, list(prompt_token_ids), params)
+            await admitted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.abort(request_id)
+            raise
+        finally:
+            if self._admitting.pop(request_id, None) is not None:
+                with self._lock:
+                    self._pending_adds -= 1
+        return self._outputs(request_id, q)
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """`fn(engine, *args)` in the core process, between two steps; its result or its error."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        cid = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[cid] = fut
+        try:
+            self.core.send("call", cid, fn, args)
+            return await fut
+        finally:
+            self._calls.pop(cid, None)
+
+    def abort(self, request_id: str) -> None:
+        self._decoder.forget(request_id)
+        if self.dead is None:
+            try:
+                self.core.send("abort", request_id)
+            except OSError:
+                pass
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop = True
+        self.core.stop(timeout)
+        if self._thread is not None:
+            self._thread.join(5)
+
+    # ---- the reader thread ----
+    def _on_loop(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "out":
+            _, deltas, dt, stats = msg
+            if dt is not None:
+                self.step_times.append(dt)
+                self.steps += 1
+            if stats is not None:
+                self._stats = stats
+            for d in deltas:
+                q = self._streams.get(d.request_id)
+                if q is None:  # the client left (its abort is on its way to the core)
+                    self._decoder.forget(d.request_id)
+                    continue
+                try:
+                    out = self._decoder.decode(d)
+                except Exception as e:  # noqa: BLE001  (one request's bad delta never loses the others')
+                    log.exception("could not rebuild the output of %s", d.request_id)
+                    q.put_nowait(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+                    continue
+                q.put_nowait(out)
+        elif kind == "result":
+            _, cid, ok, value = msg
+            fut = self._calls.get(cid)
+            if fut is not None and not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(value)
+        elif kind in ("admitted", "rejected"):
+            fut = self._admitting.get(msg[1])
+            if fut is not None and not fut.done():
+                if kind == "admitted":
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(APIError(400, msg[2]))
+
+    def _died(self, why: str) -> None:
+        self.dead = why = short_reason(why)
+        for q in self._streams.values():
+            q.put_nowait(EngineDead(why))
+        for fut in [*self._admitting.values(), *self._calls.values()]:
+            if not fut.done():
+                fut.set_exception(EngineDead(why))
+
+    def _read(self) -> None:
+        why = None
+        try:
+            while True:
+                msg = self.core.recv()
+                if msg[0] == "dead":
+                    why = msg[1]
+                    log.error("the engine core died:\n%s", msg[2])
+                    break
+                self._loop.call_soon_threadsafe(self._on_loop, msg)
+        except (EOFError, OSError):
+            why = None if self._stop else f"the engine core exited (exit code {self.core.proc.exitcode})"
+        if why is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._died, why)

@@ -32,6 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--max-mixed-batched-tokens", type=int, default=None,
+                   help="a step that carries decodes takes at most this many tokens, so prompts never stall "
+                        "generating requests behind one long step (default 2048; 0: the whole "
+                        "--max-num-batched-tokens)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in its own process, so HTTP work never holds the GIL the step "
+                        "loop needs (default: on)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan and launch the next step while the device runs the current one "
                         "(default: on for CUDA; same output bits either way)")
@@ -53,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for d in a.allowed_weight_dir:
         if not os.path.isdir(d):
             p.error(f"--allowed-weight-dir {d!r} is not a directory")
+    if a.max_mixed_batched_tokens is not None and a.max_mixed_batched_tokens < 0:
+        p.error(f"--max-mixed-batched-tokens must be >= 0, got {a.max_mixed_batched_tokens}")
     for name in ("tp", "max_queue_len", "port"):
         if getattr(a, name) < (0 if name == "max_queue_len" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
@@ -95,24 +104,45 @@ def limits_from_args(a: argparse.Namespace):
     return ServerLimits(trust_request_chat_template=a.trust_request_chat_template, **kw)
 
 
-def build_state(a: argparse.Namespace):
-    from detent.engine import LLM
-    from detent.server.async_engine import AsyncEngine
-    from detent.server.serving import ServerState
-
+def engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, tensor_parallel_size=a.tp, tuple=a.tuple, selection=a.selection, dtype=a.dtype,
               device=a.device, enable_prefix_caching=a.enable_prefix_caching, load_format=a.load_format,
               seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl)
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
-    llm = LLM(**kw)
-    engine = llm.llm_engine
-    tok = llm.get_tokenizer()
-    fp, limits = engine.fingerprint(), engine.limits()
+    if a.max_mixed_batched_tokens == 0:
+        kw["max_mixed_batched_tokens"] = None
+    return kw
+
+
+def build_state(a: argparse.Namespace):
+    """The engine (in its own process unless --no-engine-process), the tokenizer, the server state."""
+    import functools
+
+    from detent.engine import LLM, CoreProcess, build_engine, load_tokenizer
+    from detent.server.async_engine import AsyncCoreEngine, AsyncEngine
+    from detent.server.serving import ServerState
+
+    kw = engine_kwargs(a)
+    if a.engine_process:
+        core = CoreProcess(functools.partial(build_engine, **kw))
+        try:
+            info = core.wait_ready()
+            tok = load_tokenizer(a.model, a.load_format)
+        except BaseException:
+            core.stop(10)
+            raise
+        engine = AsyncCoreEngine(core, max_queue_len=a.max_queue_len)
+        fp, limits = info.fingerprint, info.limits
+    else:
+        llm = LLM(**kw)
+        tok = llm.get_tokenizer()
+        engine = AsyncEngine(llm.llm_engine, max_queue_len=a.max_queue_len)
+        fp, limits = llm.llm_engine.fingerprint(), llm.llm_engine.limits()
     names = a.served_model_name or [a.model or "smollm2-135m-instruct"]
     return ServerState(
-        engine=AsyncEngine(engine, max_queue_len=a.max_queue_len), tokenizer=tok, served_model_names=names,
+        engine=engine, tokenizer=tok, served_model_names=names,
         model_root=a.model or "embedded:SmolLM2-135M-Instruct",
         max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
@@ -126,11 +156,22 @@ def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout
     from detent.server.app import build_app
 
     class Server(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal after its graceful shutdown, so the
             # process would die by it; a clean SIGTERM shutdown exits 0 instead
             self._captured_signals.clear()
+            loop = state.engine._loop
+            if not self.draining and loop is not None:
+                # streams get until shortly before --graceful-timeout to finish; then each
+                # ends with an error event and [DONE] instead of being cut by uvicorn
+                self.draining = True
+                grace = max(0.0, graceful_timeout - min(1.0, graceful_timeout / 2))
+                loop.call_soon_threadsafe(loop.call_later, grace, state.engine.end_streams,
+                                          "the server is shutting down (SIGTERM): this stream was ended before "
+                                          "it finished")
 
     config = uvicorn.Config(build_app(state), host=host, port=port, loop="uvloop", lifespan="on",
                             log_level=log_level, access_log=log_level == "debug",

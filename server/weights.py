@@ -11,14 +11,13 @@ that does not fit the model.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from detent.engine import CheckpointError, WeightUpdateBusy, WeightUpdateError, tensors_from_safetensors
+from detent.engine import CheckpointError, WeightUpdateBusy, WeightUpdateError, update_weights_from_file
 from detent.server.errors import APIError
 from detent.server.serving import ServerState, read_body
 
@@ -47,10 +46,8 @@ def add_weight_routes(app: FastAPI, state: ServerState) -> None:
     async def update_weights(request: Request) -> JSONResponse:
         req = await read_body(request, state, UpdateWeightsRequest)
         real = allowed_path(req.path, state.allowed_weight_dirs)
-        engine = state.engine.engine  # LLMEngine.update_weights serializes with the step loop (its step lock)
-        try:
-            items = await asyncio.to_thread(tensors_from_safetensors, real)
-            n = await asyncio.to_thread(engine.update_weights, items)
+        try:  # runs where the engine lives, between two steps
+            n = await state.engine.call(update_weights_from_file, real)
         except WeightUpdateBusy as e:
             raise APIError(409, str(e), param="path", code="requests_running") from None
         except (CheckpointError, WeightUpdateError) as e:

@@ -1,0 +1,276 @@
+"""Serving under load, side by side: `detent-serve` and `vllm serve` driven by
+vLLM's own load generator (`vllm bench serve`), one server after the other in
+one lease, on the same prompts.
+
+    # on the GPU machine, after installing the vLLM peer (docs/performance.md):
+    python3 benchmarks/serve_load.py run --server vllm   --out $OUT/load
+    python3 benchmarks/serve_load.py run --server detent --out $OUT/load
+    python3 benchmarks/serve_load.py report $OUT/load    # table (markdown) + serve_load.png
+
+Loads (each with its own seeded prompts, identical for both servers):
+closed loop at C = 1, 16, 64, 128 (`c1` ...), Poisson at 10 and 20 req/s
+(`r10`, `r20`) and at 80% of vLLM's maximum throughput (`r80`: 0.8 x vLLM's
+request throughput at C = 128, read from vLLM's results in the same folder),
+on random 1,024-token prompts with 128 output tokens; and a ShareGPT-like mix
+(`s10`: Poisson 10 req/s, `sc64`: C = 64) from a synthetic, seeded ShareGPT
+file (log-normal prompt and output lengths, benchmarks/loadgen.sharegpt_like).
+The model is a Llama-3.1-8B-shaped directory with a word-level tokenizer
+(benchmarks/wordlevel_model.py), so prompt lengths are exact.
+
+While the server is loaded at `r20`, a seeded probe request (logprobs 5) is
+sent again and again; its token ids and logprobs are compared with `==`
+against the same request sent to the idle server (the invariance battery
+over HTTP under load). vLLM stock is expected to differ.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+RANDOM = ["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "128"]
+LOADS = {  # name: (arguments, number of prompts, dataset)
+    "c1": (["--max-concurrency", "1"], 32, "random"),
+    "c16": (["--max-concurrency", "16"], 128, "random"),
+    "c64": (["--max-concurrency", "64"], 256, "random"),
+    "c128": (["--max-concurrency", "128"], 384, "random"),
+    "r10": (["--request-rate", "10"], 200, "random"),
+    "r20": (["--request-rate", "20"], 400, "random"),
+    "r80": (None, 400, "random"),
+    "s10": (["--request-rate", "10"], 200, "sharegpt"),
+    "sc64": (["--max-concurrency", "64"], 256, "sharegpt"),
+}
+PROBE = {"model": "m", "prompt": " ".join(f"t{1000 + 37 * i}" for i in range(200)), "max_tokens": 32,
+         "temperature": 1.0, "seed": 1234, "logprobs": 5, "ignore_eos": True}
+
+
+def write_sharegpt(path: str, n: int = 2000, seed: int = 0) -> str:
+    """A synthetic ShareGPT file (first human turn, first answer) for the word-level tokenizer;
+    vLLM's loader keeps prompts of 4..1,024 tokens with prompt + answer <= 2,048."""
+    from loadgen import sharegpt_like
+
+    rng = random.Random(seed)
+    rows = []
+    for k, (p, o) in enumerate(sharegpt_like(n, seed)):
+        p, o = min(p, 1024), max(4, min(o, 2048 - min(p, 1024)))
+        words = lambda m: " ".join(f"t{rng.randrange(10, 128000)}" for _ in range(m))  # noqa: E731
+        rows.append({"id": str(k), "conversations": [{"from": "human", "value": words(p)},
+                                                      {"from": "gpt", "value": words(o)}]})
+    with open(path, "w") as f:
+        json.dump(rows, f)
+    return path
+
+
+def _get(url: str, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def vllm_env(vllm_path: str) -> dict:
+    """vLLM's bundle (its own torch-compatible dependencies) on the path of vLLM's processes only."""
+    return {**os.environ, "PYTHONPATH": vllm_path}
+
+
+def start_server(kind: str, model_dir: str, port: int, extra: list[str], log_path: str,
+                 vllm_path: str) -> subprocess.Popen:
+    common = ["--model", model_dir, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
+              "--served-model-name", "m", "--port", str(port)]
+    if kind == "detent":
+        cmd = [sys.executable, "-m", "detent.server.cli", *common, "--log-level", "warning"]
+    else:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common,
+               "--gpu-memory-utilization", "0.88"]
+    log = open(log_path, "w")
+    env = vllm_env(vllm_path) if kind == "vllm" else None
+    return subprocess.Popen(cmd + extra, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed: int, out_dir: str,
+          name: str, sharegpt: str, vllm_path: str) -> dict:
+    data = RANDOM if dataset == "random" else ["--dataset-name", "sharegpt", "--dataset-path", sharegpt]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+           "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", model_dir, *data,
+           "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--seed", str(seed), "--num-prompts", str(n), *args, "--save-result", "--result-dir", out_dir,
+           "--result-filename", name + ".json"]
+    t0 = time.time()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=vllm_env(vllm_path))
+    with open(os.path.join(out_dir, name + ".json")) as f:
+        r = json.load(f)
+    keep = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    keep["wall_s"] = time.time() - t0
+    return keep
+
+
+def probe_under_load(url: str, stop: threading.Event, results: list) -> None:
+    while not stop.is_set():
+        try:
+            results.append(_post(url + "/v1/completions", PROBE)["choices"][0])
+        except Exception as e:  # noqa: BLE001
+            results.append({"error": repr(e)})
+        time.sleep(0.2)
+
+
+def _bits(choice: dict):
+    lp = choice.get("logprobs") or {}
+    return choice.get("text"), lp.get("token_logprobs"), lp.get("top_logprobs")
+
+
+def run(a) -> None:
+    os.makedirs(a.out, exist_ok=True)
+    sharegpt = write_sharegpt(os.path.join(a.out, "sharegpt_synthetic.json"))
+    proc = start_server(a.server, a.model_dir, a.port, a.server_args.split(), os.path.join(a.out, f"{a.server}.log"),
+                        a.vllm_path)
+    url = f"http://127.0.0.1:{a.port}"
+    t0 = time.time()
+    while _get(url + "/health") != 200:
+        if proc.poll() is not None or time.time() - t0 > a.startup_timeout:
+            stop_server(proc)
+            raise SystemExit(f"{a.server} did not start; see {a.server}.log")
+        time.sleep(1)
+    summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": a.server_args, "loads": {}}
+    try:
+        alone = _post(url + "/v1/completions", PROBE)["choices"][0]
+        for name, (args, n, ds) in (("warmup", (["--max-concurrency", "64"], 192, "random")),):
+            bench(a.port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path)
+        for i, name in enumerate(a.loads.split(",")):
+            args, n, ds = LOADS[name]
+            if args is None:  # r80: 80% of vLLM's maximum request throughput (C = 128)
+                ref = os.path.join(a.out, "vllm-c128.json")
+                if not os.path.exists(ref):
+                    print("r80 skipped: no vllm-c128.json in", a.out, flush=True)
+                    continue
+                with open(ref) as f:
+                    rate = 0.8 * json.load(f)["request_throughput"]
+                args = ["--request-rate", f"{rate:.2f}"]
+                summary["r80_rate"] = rate
+            probes: list = []
+            stop = threading.Event()
+            th = None
+            if name == "r20":
+                th = threading.Thread(target=probe_under_load, args=(url, stop, probes), daemon=True)
+                th.start()
+            r = bench(a.port, a.model_dir, args, n, ds, i + 1, a.out, f"{a.server}-{name}{a.tag}", sharegpt,
+                      a.vllm_path)
+            stop.set()
+            if th is not None:
+                th.join(120)
+                ok = [p for p in probes if "error" not in p]
+                summary["probe"] = {"sent": len(probes), "answered": len(ok),
+                                    "equal_to_alone": sum(_bits(p) == _bits(alone) for p in ok)}
+            summary["loads"][name] = r
+            print(name, json.dumps({k: round(v, 2) for k, v in r.items()
+                                    if k in ("output_throughput", "median_tpot_ms", "p99_tpot_ms",
+                                             "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")}), flush=True)
+        if "probe" in summary:
+            print("probe under load:", summary["probe"], flush=True)
+    finally:
+        stop_server(proc)
+        with open(os.path.join(a.out, f"summary-{a.server}{a.tag}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+METRICS = [("output_throughput", "output tok/s"), ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"),
+           ("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99")]
+
+
+def report(a) -> None:
+    s = {}
+    for k in ("vllm", "detent"):
+        p = os.path.join(a.dir, f"summary-{k}.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                s[k] = json.load(f)
+    names = [n for n in LOADS if any(n in v["loads"] for v in s.values())]
+    lines = ["| load | metric | vLLM | Detent | ratio |", "|---|---|---:|---:|---:|"]
+    for n in names:
+        for key, label in METRICS:
+            v = s.get("vllm", {}).get("loads", {}).get(n, {}).get(key)
+            d = s.get("detent", {}).get("loads", {}).get(n, {}).get(key)
+            ratio = f"{d / v:.2f}" if v and d else ""
+            fmt = (lambda x: f"{x:,.0f}") if key == "output_throughput" else (lambda x: f"{x:.2f}")
+            lines.append(f"| {n} | {label} | {fmt(v) if v else ''} | {fmt(d) if d else ''} | {ratio} |")
+    for k, v in s.items():
+        if "probe" in v:
+            lines.append(f"\n{k} probe under r20 load: {v['probe']}")
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(a.dir, "serve_load.md"), "w") as f:
+        f.write(text + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for k, v in s.items():
+        xs = [n for n in names if n in v["loads"]]
+        for ax, (key, label) in zip(axes, [("median_tpot_ms", "TPOT p50 (ms)"), ("p99_tpot_ms", "TPOT p99 (ms)"),
+                                            ("median_ttft_ms", "TTFT p50 (ms)")]):
+            ax.plot(xs, [v["loads"][n][key] for n in xs], "o-", label=k)
+            ax.set_title(label)
+            ax.set_yscale("log")
+    for ax in axes:
+        ax.legend()
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.dir, "serve_load.png"), dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser("serve_load")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--server", choices=("detent", "vllm"), required=True)
+    r.add_argument("--model-dir", default="/tmp/wl8b")
+    r.add_argument("--out", required=True)
+    r.add_argument("--loads", default="c1,c16,c64,c128,r10,r20,r80,s10,sc64")
+    r.add_argument("--server-args", default="")
+    r.add_argument("--port", type=int, default=8100)
+    r.add_argument("--startup-timeout", type=float, default=600)
+    r.add_argument("--vllm-path", default="/tmp/vsite", help="where the vLLM bundle is installed")
+    r.add_argument("--tag", default="", help="suffix of this run's files (another configuration)")
+    rep = sub.add_parser("report")
+    rep.add_argument("dir")
+    a = p.parse_args()
+    if a.cmd == "run":
+        if not os.path.exists(os.path.join(a.model_dir, "config.json")):
+            from wordlevel_model import write
+            write(a.model_dir)
+        run(a)
+    else:
+        report(a)
+
+
+if __name__ == "__main__":
+    main()
