@@ -212,3 +212,20 @@ def test_the_scheduler_stops_on_a_stop_string_and_frees_the_blocks():
     assert (b.status, b.stop_reason) == (RequestStatus.FINISHED_STOPPED, "END")  # the string wins
     assert ("b", 2, RequestStatus.FINISHED_LENGTH) in seen  # asked after the length stop, to flush text
     assert not s.requests and s.bm.num_free_blocks == 31
+
+
+def test_mixed_budget_caps_steps_that_carry_decodes():
+    """max_mixed_batched_tokens: with decodes in the step, prompts get only what the
+    cap leaves; a step without decodes uses the whole budget."""
+    s = Scheduler(SchedulerLimits(8, 16, 64, max_mixed_batched_tokens=6), 64, BS, True)
+    s.add(req("a", 12))
+    p = run_step(s)
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 12)]  # no decodes: the whole budget
+    s.add(req("b", 12, first=40))
+    p = run_step(s)  # a decodes (1 token), b's prompt gets 6 - 1 = 5
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 5)]
+    assert p.num_batched_tokens == 6
+    p = run_step(s)
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 5)]
+    with pytest.raises(ValueError, match="max_mixed_batched_tokens"):
+        SchedulerLimits(8, 16, 64, max_mixed_batched_tokens=0)
