@@ -151,11 +151,13 @@ async def main_async(a, server_argv: list[str]) -> None:
     url = f"http://127.0.0.1:{a.port}"
     client = [sys.executable, os.path.join(HERE, "loadgen.py"), "--url", url, "--model", a.model_name]
     results = []
-    for ph in ["c4"] + a.phases.split(","):  # c4: warm-up (compiles, graphs)
+    for i, ph in enumerate(["c4"] + a.phases.split(",")):  # c4: warm-up (compiles, graphs)
         rec.take(), lag.take()
         cpu0, t0 = thread_cpu(names), time.perf_counter()
+        # each phase its own prompts (seed), so no phase hits the prefix cache of an earlier one
         proc = await asyncio.create_subprocess_exec(*client, *phase_args(ph, a.num_closed, a.num_rate),
-                                                    *a.client_args.split(), stdout=asyncio.subprocess.PIPE)
+                                                    "--seed", str(100 + i), *a.client_args.split(),
+                                                    stdout=asyncio.subprocess.PIPE)
         out, _ = await proc.communicate()
         wall = time.perf_counter() - t0
         cpu1 = thread_cpu(names)
