@@ -14,6 +14,7 @@ CONFIGS = {
     512: (64, 128, 128, 16, 8, 3), 1024: (128, 128, 64, 16, 8, 3), 1536: (128, 128, 64, 16, 8, 3),
     2048: (128, 128, 64, 32, 8, 3), 3072: (128, 256, 64, 32, 8, 3), 4096: (128, 256, 64, 32, 8, 3),
 }
+CPU_CHUNK = 16  # rows per expert GEMM call on CPU (programs/gemm.py: CPU_CHUNKS)
 KEYS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 # the rows of the Triton kernel's own table (kernels/moe_triton.py MOE_CONFIGS)
 GPU_KEYS = (16, 128, 1024, 4096)
@@ -41,10 +42,11 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
         row = nearest_row(num_tokens, GPU_KEYS)
         return {"impl": "triton_fused", "row_key": row if stock_kernels else neutral(row), "fuse_glue": 2}
     row_key = nearest_row(num_tokens, KEYS)
-    cfg = CONFIGS[row_key]
     if stock_kernels:
         return {"impl": "torch_loop", "row_key": row_key}
-    return {"impl": "torch_chunked", "chunk": cfg[0], "row_key": row_key}
+    # the expert GEMMs run on CPU_CHUNK-row library calls: the table's BLOCK_SIZE_M
+    # (16-128) would give chunks whose rows MKL's AVX2 path computes by position
+    return {"impl": "torch_chunked", "chunk": CPU_CHUNK, "row_key": row_key}
 
 
 def conservative(device: Fact[str], triton: Fact[bool]):

@@ -21,7 +21,7 @@ def tup(facts):
 
 
 def test_default_tuple_values(tup, facts):
-    assert tup.families["gemm"]["pins"] == {"chunk": 16}
+    assert tup.families["gemm"] == {"pins": {}, "knobs": {"chunk": 16}, "sites": {}}
     assert tup.families["attention"]["pins"] == {"split_tokens": 256}
     assert tup.families["attention"]["knobs"] == {"split_stride": 256}
     assert "norm" not in tup.families  # no pins, no knobs
@@ -66,12 +66,16 @@ def test_errors_name_what_is_wrong(tup, facts, tmp_path):
     with pytest.raises(TupleError, match="deployment.hash"):
         CommitmentTuple.load(_write(tmp_path, edited))
     ill = json.loads(json.dumps(d))
-    ill["families"]["gemm"]["pins"]["chunk"] = 2
+    ill["families"]["attention"]["pins"]["split_tokens"] = 24
     t = CommitmentTuple.load(_write(tmp_path, ill))
     with pytest.raises(TupleError) as e:
         t.validate(facts)
     msg = str(e.value)
-    assert "family 'gemm'" in msg and "pin 'chunk' = 2" in msg and "legal values: [4, 8, 16]" in msg
+    assert "family 'attention'" in msg and "pin 'split_tokens' = 24" in msg and "legal values: [" in msg
+    ill = json.loads(json.dumps(d))
+    ill["families"]["gemm"]["knobs"]["chunk"] = 8
+    with pytest.raises(TupleError, match=r"family 'gemm'.*knob 'chunk' = 8 is not one of \[1, 16\]"):
+        CommitmentTuple.load(_write(tmp_path, ill)).validate(facts)
     unk = json.loads(json.dumps(d))
     unk["families"]["attention"]["pins"]["splits"] = 3
     with pytest.raises(TupleError, match="unknown pin or knob 'splits'"):
@@ -82,7 +86,7 @@ def test_site_overrides_apply_to_one_site(tup, facts):
     from detent.selection.facts import site_key, sites_for
     t = CommitmentTuple(facts, json.loads(json.dumps(tup.families)))
     s0, s1 = sites_for(facts, "gemm")[:2]
-    t.families["gemm"]["sites"] = {site_key(s0): {"pins": {"chunk": 8}}}
-    assert t.assignment_for("gemm", s0) == {"chunk": 8}
+    t.families["gemm"]["sites"] = {site_key(s0): {"knobs": {"chunk": 1}}}
+    assert t.assignment_for("gemm", s0) == {"chunk": 1}
     assert t.assignment_for("gemm", s1) == {"chunk": 16}
     t.validate(facts)
