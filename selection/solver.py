@@ -8,6 +8,7 @@ deployment; `Solution.compile` turns an assignment into a selector.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import sys
 import time
@@ -97,8 +98,10 @@ class Solution:
             jitcache.store(self._key, self._payload())
 
     def _payload(self) -> dict:
-        return {"lowered": self.lowered, "pins": self.pin_nodes, "stats": self.graph, "level": self.level,
-                "seconds": self.seconds, "vra": self._vra_data}
+        """What the JIT cache keeps: data about the lowered graph, never the graph itself."""
+        return {"graph": fingerprint(self.lowered), "pins": self.pin_nodes, "stats": self.graph.as_dict(),
+                "level": self.level, "seconds": self.seconds,
+                "vra": {k: v for k, v in self._vra_data.items() if k != "judged"}}  # judged: re-checked per process
 
     # ---- assignments
     def split(self, assignment: dict[str, Any] | None) -> tuple[tuple, tuple]:
@@ -320,6 +323,50 @@ def build_selector(lw: Lowered, prog: lang.Program, pins: dict[int, Any], knobs:
 _MEMORY: dict[str, Solution] = {}
 
 
+def fingerprint(lw: Lowered) -> str:
+    """A hash of a lowered graph's structure: a cache entry's pin node ids refer to it."""
+    g = lw.graph
+    h = hashlib.sha256()
+    for op, args, val in zip(g.ops, g.args, g.vals):
+        h.update(f"{op}|{args}|{val!r}\n".encode())
+    h.update(repr(sorted(lw.outputs.items())).encode())
+    return h.hexdigest()
+
+
+def _lower(prog: lang.Program, f: dict[str, Any], level: str) -> Lowered:
+    lw = lower(prog, f, level)
+    for k, n in list(lw.outputs.items()):
+        if lw.graph.ops[n] == "input":
+            lw.outputs[k] = lw.graph.copy(n, k)
+    return lw
+
+
+def _from_cache(prog: lang.Program, f: dict[str, Any], level: str, key: str, hit: dict) -> Solution | None:
+    """The cached solve, if its data matches the program lowered again (else None, with a warning)."""
+    lw = _lower(prog, f, level)
+    try:
+        if hit.get("graph") != fingerprint(lw):
+            raise ValueError("it was solved from another lowering")
+        pins = hit["pins"]
+        if not (isinstance(pins, dict) and all(isinstance(n, int) and 0 <= n < len(lw.graph) for n in pins.values())):
+            raise ValueError("malformed pins")
+        vra = hit.get("vra", {})
+        if not (isinstance(vra, dict) and isinstance(vra.get("candidates", {}), dict)
+                and all(isinstance(v, tuple) for v in vra.get("candidates", {}).values())
+                and isinstance(vra.get("default", {}), dict) and isinstance(vra.get("legal", []), list)
+                and all(isinstance(a, tuple) and len(a) == 2 for a in vra.get("legal", []))):
+            raise ValueError("malformed VRA results")
+        st = dict(hit["stats"])
+        st["batch_dependent_points"] = tuple(st["batch_dependent_points"])
+        sol = Solution(prog, f, lw, dict(pins), GraphStats(**st), level, float(hit["seconds"]), key,
+                       {k: v for k, v in vra.items() if k in ("candidates", "default", "legal")})
+    except (ValueError, KeyError, TypeError) as e:
+        jitcache.ignore(f"for program {prog.name!r}", str(e))
+        return None
+    sol.from_cache = True
+    return sol
+
+
 def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: bool = True,
           cache: bool = True, memory: bool = True) -> Solution:
     """Specialize `prog` to `facts`, lower it, and find its pins.
@@ -333,19 +380,14 @@ def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: b
         return _MEMORY[key]
     if key is not None:
         hit = jitcache.load(key)
-        if hit is not None:
-            sol = Solution(prog, f, hit["lowered"], hit["pins"], hit["stats"], hit["level"], hit["seconds"],
-                           key, hit.get("vra"))
-            sol.from_cache = True
+        sol = _from_cache(prog, f, level, key, hit) if hit is not None else None
+        if sol is not None:
             if memory:
                 _MEMORY[key] = sol
             return sol
     t0 = time.perf_counter()
-    lw = lower(prog, f, level)
+    lw = _lower(prog, f, level)
     g = lw.graph
-    for k, n in list(lw.outputs.items()):
-        if g.ops[n] == "input":
-            lw.outputs[k] = g.copy(n, k)
     order = g.reachable(list(lw.outputs.values()))
     tainted, _ = taint(g, order)
     points = [k for k, n in lw.outputs.items() if n in tainted]
