@@ -119,3 +119,23 @@ def test_a_corrupt_entry_is_ignored_with_a_warning_and_solved_again(tmp_path, mo
     with pytest.warns(jitcache.CacheWarning, match="ignored"):
         again = solve(p, {}, memory=False)
     assert not again.from_cache and again.pins == ("x",) and again.candidates == {"x": (0, 1, 2, 3, 4)}
+
+
+def test_a_hit_in_another_process_matches(tmp_path):
+    """Lowering numbers the graph the same way in every process (whatever the str hash seed),
+    so an entry written by one process is a hit in the next."""
+    import subprocess
+    import sys
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "from detent.selection import programs, solve\n"
+            "from tests.selection.conftest import ATTN_SITE, CPU\n"
+            "s = solve(programs.load('attention'), {**CPU, **ATTN_SITE}); s.default_assignment()\n"
+            "print(s.from_cache, s.pins)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    outs = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, DETENT_SELIR_CACHE=str(tmp_path), PYTHONHASHSEED=seed)
+        p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(p.stdout.strip())
+    assert outs == ["False ('split_tokens',)", "True ('split_tokens',)"]
