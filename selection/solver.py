@@ -8,13 +8,12 @@ deployment; `Solution.compile` turns an assignment into a selector.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import sys
 import time
 from typing import Any, Callable
 
-from detent.selection import jitcache, lang
+from detent.selection import jitcache, lang, solve_cache
 from detent.selection.codegen import Emitter, base_namespace, compile_source
 from detent.selection.cut import GraphStats, min_vertex_cut, stats, taint
 from detent.selection.lower import Lowered, lower, lower_conservative
@@ -99,7 +98,7 @@ class Solution:
 
     def _payload(self) -> dict:
         """What the JIT cache keeps: data about the lowered graph, never the graph itself."""
-        return {"graph": fingerprint(self.lowered), "pins": self.pin_nodes, "stats": self.graph.as_dict(),
+        return {"graph": solve_cache.fingerprint(self.lowered), "pins": self.pin_nodes, "stats": self.graph.as_dict(),
                 "level": self.level, "seconds": self.seconds,
                 "vra": {k: v for k, v in self._vra_data.items() if k != "judged"}}  # judged: re-checked per process
 
@@ -323,48 +322,12 @@ def build_selector(lw: Lowered, prog: lang.Program, pins: dict[int, Any], knobs:
 _MEMORY: dict[str, Solution] = {}
 
 
-def fingerprint(lw: Lowered) -> str:
-    """A hash of a lowered graph's structure: a cache entry's pin node ids refer to it."""
-    g = lw.graph
-    h = hashlib.sha256()
-    for op, args, val in zip(g.ops, g.args, g.vals):
-        h.update(f"{op}|{args}|{val!r}\n".encode())
-    h.update(repr(sorted(lw.outputs.items())).encode())
-    return h.hexdigest()
-
-
 def _lower(prog: lang.Program, f: dict[str, Any], level: str) -> Lowered:
     lw = lower(prog, f, level)
     for k, n in list(lw.outputs.items()):
         if lw.graph.ops[n] == "input":
             lw.outputs[k] = lw.graph.copy(n, k)
     return lw
-
-
-def _from_cache(prog: lang.Program, f: dict[str, Any], level: str, key: str, hit: dict) -> Solution | None:
-    """The cached solve, if its data matches the program lowered again (else None, with a warning)."""
-    lw = _lower(prog, f, level)
-    try:
-        if hit.get("graph") != fingerprint(lw):
-            raise ValueError("it was solved from another lowering")
-        pins = hit["pins"]
-        if not (isinstance(pins, dict) and all(isinstance(n, int) and 0 <= n < len(lw.graph) for n in pins.values())):
-            raise ValueError("malformed pins")
-        vra = hit.get("vra", {})
-        if not (isinstance(vra, dict) and isinstance(vra.get("candidates", {}), dict)
-                and all(isinstance(v, tuple) for v in vra.get("candidates", {}).values())
-                and isinstance(vra.get("default", {}), dict) and isinstance(vra.get("legal", []), list)
-                and all(isinstance(a, tuple) and len(a) == 2 for a in vra.get("legal", []))):
-            raise ValueError("malformed VRA results")
-        st = dict(hit["stats"])
-        st["batch_dependent_points"] = tuple(st["batch_dependent_points"])
-        sol = Solution(prog, f, lw, dict(pins), GraphStats(**st), level, float(hit["seconds"]), key,
-                       {k: v for k, v in vra.items() if k in ("candidates", "default", "legal")})
-    except (ValueError, KeyError, TypeError) as e:
-        jitcache.ignore(f"for program {prog.name!r}", str(e))
-        return None
-    sol.from_cache = True
-    return sol
 
 
 def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: bool = True,
@@ -380,7 +343,7 @@ def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: b
         return _MEMORY[key]
     if key is not None:
         hit = jitcache.load(key)
-        sol = _from_cache(prog, f, level, key, hit) if hit is not None else None
+        sol = solve_cache.from_cache(prog, f, level, key, hit) if hit is not None else None
         if sol is not None:
             if memory:
                 _MEMORY[key] = sol

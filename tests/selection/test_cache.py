@@ -42,7 +42,8 @@ def test_disabled_and_corrupt_entries(tmp_path, monkeypatch):
         for f in fs:
             with open(os.path.join(root, f), "wb") as fh:
                 fh.write(b"not json")
-    again = solve(p, {}, memory=False)
+    with pytest.warns(jitcache.CacheWarning, match="ignored"):
+        again = solve(p, {}, memory=False)
     assert not again.from_cache and again.pins == ("x",)
 
 
