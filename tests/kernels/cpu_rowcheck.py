@@ -76,7 +76,7 @@ def check_moe(out: dict) -> None:
 
 
 def _prefill(q, k, v, chunks, split_tokens):
-    bs, nb = 4, 32
+    bs, nb = 4, 64
     cache = torch.zeros(2, nb, bs, k.shape[1], k.shape[2])
     table = torch.arange(1, 1 + -(-q.shape[0] // bs), dtype=torch.int32)
     outs, done = [], 0
@@ -92,14 +92,15 @@ def _prefill(q, k, v, chunks, split_tokens):
 
 def check_attention(out: dict) -> None:
     g = torch.Generator().manual_seed(2)
-    n = 45
-    for heads, kv_heads, d in ((6, 2, 16), (8, 2, 64)):
+    # (heads, KV heads, head dim, tokens, split): a split of 128 keys makes P @ V a narrow
+    # product (N = head dim) over K = 128, the shape MKL's AVX2 path computes by row position
+    for heads, kv_heads, d, n, split in ((6, 2, 16, 45, 8), (8, 2, 64, 45, 8), (4, 2, 16, 150, 128)):
         q, k, v = (torch.randn(n, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
-        whole = _prefill(q, k, v, [n], 8)
-        for cut in ([5, 1, 20, 1, 18], [16, 29], [3, 40, 2]):
-            if not torch.equal(whole, _prefill(q, k, v, cut, 8)):
-                out["failures"].append(f"attention paged_split H={heads} KVH={kv_heads} D={d}: chunks {cut[:6]} "
-                                       "differ from one prefill")
+        whole = _prefill(q, k, v, [n], split)
+        for cut in ([5, 1, 20, 1, n - 27], [16, n - 16], [3, n - 5, 2]):
+            if not torch.equal(whole, _prefill(q, k, v, cut, split)):
+                out["failures"].append(f"attention paged_split H={heads} KVH={kv_heads} D={d} split={split}: "
+                                       f"chunks {cut[:6]} differ from one prefill")
 
 
 def check_rowwise(out: dict) -> None:
