@@ -37,9 +37,11 @@ import torch
 
 from detent.engine.config import EngineConfig, EngineLimits
 from detent.engine.fingerprint import Fingerprint, fingerprint
+from detent.engine.isolation import find_culprits
 from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
 from detent.engine.startup import build_runner, freeze_gc_heap
+from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
@@ -143,8 +145,10 @@ class LLMEngine:
         if self.config.rl:
             from detent.engine.rl_contract import check_rl_params
             check_rl_params(p)
-        if p.structured_outputs is not None and self.tokenizer is None:
-            raise ValueError("structured_outputs needs the model's tokenizer (the engine has none)")
+        if p.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer (the engine has none)")
+            check_limits(p.structured_outputs)  # a ValueError naming the limit, before anything compiles
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and k > self.config.max_logprobs:
@@ -210,13 +214,7 @@ class LLMEngine:
             if prev is not None and self._needs_tokens_first(prev):
                 results += self._finish_step(prev)
                 prev = None
-            plan = self.scheduler.schedule()
-            handle = None
-            if not plan.is_empty:
-                try:
-                    handle = self.runner.launch(plan, prev)
-                except (ValueError, NotImplementedError) as e:  # a request-level error: fail the step's requests
-                    results += self._fail_plan(plan, f"{type(e).__name__}: {e}")
+            handle, prev = self._launch(self.scheduler.schedule(), prev, results)
             if prev is not None:
                 results += self._finish_step(prev)
             if handle is not None:
@@ -225,6 +223,35 @@ class LLMEngine:
                 else:
                     results += self._finish_step(handle)
             return results
+
+    def _launch(self, plan, prev, results: list[RequestOutput]):
+        """(handle, prev): launch `plan`. If it raises, collect `prev` first (into
+        `results`), fail the requests whose own inputs raise (engine/isolation.py)
+        and plan and launch the others again; prev is then None."""
+        while not plan.is_empty:
+            try:
+                return self.runner.launch(plan, prev), prev
+            except Exception as e:  # noqa: BLE001 - judged below: one request's, or re-raised
+                if prev is not None:
+                    results += self._finish_step(prev)
+                    prev = None
+                self.scheduler.retract(plan)
+                culprits = find_culprits(plan, self.model_config.vocab_size, *self._probe_target())
+                if not culprits and not isinstance(e, (ValueError, NotImplementedError)):
+                    raise
+                # no single culprit for a request-level error: the step's requests fail together
+                results += self._fail(culprits or {s.request_id: f"{type(e).__name__}: {e}" for s in plan.seqs})
+            plan = self.scheduler.schedule()
+        return None, prev
+
+    def _probe_target(self):
+        """(dispatcher, device) to probe sampling rows with (engine/isolation.py)."""
+        if self.dispatcher is not None:
+            return self.dispatcher, self.state.device
+        # tensor parallel: the ranks hold the dispatchers; a CPU one raises for the same rows
+        from detent.selection import make_dispatcher
+        cpu = {**self.facts, "device": "cpu", "arch": "cpu", "triton": False}
+        return make_dispatcher(cpu, "stock"), torch.device("cpu")
 
     def _needs_tokens_first(self, handle) -> bool:
         """Must `handle`'s tokens reach the host before the next plan is made?"""
@@ -239,11 +266,11 @@ class LLMEngine:
         groups = {self.outputs.parent_of[req.request_id]: None for req in progressed}
         return [self._emit(g) for g in groups]
 
-    def _fail_plan(self, plan, message: str) -> list[RequestOutput]:
-        """Finish every request of a step that raised (finish_reason "error"); the engine goes on."""
+    def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """Finish these requests (finish_reason "error", with the message); the engine goes on."""
         groups: dict[str, None] = {}
-        for seq in plan.seqs:
-            req = self.scheduler.requests.get(seq.request_id)
+        for rid, message in errors.items():
+            req = self.scheduler.requests.get(rid)
             if req is not None:
                 req.error = message
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)

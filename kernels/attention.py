@@ -1,8 +1,9 @@
 """Paged attention candidates (torch, CPU reference path).
 
 `paged_split` reduces every query row over the KV in fixed splits of
-`split_tokens` absolute KV positions, each split one fixed-shape matmul,
-and merges the splits' partial softmax states in ascending order. Queries
+`split_tokens` absolute KV positions, each split one fixed-shape product
+(broadcast and sum, so every output element is one reduction of one shape;
+a library matmul is not row-invariant on every ISA path), and merges the splits' partial softmax states in ascending order. Queries
 are processed in fixed chunks of `q_chunk` rows. Nothing about a row's
 arithmetic depends on how many other queries there are, where its prefill
 was cut, or what was cached: the invariant candidate.
@@ -62,7 +63,7 @@ def attention_paged_split(q, k, v, kv_cache, meta, scale: float, split_tokens: i
         if pad:
             K = torch.cat([K, K.new_zeros(pad, kvh, d)])
             V = torch.cat([V, V.new_zeros(pad, kvh, d)])
-        Kt = K.float().view(nsplit, S, kvh, d).permute(0, 2, 3, 1).contiguous()  # [ns, KVH, D, S]
+        Ks = K.float().view(nsplit, S, kvh, d).permute(0, 2, 1, 3).contiguous()  # [ns, KVH, S, D]
         Vs = V.float().view(nsplit, S, kvh, d).permute(0, 2, 1, 3).contiguous()  # [ns, KVH, S, D]
         for c0 in range(0, lq, QC):
             n = min(QC, lq - c0)
@@ -77,7 +78,10 @@ def attention_paged_split(q, k, v, kv_cache, meta, scale: float, split_tokens: i
             acc = torch.zeros((kvh, g * QC, d), device=dev)
             last = min(nsplit, (start + c0 + n - 1) // S + 1)
             for s in range(last):
-                sc = torch.matmul(qc, Kt[s]) * scale  # [KVH, G*QC, S]
+                # products as broadcast + sum, not matmul: a fixed-shape reduction per output
+                # element, the same for every row. MKL's matmul computes a row by its position
+                # in the [G*QC, S] x [S, D] product on its AVX2 path (tests/kernels/test_cpu_isa.py)
+                sc = (qc[:, :, None, :] * Ks[s][:, None]).sum(-1) * scale  # [KVH, G*QC, S]
                 mask = (s * S + ar_s)[None, :] > pos[:, None]  # [QC, S]
                 sc = sc.masked_fill(mask.repeat(g, 1)[None], float("-inf"))
                 m_new = torch.maximum(m, sc.amax(-1, keepdim=True))
@@ -85,7 +89,7 @@ def attention_paged_split(q, k, v, kv_cache, meta, scale: float, split_tokens: i
                 p = torch.exp(sc - m_safe)
                 alpha = torch.exp(m - m_safe)
                 l = l * alpha + p.sum(-1, keepdim=True)
-                acc = acc * alpha + torch.matmul(p, Vs[s])
+                acc = acc * alpha + (p[..., None] * Vs[s][:, None]).sum(-2)  # [KVH, G*QC, D]
                 m = m_new
             o = (acc / l).view(kvh, g, QC, d).permute(2, 0, 1, 3).reshape(QC, h, d)
             out[qs + c0: qs + c0 + n] = o[:n].to(q.dtype)

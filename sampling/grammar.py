@@ -1,8 +1,12 @@
 """Grammar-constrained decoding with xgrammar: a compile cache and a per-request state.
 
 GrammarCompilerCache (one per tokenizer + model vocabulary): one compiled
-grammar per (tokenizer, grammar spec) in an LRU; compilation runs in a worker
-thread (xgrammar releases the GIL), so the step loop never waits on it.
+grammar per (tokenizer, grammar spec) in an LRU. A spec over the cache's
+GrammarLimits is refused (grammar_limits.py). Compilation runs off the step
+loop in the lanes of grammar_workers.py: first in a worker process that is
+killed if it passes the timeout (so a timed-out compile stops), then in the
+lane's thread (xgrammar releases the GIL); small specs and large ones have
+separate lanes, so small grammars compile while large ones run.
 
 GrammarState (one per request): pending until its compilation finishes,
 then a matcher. The engine (docs/architecture.md, "Grammar in the
@@ -21,12 +25,14 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Sequence
 
 import torch
 import xgrammar as xgr
 
+from detent.sampling import grammar_workers
+from detent.sampling.grammar_limits import GrammarLimits, check_limits
 from detent.sampling.params import StructuredOutputs, _short
 
 
@@ -72,8 +78,8 @@ class GrammarCompilerCache:
 
     def __init__(self, tokenizer=None, vocab_size: int | None = None, *,
                  stop_token_ids: Sequence[int] | None = None, info: xgr.TokenizerInfo | None = None,
-                 max_entries: int = 256, timeout_s: float | None = None, max_workers: int = 2,
-                 compiler_threads: int = 1) -> None:
+                 max_entries: int = 256, timeout_s: float | None = None,
+                 limits: GrammarLimits = GrammarLimits()) -> None:
         timeout_s = self.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         if info is None:
             if tokenizer is None or vocab_size is None:
@@ -87,14 +93,18 @@ class GrammarCompilerCache:
         self.tokenizer_key = _tokenizer_key(info)
         self.timeout_s = timeout_s
         self.max_entries = max_entries
-        self._compiler = xgr.GrammarCompiler(info, max_threads=compiler_threads, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="detent-grammar")
+        self.limits = limits
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._info_json: str | None = None
+        grammar_workers.warm()
         self._lru: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def submit(self, spec: StructuredOutputs) -> Future:
-        """The compiled grammar for `spec`, as a future (shared by every request with this spec)."""
+        """The compiled grammar for `spec`, as a future (shared by every request with this spec).
+        ValueError (naming the limit) for a spec over `self.limits`."""
+        check_limits(spec, self.limits)
         key = (self.tokenizer_key, spec.key())
         with self._lock:
             fut = self._lru.get(key)
@@ -103,25 +113,27 @@ class GrammarCompilerCache:
                 self.hits += 1
                 return fut
             self.misses += 1
-            fut = self._pool.submit(self._compile, spec)
+            fut = grammar_workers.submit(self._job(spec), self._compile_here, self.timeout_s)
             self._lru[key] = fut
             while len(self._lru) > self.max_entries:
                 self._lru.popitem(last=False)
             return fut
 
-    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        c, ws = self._compiler, spec.any_whitespace
-        kind = spec.kind
-        if kind == "json":
-            return c.compile_json_schema(json.dumps(spec.json), any_whitespace=ws)
-        if kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
+    def _job(self, spec: StructuredOutputs) -> grammar_workers.CompileJob:
+        if self._info_json is None:
+            self._info_json = self.info.serialize_json()
+        kind, ws = spec.kind, spec.any_whitespace
+        if kind in ("json", "json_object"):
+            text = json.dumps(spec.json) if kind == "json" else '{"type": "object"}'
+            return grammar_workers.CompileJob(self.tokenizer_key, self._info_json, "json", text, ws, kind == "json")
         if kind == "regex":
-            return c.compile_regex(spec.regex)
-        if kind == "grammar":
-            return c.compile_grammar(spec.grammar)
-        alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice)
-        return c.compile_grammar(f"root ::= {alts}")
+            return grammar_workers.CompileJob(self.tokenizer_key, self._info_json, "regex", spec.regex, ws, True)
+        text = spec.grammar if kind == "grammar" else "root ::= " + " | ".join(
+            json.dumps(s, ensure_ascii=False) for s in spec.choice)
+        return grammar_workers.CompileJob(self.tokenizer_key, self._info_json, "grammar", text, ws, True)
+
+    def _compile_here(self, job: grammar_workers.CompileJob) -> xgr.CompiledGrammar:
+        return grammar_workers.compile_job(self._compiler, job)
 
     def new_state(self, spec: StructuredOutputs) -> "GrammarState":
         return GrammarState(self.submit(spec), self.vocab_size, self.timeout_s)
@@ -130,7 +142,7 @@ class GrammarCompilerCache:
         return len(self._lru)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: the compile lanes are shared by the process (grammar_workers.py)."""
 
 
 class GrammarState:
@@ -139,7 +151,9 @@ class GrammarState:
     def __init__(self, future: Future, vocab_size: int, timeout_s: float) -> None:
         self._future = future
         self._vocab_size = vocab_size
-        self._deadline = time.monotonic() + timeout_s
+        # the compile itself is killed at timeout_s in its lane; this also bounds the wait for
+        # the lane (a compile ahead of it, a worker starting): twice the compile's budget
+        self._deadline = time.monotonic() + 2 * timeout_s
         self._timeout_s = timeout_s
         self._matcher: xgr.GrammarMatcher | None = None
         self._error: str | None = None
@@ -155,7 +169,8 @@ class GrammarState:
             else:
                 self._matcher = xgr.GrammarMatcher(self._future.result())
         elif time.monotonic() > self._deadline:
-            self._error = f"grammar compilation timed out after {self._timeout_s:g} s"
+            self._error = (f"grammar compilation timed out: not compiled {2 * self._timeout_s:g} s after the request "
+                           f"(compile timeout {self._timeout_s:g} s)")
 
     @property
     def ready(self) -> bool:

@@ -167,7 +167,8 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
     if temp is not None:
         x = x / temp
     if any(_truncates(r.params, V) for r in rows):
-        k_l = [-1 if g else r.params.top_k for g, r in zip(greedy, rows)]
+        # top_k >= V keeps every token: -1 (a huge top_k would not fit the long tensor)
+        k_l = [-1 if g or r.params.top_k >= V else r.params.top_k for g, r in zip(greedy, rows)]
         p_l = [1.0 if g else r.params.top_p for g, r in zip(greedy, rows)]
         m_l = [0.0 if g else r.params.min_p for g, r in zip(greedy, rows)]
         keep = P.truncation_mask(x, _rows_to(k_l, torch.long, dev), _rows_to(p_l, torch.float64, dev),

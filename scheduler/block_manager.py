@@ -136,6 +136,18 @@ class BlockManager:
                     self.cached[h] = b
         self._num_cached_blocks[rid] = max(start, end)
 
+    def uncache_from(self, req: "Request", position: int) -> None:
+        """Forget the cached hashes of the request's blocks holding positions >=
+        `position` (a step that failed may not have written their KV)."""
+        for b in req.block_ids[position // self.block_size:]:
+            h = self.block_hash[b]
+            if h is not None and self.cached.get(h) == b:
+                del self.cached[h]
+            self.block_hash[b] = None
+        n = self._num_cached_blocks.get(req.request_id)
+        if n is not None:
+            self._num_cached_blocks[req.request_id] = min(n, position // self.block_size)
+
     def free_request(self, req: "Request") -> None:
         """Drop the request's references; blocks whose count reaches 0 join
         the free queue (cached ones stay findable until reused)."""

@@ -253,6 +253,25 @@ class Scheduler:
         else:
             self.finish(req, RequestStatus.FINISHED_STOPPED, stop)
 
+    def retract(self, plan: SchedulerOutput) -> None:
+        """Undo a step that raised before its results came back: its requests
+        return to the front of the queue to recompute, as after a preemption
+        (which gives the same bits; not counted as one), and the blocks the step
+        was to fill leave the prefix cache, since their KV may not be written."""
+        for seq in reversed(plan.seqs):
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            self.bm.uncache_from(req, seq.start)
+            if seq.sample is not None:
+                req.num_pending -= 1
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self.bm.free_request(req)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(req)
+
     def fail_grammar_errors(self) -> list[Request]:
         """Finish (status error) the waiting requests whose grammar failed to compile or timed out."""
         failed = [r for r in self.waiting if r.grammar is not None and r.grammar.error is not None]

@@ -8,10 +8,15 @@ a setting for every knob, per kernel family, fixed for a deployment.
                                 "sites": {"<site key>": {"pins": {...}, "knobs": {...}}}}}}
 
 A family's "pins"/"knobs" apply to all its call sites; "sites" overrides them
-for one site (site key: `facts.site_key`). A pin a tuple leaves out takes its
-default value. Loading refuses malformed JSON, an unknown format or family,
-facts that differ from this deployment's (naming the fact), and illegal
-assignments (naming the pin and its legal values).
+for one site (site key: `facts.site_key`). Nothing is filled in: a family the
+deployment selects through (one with pins or knobs), or a pin or knob of it,
+that the tuple leaves out is refused, naming it. Loading refuses malformed or
+too deeply nested JSON, an unknown format or family, pin values that are not
+JSON scalars (or lists of them), facts that differ from this deployment's
+(naming the fact), and every value that is not one of its legal values: a
+pin must be one of the values the program itself reaches (the VRA's
+candidates, same type) and pass every require/assume; a knob one of its
+choices. So a validated tuple cannot fail at run time.
 """
 from __future__ import annotations
 
@@ -24,8 +29,12 @@ from detent.selection import programs
 from detent.selection.facts import deployment_hash, site_key, sites_for
 from detent.selection.compiler.jitcache import canonical
 from detent.selection.compiler.lang import SELIR_VERSION, SelIRError
+from detent.selection.compiler.solver import IllegalAssignment, _fmt
+from detent.selection.compiler.vra import sort_key
 
 FORMAT = "detent-tuple/1"
+MAX_DEPTH = 16  # a tuple is 6 levels deep; pin values may hold a tuple or two
+_SCALARS = (bool, int, float, str, type(None))
 
 
 class TupleError(ValueError):
@@ -39,6 +48,37 @@ def _tuples(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _tuples(x) for k, x in v.items()}
     return v
+
+
+def _depth(v: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        if isinstance(x, dict):
+            stack.extend((y, d + 1) for y in x.values())
+        elif isinstance(x, list):
+            stack.extend((y, d + 1) for y in x)
+    return deepest
+
+
+def _check_values(where: str, values: Any) -> None:
+    for k, v in values.items():
+        flat = v if isinstance(v, list) else [v]
+        if not all(isinstance(x, _SCALARS) or (isinstance(x, list) and all(isinstance(y, _SCALARS) for y in x))
+                   for x in flat):
+            raise TupleError(f"{where}.{k}: a pin or knob value is a number, string, boolean or a list of them, "
+                             f"got {json.dumps(v)[:80]}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal and of one type (JSON's 1 is not True, 16 is not 16.0)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _parse_site(key: str) -> dict[str, Any]:
@@ -80,6 +120,10 @@ class CommitmentTuple:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise TupleError(f"{source}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        except RecursionError:
+            raise TupleError(f"{source}: JSON nested too deeply (a tuple is at most {MAX_DEPTH} levels)") from None
+        if _depth(d) > MAX_DEPTH:
+            raise TupleError(f"{source}: JSON nested more than {MAX_DEPTH} levels deep (a tuple is 6)")
         if not isinstance(d, dict):
             raise TupleError(f"{source}: a commitment tuple is a JSON object, got {type(d).__name__}")
         if d.get("format") != FORMAT:
@@ -104,10 +148,16 @@ class CommitmentTuple:
             for part in ("pins", "knobs", "sites"):
                 if not isinstance(ent.get(part, {}), dict):
                     raise TupleError(f"{source}: families.{name}.{part} must be an object")
+            for part in ("pins", "knobs"):
+                _check_values(f"{source}: families.{name}.{part}", ent.get(part, {}))
             for sk, sv in ent.get("sites", {}).items():
                 _parse_site(sk)
                 if not isinstance(sv, dict) or set(sv) - {"pins", "knobs"}:
                     raise TupleError(f"{source}: families.{name}.sites[{sk!r}] must be an object with 'pins', 'knobs'")
+                for part in ("pins", "knobs"):
+                    if not isinstance(sv.get(part, {}), dict):
+                        raise TupleError(f"{source}: families.{name}.sites[{sk!r}].{part} must be an object")
+                    _check_values(f"{source}: families.{name}.sites[{sk!r}].{part}", sv.get(part, {}))
         return cls(dep["facts"], _tuples(fams), source)
 
     @classmethod
@@ -138,13 +188,14 @@ class CommitmentTuple:
                                  f"this deployment has {b!r}")
 
     def validate(self, facts: dict[str, Any], legal: bool = True) -> None:
-        """Refuse the tuple for this deployment: facts mismatch, or an illegal assignment."""
+        """Refuse the tuple for this deployment: facts mismatch, a family, pin or
+        knob left out, or a value that is not legal, at any site of any family."""
         self.check_facts(facts)
         if not legal:
             return
-        for fam, ent in self.families.items():
+        for fam in programs.FAMILIES:
             sites = {site_key(s): s for s in sites_for(facts, fam)}
-            for sk in ent.get("sites", {}):
+            for sk in self.families.get(fam, {}).get("sites", {}):
                 sites.setdefault(sk, _parse_site(sk))
             for s in sites.values():
                 resolve(fam, facts, s, self)
@@ -153,7 +204,7 @@ class CommitmentTuple:
 def resolve(family: str, facts: dict[str, Any], site: dict[str, Any], t: CommitmentTuple | None):
     """(solution, assignment) for one site: the tuple's values over the defaults,
     checked for legality (TupleError naming the family, site and pin)."""
-    from detent.selection.compiler.solver import IllegalAssignment, solve
+    from detent.selection.compiler.solver import solve
     sol = solve(programs.load(family), {**facts, **site})
     given = t.assignment_for(family, site) if t is not None else {}
     try:
@@ -161,8 +212,11 @@ def resolve(family: str, facts: dict[str, Any], site: dict[str, Any], t: Commitm
         if unknown:
             raise IllegalAssignment(f"unknown pin or knob {unknown[0]!r} (pins: {list(sol.pins)}, "
                                     f"knobs: {list(sol.lowered.knobs)})")
-        assignment = dict(sol.default_assignment()) if any(p not in given for p in sol.pins) or not given else {}
-        assignment.update(given)
+        if t is None:
+            assignment = dict(sol.default_assignment())
+        else:
+            _complete_and_typed(sol, family, given, t)
+            assignment = dict(given)
         why = sol.why_illegal(assignment)
     except (IllegalAssignment, SelIRError) as e:
         src = t.source if t is not None else "default tuple"
@@ -171,6 +225,29 @@ def resolve(family: str, facts: dict[str, Any], site: dict[str, Any], t: Commitm
         src = t.source if t is not None else "default tuple"
         raise TupleError(f"{src}: family {family!r}, site {site_key(site)}: {why}")
     return sol, assignment
+
+
+def _complete_and_typed(sol, family: str, given: dict[str, Any], t: CommitmentTuple) -> None:
+    """IllegalAssignment unless the tuple gives every pin and knob, each one of its legal values."""
+    needed = list(sol.pins) + list(sol.lowered.knobs)
+    if needed and family not in t.families:
+        raise IllegalAssignment(f"the tuple has no entry for family {family!r}, which this deployment selects "
+                                f"through (pins: {list(sol.pins)}, knobs: {list(sol.lowered.knobs)}); nothing is "
+                                "filled in by default (`detent tuple default` writes a complete tuple)")
+    missing = [k for k in needed if k not in given]
+    if missing:
+        kind = "pin" if missing[0] in sol.pin_nodes else "knob"
+        raise IllegalAssignment(f"no value for {kind} {missing[0]!r} (pins: {list(sol.pins)}, knobs: "
+                                f"{list(sol.lowered.knobs)}); nothing is filled in by default")
+    for k, (choices, _) in sol.lowered.knobs.items():
+        if not any(_same(given[k], c) for c in choices):
+            raise IllegalAssignment(f"knob {k!r} = {given[k]!r} is not one of {list(choices)}")
+    for p in sol.pins:
+        cands = sol.candidates.get(p, ())
+        if not any(_same(given[p], c) for c in cands):
+            legal = sorted({a[p] for a in sol.legal}, key=sort_key)
+            raise IllegalAssignment(f"pin {p!r} = {given[p]!r} is not one of its legal values: "
+                                    f"{_fmt(legal)} (the values the program reaches that pass its checks)")
 
 
 def default_tuple(facts: dict[str, Any], families: tuple[str, ...] | None = None) -> CommitmentTuple:

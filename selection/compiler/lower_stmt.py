@@ -59,7 +59,9 @@ class StmtLowering:
                 if tb:
                     env, live = ea, la
                     continue
-                for k in set(ea) | set(eb):
+                # in insertion order: a set's order varies by process (str hashes) and would renumber
+                # the graph, and the JIT cache names pins by node id
+                for k in list(ea) + [k for k in eb if k not in ea]:
                     if k in ea and k in eb:
                         env[k] = ea[k] if ea[k] is eb[k] else self.merge(c, ea[k], eb[k], s)
                     else:

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from detent.selection.compiler import jitcache, lang
+from detent.selection.compiler import jitcache, lang, solve_cache
 from detent.selection.compiler.codegen import Emitter, base_namespace, compile_source
 from detent.selection.compiler.cut import GraphStats, min_vertex_cut, stats, taint
 from detent.selection.compiler.lower import Lowered, lower, lower_conservative
@@ -97,8 +97,10 @@ class Solution:
             jitcache.store(self._key, self._payload())
 
     def _payload(self) -> dict:
-        return {"lowered": self.lowered, "pins": self.pin_nodes, "stats": self.graph, "level": self.level,
-                "seconds": self.seconds, "vra": self._vra_data}
+        """What the JIT cache keeps: data about the lowered graph, never the graph itself."""
+        return {"graph": solve_cache.fingerprint(self.lowered), "pins": self.pin_nodes, "stats": self.graph.as_dict(),
+                "level": self.level, "seconds": self.seconds,
+                "vra": {k: v for k, v in self._vra_data.items() if k != "judged"}}  # judged: re-checked per process
 
     # ---- assignments
     def split(self, assignment: dict[str, Any] | None) -> tuple[tuple, tuple]:
@@ -320,6 +322,14 @@ def build_selector(lw: Lowered, prog: lang.Program, pins: dict[int, Any], knobs:
 _MEMORY: dict[str, Solution] = {}
 
 
+def _lower(prog: lang.Program, f: dict[str, Any], level: str) -> Lowered:
+    lw = lower(prog, f, level)
+    for k, n in list(lw.outputs.items()):
+        if lw.graph.ops[n] == "input":
+            lw.outputs[k] = lw.graph.copy(n, k)
+    return lw
+
+
 def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: bool = True,
           cache: bool = True, memory: bool = True) -> Solution:
     """Specialize `prog` to `facts`, lower it, and find its pins.
@@ -333,19 +343,14 @@ def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: b
         return _MEMORY[key]
     if key is not None:
         hit = jitcache.load(key)
-        if hit is not None:
-            sol = Solution(prog, f, hit["lowered"], hit["pins"], hit["stats"], hit["level"], hit["seconds"],
-                           key, hit.get("vra"))
-            sol.from_cache = True
+        sol = solve_cache.from_cache(prog, f, level, key, hit) if hit is not None else None
+        if sol is not None:
             if memory:
                 _MEMORY[key] = sol
             return sol
     t0 = time.perf_counter()
-    lw = lower(prog, f, level)
+    lw = _lower(prog, f, level)
     g = lw.graph
-    for k, n in list(lw.outputs.items()):
-        if g.ops[n] == "input":
-            lw.outputs[k] = g.copy(n, k)
     order = g.reachable(list(lw.outputs.values()))
     tainted, _ = taint(g, order)
     points = [k for k, n in lw.outputs.items() if n in tainted]

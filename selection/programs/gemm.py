@@ -5,10 +5,18 @@ rows (CPU); on GPU a Triton persistent matmul (fp32 accumulation, K in
 ascending order, no split-K) whose tile configs were measured bit-identical
 on the H200 (tests/gpu): its config may follow M, declared `neutral`, and the
 GPU GEMM has no pin.
-"""
-from detent.selection.compiler.lang import Fact, Runtime, assume, neutral, next_pow2, require  # noqa: F401
 
-CHUNK_MAX = 16
+On CPU the chunk is a knob, not a pin: it does not follow the batch, so it
+does not follow the token budget either (a pin taken from the batch's M
+would be 4 for max_num_batched_tokens = 8 and 16 for 8192, and MKL's 4-row
+and 16-row kernels give a row other bits). Its choices are the chunks whose
+rows were measured position-invariant on every MKL path (SSE4.2, AVX2,
+AVX-512, COMPATIBLE: tests/kernels/test_cpu_isa.py): 4 is not (SSE4.2),
+nor 8 or 32 (AVX2).
+"""
+from detent.selection.compiler.lang import Fact, Runtime, assume, knob, neutral  # noqa: F401
+
+CPU_CHUNKS = (1, 16)
 # Tile configs for the H200 (Llama-3.1-8B shapes, bf16), by row count and
 # output width: the fastest of `benchmarks/tune_decode.py` (CUDA-graph timing
 # over 400 MB of weight copies, so no config is helped by weights left in
@@ -54,10 +62,8 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], n: 
         cfg = neutral(triton_config(num_tokens, n))
         return {"impl": "triton_persistent", "block_m": cfg[0], "block_n": cfg[1], "block_k": cfg[2],
                 "num_warps": cfg[3], "num_stages": cfg[4], "tma": cfg[5]}
-    # rows per library call: the batch's M rounded up to a power of two, at most CHUNK_MAX
-    chunk = min(next_pow2(num_tokens), CHUNK_MAX)
-    require(chunk >= 4, "MKL fp32 runs other kernels for M = 1 and M = 2-3: a fixed chunk must be >= 4")
-    return {"impl": "torch_chunked", "chunk": chunk}
+    # rows per library call: one fixed chunk for the deployment (see the docstring)
+    return {"impl": "torch_chunked", "chunk": knob("chunk", CPU_CHUNKS, 16)}
 
 
 def conservative(device: Fact[str], triton: Fact[bool]):

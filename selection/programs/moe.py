@@ -14,6 +14,7 @@ CONFIGS = {
     512: (64, 128, 128, 16, 8, 3), 1024: (128, 128, 64, 16, 8, 3), 1536: (128, 128, 64, 16, 8, 3),
     2048: (128, 128, 64, 32, 8, 3), 3072: (128, 256, 64, 32, 8, 3), 4096: (128, 256, 64, 32, 8, 3),
 }
+CPU_CHUNK = 16  # rows per expert GEMM call on CPU (programs/gemm.py: CPU_CHUNKS)
 KEYS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 # the Triton kernel's tiles by token count (SGLang's fused_moe table shape):
 # token count -> (block_m, block_n, block_k, group_m, num_warps, num_stages)
@@ -48,10 +49,11 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
         return {"impl": "triton_fused", "block_m": tile[0], "block_n": tile[1], "block_k": tile[2],
                 "group_m": tile[3], "num_warps": tile[4], "num_stages": tile[5], "fuse_glue": 2}
     row_key = nearest_row(num_tokens, KEYS)
-    cfg = CONFIGS[row_key]
     if stock_kernels:
         return {"impl": "torch_loop", "row_key": row_key}
-    return {"impl": "torch_chunked", "chunk": cfg[0], "row_key": row_key}
+    # the expert GEMMs run on CPU_CHUNK-row library calls: the table's BLOCK_SIZE_M
+    # (16-128) would give chunks whose rows MKL's AVX2 path computes by position
+    return {"impl": "torch_chunked", "chunk": CPU_CHUNK, "row_key": row_key}
 
 
 def conservative(device: Fact[str], triton: Fact[bool]):

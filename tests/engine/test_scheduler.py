@@ -229,3 +229,24 @@ def test_mixed_budget_caps_steps_that_carry_decodes():
     assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 5)]
     with pytest.raises(ValueError, match="max_mixed_batched_tokens"):
         SchedulerLimits(8, 16, 64, max_mixed_batched_tokens=0)
+
+
+def test_retract_requeues_a_failed_step_and_uncaches_its_blocks():
+    """A step that raised: its requests recompute from the start (in plan order, ahead of the
+    queue), and blocks it was to fill are not found by a later lookup (their KV may be unwritten)."""
+    s = make(budget=64)
+    s.add(req("a", 9))  # two full blocks of 4, then a partial one
+    run_step(s)  # a: prefilled, one token out
+    s.add(req("b", 10, first=50))
+    s.add(req("c", 3, first=90))
+    cached_before = dict(s.bm.cached)
+    plan = s.schedule()  # a decodes; b and c prefill (b's two full blocks get hashed)
+    assert [q.request_id for q in plan.seqs] == ["a", "b", "c"]
+    assert len(s.bm.cached) > len(cached_before)
+    s.retract(plan)
+    assert s.bm.cached == cached_before  # a's prompt blocks (computed before) stay findable
+    assert [r.request_id for r in s.waiting] == ["a", "b", "c"] and not s.running
+    assert all(r.num_computed_tokens == 0 and r.num_pending == 0 and not r.block_ids for r in s.waiting)
+    assert s.num_preemptions == 0 and s.bm.num_free_blocks == s.bm.num_usable_blocks
+    again = run_step(s)  # everything is planned again, a recomputing prompt + output
+    assert [(q.request_id, q.start) for q in again.seqs] == [("a", 8), ("b", 0), ("c", 0)]

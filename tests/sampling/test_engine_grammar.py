@@ -231,3 +231,12 @@ def test_smollm2_json_schema_20_seeds_regex_ebnf_bad_schema_and_preemption():
     print("SmolLM2 grammar run:", llm.llm_engine.stats(), [len(o.outputs[0].token_ids) for o in outs])
     assert llm.llm_engine.stats()["num_preemptions"] >= 1, "the KV pool did not force a preemption"
     assert any(o.metrics.num_preemptions for (k, _, _), o in zip(reqs, outs) if k != "bad")
+
+
+def test_a_schema_over_the_limits_is_refused_at_add_request():
+    """Refused before anything compiles, naming the limit (the server answers 400)."""
+    eng = tiny_llm(VOCAB).llm_engine
+    many = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(1001)}}
+    with pytest.raises(ValueError, match=r"more than 1000 properties.*max_schema_properties = 1000"):
+        eng.add_request("big", [3, 4], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputs(json=many)))
+    assert not eng.has_unfinished_requests()

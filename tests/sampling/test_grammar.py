@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import threading
+import os
 import time
 
 import pytest
@@ -105,25 +105,60 @@ def test_compile_error_is_reported_on_the_state_only():
         bad.bitmask()
 
 
-def test_compile_timeout_fails_only_that_state_and_does_not_block():
-    cache = tiny_cache(timeout_s=0.5, max_workers=2)
-    real_compile = cache._compile
-    release = threading.Event()
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
-    def compile_slowly(spec):  # a compilation that outlives the timeout, whatever the machine's speed
-        if spec.kind == "json":
-            release.wait(10)
-        return real_compile(spec)
 
-    cache._compile = compile_slowly
-    slow = cache.new_state(StructuredOutputs(json={"type": "object"}))
-    assert not slow.ready and slow.error is None  # submission returned before the compilation ended
-    fast = cache.new_state(StructuredOutputs(regex="[0-9]+"))
-    wait(fast)
-    assert fast.ready and not slow.ready  # the fast grammar did not wait behind the slow one
+def test_a_timed_out_compile_is_stopped_and_small_grammars_keep_compiling():
+    """A 3,000-property schema (about 10 s to compile here) times out at 3 s: its worker process is
+    killed, so the compile stops, while a small grammar compiles in the other lane meanwhile."""
+    from detent.sampling import grammar_workers
+    from detent.sampling.grammar_limits import GrammarLimits
+    cache = tiny_cache(timeout_s=3.0, limits=GrammarLimits(max_schema_properties=10 ** 6, max_spec_bytes=10 ** 8))
+    cache.timeout_s = 120.0  # the lanes are warm once each has compiled something
+    wait(cache.new_state(StructuredOutputs(regex="warm")), limit=150)
+    wait(cache.new_state(StructuredOutputs(grammar='root ::= "' + "w" * 5000 + '"')), limit=150)
+    cache.timeout_s = 3.0
+    large = grammar_workers.lanes()["large"]
+    kills, pid = large.kills, large.workers[0].pid
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    slow = cache.new_state(StructuredOutputs(json=big))
+    t0 = time.monotonic()
+    fast = wait(cache.new_state(StructuredOutputs(regex="[0-9]+")))
+    assert fast.ready and not slow.ready and time.monotonic() - t0 < 3.0  # before the big one was stopped
     wait(slow)
-    release.set()
-    assert slow.error is not None and "timed out" in slow.error
+    assert not slow.ready and "timed out" in slow.error
+    deadline = time.monotonic() + 30
+    while large.kills == kills and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert large.kills == kills + 1 and not _pid_alive(pid)  # the compile stopped with its process
+    cache.timeout_s = 120.0
+    again = wait(cache.new_state(StructuredOutputs(grammar='root ::= "' + "v" * 5000 + '"')), limit=150)
+    assert again.ready  # the lane has a new worker
+
+
+def test_a_schema_over_a_limit_is_refused_naming_the_limit():
+    from detent.sampling.grammar_limits import GrammarLimits, check_limits
+    cache = tiny_cache()
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1001)}}
+    with pytest.raises(ValueError, match=r"structured_outputs.json has more than 1000 properties.*"
+                                         r"max_schema_properties = 1000"):
+        cache.new_state(StructuredOutputs(json=many))
+    deep: dict = {"type": "string"}
+    for _ in range(20):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match=r"nests deeper than 16 levels; the limit is max_schema_depth = 16"):
+        check_limits(StructuredOutputs(json=deep))
+    with pytest.raises(ValueError, match=r"structured_outputs.regex is \d+ bytes; the limit is max_spec_bytes = 100"):
+        check_limits(StructuredOutputs(regex="a" * 200), GrammarLimits(max_spec_bytes=100))
+    enum = {"type": "string", "enum": [str(i) for i in range(1001)]}
+    with pytest.raises(ValueError, match=r"max_enum_values = 1000"):
+        check_limits(StructuredOutputs(json=enum))
+    check_limits(StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "string"}}}))
 
 
 def test_sampled_tokens_follow_the_grammar_to_the_end():

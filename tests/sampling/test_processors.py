@@ -102,3 +102,14 @@ def test_candidate_noise_path_equals_full_vocabulary_path():
         wide = SamplingRow(SamplingParams(temperature=1.0), seed=s, position=s)
         alone = sample(logits[:1], [row]).token_ids[0]
         assert sample(logits, [row, wide]).token_ids[0] == alone
+
+
+def test_a_huge_top_k_keeps_every_token_instead_of_overflowing():
+    """top_k = 2**70 overflowed the sampler's long tensor and failed the whole step."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 50, generator=g)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=k, top_p=0.9, seed=1, logprobs=3), seed=1, position=4)
+            for k in (2 ** 70, -1)]
+    a = sample(logits, rows[:1])
+    b = sample(logits, rows[1:])
+    assert (a.token_ids, a.logprobs, a.topk_ids) == (b.token_ids, b.logprobs, b.topk_ids)

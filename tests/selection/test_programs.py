@@ -13,14 +13,17 @@ def sol(family, facts, site, **kw):
 
 def test_gemm_cpu():
     s = sol("gemm", CPU, GEMM_SITE)
-    assert s.pins == ("chunk",) and s.candidates["chunk"] == (1, 2, 4, 8, 16)
-    assert [a["chunk"] for a in s.legal] == [4, 8, 16]  # MKL: M = 1 and 2-3 run other kernels
+    # the chunk is a knob: nothing the batch (or the token budget) reaches moves it
+    assert s.pins == () and s.knobs == {"chunk": ((1, 16), 16)}
+    assert [a["chunk"] for a in s.legal] == [1, 16]
     stock, pinned, cons = (s.compile(mode=m) for m in ("stock", "pinned", "conservative"))
     for m in (0, 1, 3, 17, 8192):
         assert stock(num_tokens=m) == {"impl": "torch"}
         assert pinned(num_tokens=m) == {"impl": "torch_chunked", "chunk": 16}
         assert cons(num_tokens=m) == {"impl": "torch_chunked", "chunk": 1}
-    assert s.compile({"chunk": 8})(num_tokens=3) == {"impl": "torch_chunked", "chunk": 8}
+    assert s.compile({"chunk": 1})(num_tokens=3) == {"impl": "torch_chunked", "chunk": 1}
+    small = sol("gemm", {**CPU, "max_num_batched_tokens": 8}, GEMM_SITE)
+    assert small.default_assignment() == s.default_assignment() == {"chunk": 16}
 
 
 def _fa3_split(num_seqs, max_q, max_k, kvh=3, gqa=3, num_sms=8, bm=16, bn=64):
@@ -151,9 +154,9 @@ def test_gpu_selections_match_the_registered_triton_candidates():
 # ablations recorded: (pins with constant folding only, pins with the full pipeline,
 #                      batch-dependent selection points = pins without the cut)
 ABLATIONS = {
-    ("gemm", "cpu"): (1, 1, 1), ("gemm", "gpu"): (0, 0, 0),
+    ("gemm", "cpu"): (0, 0, 0), ("gemm", "gpu"): (0, 0, 0),  # CPU: the chunk is a knob
     ("attention", "cpu"): (1, 1, 1), ("attention", "gpu"): (1, 1, 1),
-    ("moe", "cpu"): (1, 1, 2), ("moe", "gpu"): (0, 0, 0),
+    ("moe", "cpu"): (1, 1, 1), ("moe", "gpu"): (0, 0, 0),
     ("allreduce", "cpu"): (0, 0, 0), ("allreduce", "gpu-small"): (1, 0, 0),
 }
 

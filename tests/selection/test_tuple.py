@@ -21,7 +21,7 @@ def tup(facts):
 
 
 def test_default_tuple_values(tup, facts):
-    assert tup.families["gemm"]["pins"] == {"chunk": 16}
+    assert tup.families["gemm"] == {"pins": {}, "knobs": {"chunk": 16}, "sites": {}}
     assert tup.families["attention"]["pins"] == {"split_tokens": 256}
     assert tup.families["attention"]["knobs"] == {"split_stride": 256}
     assert "norm" not in tup.families  # no pins, no knobs
@@ -66,12 +66,16 @@ def test_errors_name_what_is_wrong(tup, facts, tmp_path):
     with pytest.raises(TupleError, match="deployment.hash"):
         CommitmentTuple.load(_write(tmp_path, edited))
     ill = json.loads(json.dumps(d))
-    ill["families"]["gemm"]["pins"]["chunk"] = 2
+    ill["families"]["attention"]["pins"]["split_tokens"] = 24
     t = CommitmentTuple.load(_write(tmp_path, ill))
     with pytest.raises(TupleError) as e:
         t.validate(facts)
     msg = str(e.value)
-    assert "family 'gemm'" in msg and "pin 'chunk' = 2" in msg and "legal values: [4, 8, 16]" in msg
+    assert "family 'attention'" in msg and "pin 'split_tokens' = 24" in msg and "legal values: [" in msg
+    ill = json.loads(json.dumps(d))
+    ill["families"]["gemm"]["knobs"]["chunk"] = 8
+    with pytest.raises(TupleError, match=r"family 'gemm'.*knob 'chunk' = 8 is not one of \[1, 16\]"):
+        CommitmentTuple.load(_write(tmp_path, ill)).validate(facts)
     unk = json.loads(json.dumps(d))
     unk["families"]["attention"]["pins"]["splits"] = 3
     with pytest.raises(TupleError, match="unknown pin or knob 'splits'"):
@@ -82,7 +86,75 @@ def test_site_overrides_apply_to_one_site(tup, facts):
     from detent.selection.facts import site_key, sites_for
     t = CommitmentTuple(facts, json.loads(json.dumps(tup.families)))
     s0, s1 = sites_for(facts, "gemm")[:2]
-    t.families["gemm"]["sites"] = {site_key(s0): {"pins": {"chunk": 8}}}
-    assert t.assignment_for("gemm", s0) == {"chunk": 8}
+    t.families["gemm"]["sites"] = {site_key(s0): {"knobs": {"chunk": 1}}}
+    assert t.assignment_for("gemm", s0) == {"chunk": 1}
     assert t.assignment_for("gemm", s1) == {"chunk": 16}
     t.validate(facts)
+
+
+def _edited(tup, edit):
+    d = json.loads(json.dumps(tup.to_dict()))
+    edit(d["families"])
+    return d
+
+
+def _set(family, part, name, value):
+    def edit(fams):
+        fams[family][part][name] = value
+    return edit
+
+
+REFUSED = {  # edit -> what the message must name
+    "split_tokens_0": (_set("attention", "pins", "split_tokens", 0), r"pin 'split_tokens' = 0 is not one of its "
+                       r"legal values: \[16, 32, 48"),
+    "split_tokens_negative": (_set("attention", "pins", "split_tokens", -256), r"pin 'split_tokens' = -256"),
+    "split_tokens_huge": (_set("attention", "pins", "split_tokens", 10 ** 30), r"pin 'split_tokens' = 10000000000"),
+    "split_tokens_float": (_set("attention", "pins", "split_tokens", 256.0), r"pin 'split_tokens' = 256.0 is not one"),
+    "split_tokens_str": (_set("attention", "pins", "split_tokens", "256"), r"pin 'split_tokens' = '256' is not one"),
+    "split_tokens_bool": (_set("attention", "pins", "split_tokens", True), r"pin 'split_tokens' = True is not one"),
+    "split_tokens_list": (_set("attention", "pins", "split_tokens", [256]), r"pin 'split_tokens' = \(256,\)"),
+    "chunk_huge": (_set("gemm", "knobs", "chunk", 10 ** 30), r"knob 'chunk' = 10{30} is not one of \[1, 16\]"),
+    "chunk_zero": (_set("gemm", "knobs", "chunk", 0), r"knob 'chunk' = 0 is not one of \[1, 16\]"),
+    "chunk_bool": (_set("gemm", "knobs", "chunk", True), r"knob 'chunk' = True is not one of \[1, 16\]"),
+    "stride_str": (_set("attention", "knobs", "split_stride", "x"), r"knob 'split_stride' = 'x' is not one of"),
+    "gemm_deleted": (lambda f: f.pop("gemm"), r"no entry for family 'gemm'.*knobs: \['chunk'\]"),
+    "attention_deleted": (lambda f: f.pop("attention"), r"no entry for family 'attention'.*pins: \['split_tokens'\]"),
+    "pin_deleted": (lambda f: f["attention"]["pins"].pop("split_tokens"), r"family 'attention'.*no value for pin "
+                    r"'split_tokens'"),
+    "knob_deleted": (lambda f: f["attention"]["knobs"].pop("split_stride"), r"no value for knob 'split_stride'"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_every_value_is_checked_at_startup(tup, facts, tmp_path, case):
+    """A tuple that could fail at run time (ZeroDivisionError, a TypeError in a selector) or that
+    relies on defaults is refused when the engine starts, naming the family, the pin and its legal values."""
+    from detent.selection import make_dispatcher
+    edit, want = REFUSED[case]
+    path = _write(tmp_path, _edited(tup, edit))
+    with pytest.raises(TupleError, match=want):
+        make_dispatcher(facts, "pinned", path)
+    make_dispatcher(facts, "pinned", _write(tmp_path, tup.to_dict()))  # the unedited tuple starts
+
+
+@pytest.mark.parametrize("where", ["text", "pin", "facts"])
+def test_deep_json_is_a_tuple_error(tup, tmp_path, where):
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "text":
+        text = deep
+    else:
+        d = tup.to_dict()
+        marker = '"__deep__"'
+        if where == "pin":
+            d["families"]["attention"]["pins"]["split_tokens"] = "__deep__"
+        else:
+            d["deployment"]["facts"]["x"] = "__deep__"
+        text = json.dumps(d).replace(marker, "[" * 500 + "]" * 500)
+    with pytest.raises(TupleError, match="nested"):
+        CommitmentTuple.load(_write(tmp_path, text))
+
+
+def test_a_nested_pin_value_is_refused_with_its_path(tup, tmp_path):
+    d = _edited(tup, _set("attention", "pins", "split_tokens", {"a": 1}))
+    with pytest.raises(TupleError, match=r"families.attention.pins.split_tokens: a pin or knob value is a number"):
+        CommitmentTuple.load(_write(tmp_path, d))

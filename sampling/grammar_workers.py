@@ -1,0 +1,180 @@
+"""Grammar compilation in worker processes that can be killed.
+
+xgrammar compiles in C++ and cannot be interrupted from Python: a compile
+that a request gave up on in a thread keeps its core until it ends (minutes
+for a large schema). So each grammar is first compiled in a worker process:
+one that passes its deadline gets its worker killed and replaced, and stops
+at once. A grammar that compiled there in time is compiled again in the
+lane's thread, for the engine, and takes about as long. (Sending the
+compiled grammar back instead costs more than compiling it:
+`CompiledGrammar.serialize_json` of a 300-property schema is 54 MB and took
+24 s, its compile 0.1 s.)
+
+Two lanes, each with its own workers: specs up to `SMALL_SPEC_BYTES` go to
+the small lane, larger ones to the large lane, so small grammars keep
+compiling while large ones run. The lanes are shared by every compile cache
+of the process (a worker costs an interpreter and an xgrammar import); a
+worker keeps one compiler per tokenizer, sent with its first job.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+SMALL_SPEC_BYTES = 4096
+WORKERS_PER_LANE = 1
+STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    tokenizer_key: str
+    info_json: str  # xgrammar TokenizerInfo.serialize_json()
+    kind: str  # "json" (schema text) | "regex" | "grammar" (EBNF)
+    text: str
+    any_whitespace: bool
+    strict: bool
+
+
+def compile_job(compiler, job: CompileJob):
+    if job.kind == "json":
+        return compiler.compile_json_schema(job.text, any_whitespace=job.any_whitespace, strict_mode=job.strict)
+    if job.kind == "regex":
+        return compiler.compile_regex(job.text)
+    return compiler.compile_grammar(job.text)
+
+
+def _worker_main(conn) -> None:
+    """A worker process: compile jobs from `conn` one at a time, answer ("ok", seconds) or ("error", message)."""
+    import xgrammar as xgr
+    compilers: dict[str, object] = {}
+    conn.send(("ready", None))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        try:
+            c = compilers.get(job.tokenizer_key)
+            if c is None:
+                info = xgr.TokenizerInfo.deserialize_json(job.info_json)
+                c = compilers[job.tokenizer_key] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            t0 = time.perf_counter()
+            compile_job(c, job)
+            conn.send(("ok", time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - the message goes back to the request
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class _Worker:
+    """One worker process and the thread that feeds it jobs from its lane's queue."""
+
+    def __init__(self, lane: "Lane", index: int):
+        self.lane, self.name = lane, f"detent-grammar-{lane.name}-{index}"
+        self.proc = self.conn = None
+        threading.Thread(target=self._run, name=self.name, daemon=True).start()
+
+    def _start(self) -> None:
+        """A fresh worker process, once it has imported xgrammar (a compile's timeout starts after)."""
+        ctx = mp.get_context("spawn")  # fork would copy the engine's threads and CUDA state
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), name=self.name, daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+        if not parent.poll(STARTUP_TIMEOUT_S) or parent.recv() != ("ready", None):
+            raise OSError(f"grammar compile worker {self.name} did not start in {STARTUP_TIMEOUT_S:g} s")
+
+    def _restart(self) -> None:
+        """A new worker right away, so the lane's next job does not wait for one."""
+        try:
+            self._start()
+        except OSError:
+            self.kill()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join(5)
+            self.conn.close()
+            self.lane.kills += 1
+        self.proc = self.conn = None
+
+    def _run(self) -> None:
+        self._restart()  # started ahead of the first job
+        while True:
+            job, compile_here, fut, timeout_s = self.lane.jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if self.proc is None or not self.proc.is_alive():
+                    self._start()
+                self.conn.send(job)
+                if not self.conn.poll(timeout_s):
+                    self.kill()  # the compile stops with its process
+                    fut.set_exception(TimeoutError("grammar compilation timed out (its worker was stopped)"))
+                    self._restart()
+                    continue
+                status, payload = self.conn.recv()
+            except (OSError, EOFError) as e:
+                self.kill()
+                fut.set_exception(RuntimeError(f"the grammar compile worker died: {e!r}"))
+                continue
+            if status != "ok":
+                fut.set_exception(ValueError(payload))
+                continue
+            try:
+                fut.set_result(compile_here(job))  # known to finish: it just did, in `payload` s
+            except Exception as e:  # noqa: BLE001
+                fut.set_exception(e)
+
+
+class Lane:
+    def __init__(self, name: str, workers: int):
+        self.name = name
+        self.jobs: queue.Queue = queue.Queue()
+        self.kills = 0
+        self.workers = [_Worker(self, i) for i in range(workers)]
+
+
+_LANES: dict[str, Lane] = {}
+_LOCK = threading.Lock()
+
+
+def _lane(name: str) -> Lane:
+    with _LOCK:
+        if name not in _LANES:
+            _LANES[name] = Lane(name, WORKERS_PER_LANE)
+        return _LANES[name]
+
+
+def lane_for(job: CompileJob) -> Lane:
+    return _lane("small" if len(job.text.encode()) <= SMALL_SPEC_BYTES else "large")
+
+
+def submit(job: CompileJob, compile_here, timeout_s: float) -> Future:
+    """Compile `job` in its lane: `compile_here(job)` (the engine's compile) once a worker
+    compiled it within `timeout_s`; else the worker is killed and the future fails with
+    TimeoutError. (The request's own deadline, GrammarState's, also counts the queue.)"""
+    fut: Future = Future()
+    lane_for(job).jobs.put((job, compile_here, fut, timeout_s))
+    return fut
+
+
+def warm() -> None:
+    """Start both lanes' workers now (an interpreter and an xgrammar import each), not at the first compile."""
+    for name in ("small", "large"):
+        _lane(name)
+
+
+def lanes() -> dict[str, Lane]:
+    with _LOCK:
+        return dict(_LANES)
