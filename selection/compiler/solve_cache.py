@@ -1,4 +1,4 @@
-"""A JIT cache hit (selection/jitcache.py holds the data): the program is
+"""A JIT cache hit (selection/compiler/jitcache.py holds the data): the program is
 lowered again and the entry's pin node ids, graph statistics and VRA results
 are taken only if the entry's fingerprint matches that lowering. Lowering
 numbers the graph the same way in every process, so a hit written by one
@@ -24,10 +24,10 @@ def fingerprint(lw: Lowered) -> str:
     return h.hexdigest()
 
 
-def from_cache(prog: lang.Program, f: dict[str, Any], level: str, key: str, hit: dict) -> Any:
-    """The cached solve, if its data matches the program lowered again (else None, with a warning)."""
-    from detent.selection.compiler.solver import Solution, _lower
-    lw = _lower(prog, f, level)
+def from_cache(prog: lang.Program, f: dict[str, Any], level: str, key: str, hit: dict, lw: Lowered,
+               solution: Any) -> Any:
+    """The cached solve, if its data matches `lw`, the program lowered again (else None, with a
+    warning). `solution` is the solver's Solution class (passed in: this module is below the solver)."""
     try:
         if hit.get("graph") != fingerprint(lw):
             raise ValueError("it was solved from another lowering")
@@ -42,7 +42,7 @@ def from_cache(prog: lang.Program, f: dict[str, Any], level: str, key: str, hit:
             raise ValueError("malformed VRA results")
         st = dict(hit["stats"])
         st["batch_dependent_points"] = tuple(st["batch_dependent_points"])
-        sol = Solution(prog, f, lw, dict(pins), GraphStats(**st), level, float(hit["seconds"]), key,
+        sol = solution(prog, f, lw, dict(pins), GraphStats(**st), level, float(hit["seconds"]), key,
                        {k: v for k, v in vra.items() if k in ("candidates", "default", "legal")})
     except (ValueError, KeyError, TypeError) as e:
         jitcache.ignore(f"for program {prog.name!r}", str(e))

@@ -343,7 +343,8 @@ def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: b
         return _MEMORY[key]
     if key is not None:
         hit = jitcache.load(key)
-        sol = solve_cache.from_cache(prog, f, level, key, hit) if hit is not None else None
+        sol = (solve_cache.from_cache(prog, f, level, key, hit, _lower(prog, f, level), Solution)
+               if hit is not None else None)
         if sol is not None:
             if memory:
                 _MEMORY[key] = sol

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from detent.engine.forward_context import AttentionMetadata
+from detent.selection.context import AttentionMetadata
 from detent.kernels.act import silu_and_mul_torch
 from detent.kernels.attention import attention_paged_split
 from detent.kernels.embedding import embedding_torch
