@@ -19,8 +19,8 @@ travels (`OutputDelta`: new token ids, new logprobs, new text), and
 `DeltaDecoder` rebuilds the cumulative `RequestOutput` on the server's side,
 so a request's cost per step stays O(new tokens) on the wire.
 
-The core ignores SIGINT and SIGTERM: the server decides when it stops (after
-draining). It exits when the pipe closes, so a server killed with SIGKILL
+The core does nothing on SIGINT and SIGTERM: the server decides when it stops
+(after draining). It exits when the pipe closes, so a server killed with SIGKILL
 leaves no core behind.
 """
 from __future__ import annotations
@@ -150,9 +150,15 @@ class CoreInfo:
     limits: Any  # engine.limits(): max_model_len, vocab_size, ...
 
 
+def _ignore(signum, frame) -> None:
+    """The server decides when the core stops. A Python handler rather than SIG_IGN:
+    an ignored signal stays ignored in processes the core starts (grammar compile
+    workers, TP ranks), which then survive the terminate() of an orderly exit."""
+
+
 def _core_main(conn, build: Callable[[], Any]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, _ignore)
+    signal.signal(signal.SIGTERM, _ignore)
     try:
         engine = build()
         info = CoreInfo(engine.fingerprint(), engine.limits())

@@ -108,8 +108,10 @@ def test_a_huge_top_k_keeps_every_token_instead_of_overflowing():
     """top_k = 2**70 overflowed the sampler's long tensor and failed the whole step."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 50, generator=g)
-    rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=k, top_p=0.9, seed=1, logprobs=3), seed=1, position=4)
-            for k in (2 ** 70, -1)]
+    huge = SamplingParams(temperature=1.0, top_k=-1, top_p=0.9, seed=1, logprobs=3)
+    object.__setattr__(huge, "top_k", 2 ** 70)  # past SamplingParams' own bound: the sampler must still cope
+    rows = [SamplingRow(p, seed=1, position=4)
+            for p in (huge, SamplingParams(temperature=1.0, top_k=-1, top_p=0.9, seed=1, logprobs=3))]
     a = sample(logits, rows[:1])
     b = sample(logits, rows[1:])
     assert (a.token_ids, a.logprobs, a.topk_ids) == (b.token_ids, b.logprobs, b.topk_ids)

@@ -101,11 +101,21 @@ def own_server(tiny_model):
 
 def test_engine_runs_in_a_child_and_none_outlives_the_server(own_server):
     kids = _children(own_server.proc.pid)
-    assert _core_pid(own_server.proc.pid) in kids  # the engine core is a child process of the server
+    core = _core_pid(own_server.proc.pid)
+    assert core in kids  # the engine core is a child process of the server
     r = httpx.post(own_server.url + "/v1/completions", headers=AUTH, timeout=60,
                    json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    # a structured request starts the core's grammar compile workers: they must not outlive it either
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    r = httpx.post(own_server.url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"prompt": "Hi", "max_tokens": 8, "temperature": 0,
+                         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 200
+    kids += _children(core)
+    t0 = time.time()
     assert own_server.stop() == 0
+    assert time.time() - t0 < 15, "the server (its engine core) took too long to stop"
     deadline = time.time() + 10
     while time.time() < deadline and any(_alive(k) for k in kids):
         time.sleep(0.1)

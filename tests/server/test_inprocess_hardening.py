@@ -73,7 +73,9 @@ def test_a_template_looping_over_data_silently_is_answered_at_the_deadline(token
     deadline, and the loop keeps running meanwhile."""
     pre = Preprocessor(tokenizer, ServerLimits(chat_template_timeout_s=0.2), max_model_len=1024)
     quadratic = "{% for a in messages[0].content %}{% for b in messages[0].content %}{% endfor %}{% endfor %}"
-    err, took, gap = _render_while_ticking(pre, quadratic, content="y" * 6000)
+    # 15,000**2 empty iterations: ~5 s on the machine this was written on, well past the
+    # 0.2 s deadline + 1 s on any CPU (6,000**2 rendered in 0.8 s there: a race, not a test)
+    err, took, gap = _render_while_ticking(pre, quadratic, content="y" * 15000)
     assert err is not None and "--chat-template-timeout" in err.message
     assert took < 2.5 and gap < 0.25
     pre.shutdown()
