@@ -1,0 +1,59 @@
+"""`detent battery` and `detent verify` (docs/battery.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from detent.engine.config import SELECTION_MODES
+
+
+def add_subparsers(sub) -> None:
+    p = sub.add_parser("battery", help="run the batch-invariance battery on a deployment",
+                       description="Run a target request alone and under each cell's batch condition; "
+                       "compare token ids and logprobs with ==. Exit 1 if any cell fails.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--model", default=None, help="run in process on this model (default: embedded SmolLM2)")
+    where.add_argument("--url", default=None, help="run against a running detent-serve at this URL")
+    p.add_argument("--api-key", default=None, help="--url: the server's API key")
+    p.add_argument("--vocab", type=int, default=1000, help="--url: prompt token ids are drawn below this")
+    p.add_argument("--selection", default="pinned", choices=SELECTION_MODES)
+    p.add_argument("--tuple", default=None, help="commitment tuple (t.json)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=32,
+                   help="in process: the step budget (small, so the target's prefill is chunked)")
+    p.add_argument("--cells", default="all", choices=("all", "strong", "quick"))
+    p.add_argument("--json", default=None, help="write the results to this file")
+    p.set_defaults(func=_battery)
+
+
+def _battery(args: argparse.Namespace) -> int:
+    from detent.battery import HTTPBackend, OfflineBackend, run_battery, table, write_json
+    from detent.battery_cells import select
+
+    cells = select(args.cells)
+    llm = None
+    if args.url:
+        backend = HTTPBackend(args.url, args.api_key, vocab=args.vocab)
+        meta = {"url": args.url}
+    else:
+        from detent.engine import LLM
+        llm = LLM(model=args.model, tensor_parallel_size=args.tp, tuple=args.tuple, selection=args.selection,
+                  dtype=args.dtype, device=args.device, max_model_len=1024, max_num_seqs=64,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+        backend = OfflineBackend(llm)
+        meta = {"model": args.model, "selection": args.selection, "tp": args.tp,
+                "max_num_batched_tokens": args.max_num_batched_tokens}
+    meta.update(backend.fingerprint, cells_selected=args.cells)
+    try:
+        results = run_battery(backend, cells, progress=lambda r: print(
+            f"  {r.cell}: {'pass' if r.passed else 'FAIL'}", file=sys.stderr, flush=True))
+    finally:
+        if llm is not None:
+            llm.llm_engine.shutdown()
+    print(table(results))
+    if args.json:
+        write_json(args.json, results, meta)
+    return 0 if all(r.passed for r in results) else 1
