@@ -28,6 +28,17 @@ def add_subparsers(sub) -> None:
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=_battery)
 
+    v = sub.add_parser("verify", help="re-execute a logged request on a running server and compare bits",
+                       description="Send REQUEST again (with the seed RESPONSE reports) to the server at URL, "
+                       "after checking its tuple and deployment hashes are RESPONSE's; compare the choices "
+                       "with ==. Exit 0 if equal, 1 if they differ, 3 if the request cannot be re-executed here.")
+    v.add_argument("--url", required=True, help="the running detent-serve")
+    v.add_argument("--api-key", default=None)
+    v.add_argument("--request", required=True, help="the request body (JSON) sent to /v1/completions or "
+                   "/v1/chat/completions")
+    v.add_argument("--response", required=True, help="the response body (JSON) received, with its detent field")
+    v.set_defaults(func=_verify)
+
 
 def _battery(args: argparse.Namespace) -> int:
     from detent.battery import HTTPBackend, OfflineBackend, run_battery, table, write_json
@@ -57,3 +68,24 @@ def _battery(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, results, meta)
     return 0 if all(r.passed for r in results) else 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from detent.verify import VerifyRefused, verify
+
+    with open(args.request) as f:
+        request = json.load(f)
+    with open(args.response) as f:
+        response = json.load(f)
+    try:
+        verdict = verify(args.url, request, response, api_key=args.api_key)
+    except VerifyRefused as e:
+        print(f"detent verify: refused: {e}", file=sys.stderr)
+        return 3
+    if verdict.equal:
+        print(f"equal: {len(response.get('choices', []))} choice(s) re-executed bit for bit")
+        return 0
+    print("DIFFERENT:")
+    for line in verdict.differences:
+        print(f"  {line}")
+    return 1
