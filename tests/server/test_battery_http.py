@@ -1,0 +1,68 @@
+"""`detent battery --url` and `detent verify` against a live `detent-serve`
+on the tiny Llama (tests/server/conftest.py)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from conftest import API_KEY, launch, real_argv
+from detent.battery import HTTPBackend, run_battery
+from detent.battery_cells import select
+from detent.cli import main
+
+
+def test_battery_over_http_passes_pinned(server, tmp_path):
+    out = tmp_path / "b.json"
+    rc = main(["battery", "--url", server.url, "--api-key", API_KEY, "--cells", "quick", "--json", str(out)])
+    rep = json.loads(out.read_text())
+    assert rc == 0, [c for c in rep["cells"] if not c["passed"]]
+    assert rep["passed"] == rep["total"] == 6
+    assert rep["tuple_hash"] and rep["deployment_hash"]
+
+
+@pytest.mark.slow
+def test_battery_over_http_fails_under_stock(tiny_model):
+    with launch(real_argv("--model", tiny_model, "--max-model-len", "1024", "--selection", "stock")) as s:
+        results = run_battery(HTTPBackend(s.url), select("quick"))
+    assert any(not r.passed for r in results), "stock passed every cell over HTTP: the battery cannot fail"
+
+
+def _ask(server, body: dict) -> dict:
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _verify(server, tmp_path, request: dict, response: dict) -> int:
+    (tmp_path / "req.json").write_text(json.dumps(request))
+    (tmp_path / "resp.json").write_text(json.dumps(response))
+    return main(["verify", "--url", server.url, "--api-key", API_KEY, "--request", str(tmp_path / "req.json"),
+                 "--response", str(tmp_path / "resp.json")])
+
+
+REQUEST = {"model": "smollm2", "prompt": "The battery checks", "max_tokens": 12, "temperature": 1.0,
+           "logprobs": 3, "ignore_eos": True}  # no seed: the response's detent.seeds supplies it
+
+
+def test_verify_passes_on_a_real_response(server, tmp_path, capsys):
+    response = _ask(server, REQUEST)
+    assert _verify(server, tmp_path, REQUEST, response) == 0
+    assert "equal" in capsys.readouterr().out
+
+
+def test_verify_fails_on_a_tampered_response(server, tmp_path, capsys):
+    response = _ask(server, REQUEST)
+    lp = response["choices"][0]["logprobs"]["token_logprobs"]
+    lp[5] = lp[5] + 2 ** -20
+    assert _verify(server, tmp_path, REQUEST, response) == 1
+    assert "first difference at token 5" in capsys.readouterr().out
+
+
+def test_verify_refuses_another_tuple(server, tmp_path, capsys):
+    response = _ask(server, REQUEST)
+    response["detent"]["tuple_hash"] = "0" * 64
+    assert _verify(server, tmp_path, REQUEST, response) == 3
+    assert "tuple_hash differs" in capsys.readouterr().err
