@@ -72,14 +72,20 @@ QUICK = ("rerun", "cobatch_1_short", "cobatch_7_mixed", "row_0", "split_lead_13"
 
 
 def select(which: str) -> tuple[Cell, ...]:
-    """`all` (26 + 9 strong), `strong` (the 9) or `quick` (6 cells, one per kind of condition)."""
+    """`all` (26 + 9 strong), `strong` (the 9), `quick` (6 cells, one per kind of
+    condition), or cell names separated by commas."""
     if which == "all":
         return CELLS + STRONG
     if which == "strong":
         return STRONG
     if which == "quick":
         return tuple(c for c in CELLS if c.name in QUICK)
-    raise ValueError(f"--cells must be all, strong or quick, not {which!r}")
+    by_name = {c.name: c for c in CELLS + STRONG}
+    unknown = [n for n in which.split(",") if n not in by_name]
+    if unknown:
+        raise ValueError(f"--cells: unknown cell(s) {', '.join(unknown)}; give all, strong, quick or "
+                         f"names among {', '.join(by_name)}")
+    return tuple(by_name[n] for n in which.split(","))
 
 
 def prompt(seed: int, n: int, vocab: int) -> list[int]:

@@ -24,7 +24,8 @@ def add_subparsers(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=32,
                    help="in process: the step budget (small, so the target's prefill is chunked)")
-    p.add_argument("--cells", default="all", choices=("all", "strong", "quick"))
+    p.add_argument("--cells", default="all", help="all (26 + 9 strong), strong, quick (6), or cell names "
+                   "separated by commas")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=_battery)
 
@@ -44,7 +45,7 @@ def _battery(args: argparse.Namespace) -> int:
     from detent.battery import HTTPBackend, OfflineBackend, run_battery, table, write_json
     from detent.battery_cells import select
 
-    cells = select(args.cells)
+    cells = select(args.cells)  # a bad name fails before any model is loaded
     llm = None
     if args.url:
         backend = HTTPBackend(args.url, args.api_key, vocab=args.vocab)

@@ -49,3 +49,9 @@ def test_cli_writes_json_and_exits_by_result(tmp_path):
     assert main(["battery", "--model", model, "--device", "cpu", "--cells", "quick", "--selection", "stock",
                  "--json", str(out)]) == 1
     assert json.loads(out.read_text())["passed"] < 6
+
+
+def test_cells_by_name_and_a_clear_error_for_an_unknown_one():
+    assert [c.name for c in select("rerun,strong_32_long")] == ["rerun", "strong_32_long"]
+    with pytest.raises(ValueError, match="unknown cell.*cobatch_99"):
+        select("rerun,cobatch_99")
