@@ -69,3 +69,16 @@ def test_verify_refuses_another_tuple(server, tmp_path, capsys):
     response["detent"]["tuple_hash"] = "0" * 64
     assert _verify(server, tmp_path, REQUEST, response) == 3
     assert "tuple_hash differs" in capsys.readouterr().err
+
+
+def test_verify_a_chat_response(server, tmp_path, capsys):
+    request = {"model": "smollm2", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8,
+               "temperature": 1.0, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=request, timeout=120,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+    response = r.json()
+    assert _verify(server, tmp_path, request, response) == 0
+    response["choices"][0]["logprobs"]["content"][3]["top_logprobs"][1]["logprob"] += 1.0
+    assert _verify(server, tmp_path, request, response) == 1
+    assert "first difference at token 3" in capsys.readouterr().out
