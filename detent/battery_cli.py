@@ -45,10 +45,16 @@ def _battery(args: argparse.Namespace) -> int:
     from detent.battery import HTTPBackend, OfflineBackend, run_battery, table, write_json
     from detent.battery_cells import select
 
+    import httpx
+
     cells = select(args.cells)  # a bad name fails before any model is loaded
     llm = None
     if args.url:
-        backend = HTTPBackend(args.url, args.api_key, vocab=args.vocab)
+        try:
+            backend = HTTPBackend(args.url, args.api_key, vocab=args.vocab)
+        except httpx.HTTPError as e:
+            print(f"detent battery: error: no detent-serve answers at {args.url}: {e}", file=sys.stderr)
+            return 2
         meta = {"url": args.url}
     else:
         from detent.engine import LLM
@@ -78,11 +84,16 @@ def _verify(args: argparse.Namespace) -> int:
         request = json.load(f)
     with open(args.response) as f:
         response = json.load(f)
+    import httpx
+
     try:
         verdict = verify(args.url, request, response, api_key=args.api_key)
     except VerifyRefused as e:
         print(f"detent verify: refused: {e}", file=sys.stderr)
         return 3
+    except httpx.HTTPError as e:
+        print(f"detent verify: error: no detent-serve answers at {args.url}: {e}", file=sys.stderr)
+        return 2
     if verdict.equal:
         print(f"equal: {len(response.get('choices', []))} choice(s) re-executed bit for bit")
         return 0

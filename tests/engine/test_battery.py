@@ -55,3 +55,17 @@ def test_cells_by_name_and_a_clear_error_for_an_unknown_one():
     assert [c.name for c in select("rerun,strong_32_long")] == ["rerun", "strong_32_long"]
     with pytest.raises(ValueError, match="unknown cell.*cobatch_99"):
         select("rerun,cobatch_99")
+
+
+def test_no_server_at_the_url_is_a_clear_error(capsys, tmp_path):
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert main(["battery", "--url", url, "--cells", "quick"]) == 2
+    assert f"no detent-serve answers at {url}" in capsys.readouterr().err
+    (tmp_path / "r.json").write_text('{"prompt": "x"}')
+    (tmp_path / "s.json").write_text('{"choices": [], "detent": {"tuple_hash": "a", "deployment_hash": "b"}}')
+    assert main(["verify", "--url", url, "--request", str(tmp_path / "r.json"),
+                 "--response", str(tmp_path / "s.json")]) == 2
+    assert f"no detent-serve answers at {url}" in capsys.readouterr().err
