@@ -3,14 +3,15 @@
     detent generate "What is the capital of France?"          # embedded SmolLM2, chat template
     detent generate --model DIR --raw --max-tokens 32 "Once upon a time"
 
-The SelIR subcommands (`solve`, `tuple`) live in detent/selection_cli.py.
+The SelIR subcommands (`solve`, `tuple`) live in detent/selection_cli.py;
+`battery` and `verify` (docs/battery.md) in detent/battery_cli.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from detent import selection_cli
+from detent import battery_cli, selection_cli
 from detent.engine.config import SELECTION_MODES
 
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     selection_cli.add_subparsers(sub)  # `solve`, `tuple`
+    battery_cli.add_subparsers(sub)  # `battery`, `verify`
     return parser
 
 

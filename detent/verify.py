@@ -1,0 +1,103 @@
+"""`detent verify`: re-execute a request someone got an answer for, on a
+running `detent-serve`, and compare the answers' bits with `==`
+(docs/battery.md).
+
+Input: the request body as sent to /v1/completions or /v1/chat/completions,
+and the response body received (its `detent` field carries the tuple hash,
+the deployment hash and the seed each choice sampled with). The request is
+refused when this server's tuple or deployment hash is not the response's:
+another tuple or deployment may give other bits, and that is no finding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from detent.battery import first_difference
+
+
+class VerifyRefused(ValueError):
+    """The request cannot be re-executed here (another deployment or tuple, no seed)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    equal: bool
+    differences: list[str]  # one line per differing choice or field; empty when equal
+
+
+def server_fingerprint(url: str, headers: dict, timeout: float) -> dict[str, str | None]:
+    import httpx
+    r = httpx.get(url + "/v1/models", headers=headers, timeout=timeout)
+    r.raise_for_status()
+    return {"tuple_hash": r.headers.get("x-detent-tuple-hash"),
+            "deployment_hash": r.headers.get("x-detent-deployment-hash")}
+
+
+def check_fingerprint(recorded: dict, here: dict) -> None:
+    for key, what in (("deployment_hash", "deployment (model, dtype, device, tp, page size, limits)"),
+                      ("tuple_hash", "commitment tuple")):
+        if recorded.get(key) is None:
+            raise VerifyRefused(f"the response has no detent.{key}: it was not served by detent-serve")
+        if recorded[key] != here[key]:
+            raise VerifyRefused(f"{key} differs: the response came from another {what} "
+                                f"({recorded[key]}), this server runs {here[key]}")
+
+
+def replay_body(request: dict, response: dict) -> dict:
+    """The request as it ran: not streamed, with the seed the response reports."""
+    body = {**request, "stream": False}
+    body.pop("stream_options", None)
+    seeds = set(response.get("detent", {}).get("seeds") or [])
+    if body.get("seed") is None:
+        if len(seeds) != 1 or None in seeds:
+            raise VerifyRefused(f"the request has no seed and the response reports seeds {sorted(seeds, key=str)}: "
+                                "one seed is needed to re-execute it")
+        body["seed"] = seeds.pop()
+    return body
+
+
+def _positions(choice: dict) -> tuple[str, list] | None:
+    """Per generated token, what the choice reports for it (completions or chat logprobs)."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return None
+    if "content" in lp:
+        return "logprobs.content", lp["content"] or []
+    return "logprobs", [{"token": t, "logprob": v, "top_logprobs": top} for t, v, top in
+                        zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
+
+
+def compare(recorded: dict, replayed: dict) -> Verdict:
+    """`==` on every choice; for a differing one, the first differing token and logprob."""
+    diffs = []
+    a, b = recorded.get("choices", []), replayed.get("choices", [])
+    if len(a) != len(b):
+        diffs.append(f"{len(a)} choices recorded, {len(b)} now")
+    for ca, cb in zip(a, b):
+        if ca == cb:
+            continue
+        idx = ca.get("index")
+        pa, pb = _positions(ca), _positions(cb)
+        if pa and pb and pa[1] != pb[1]:
+            i, x, y = first_difference(pa[1], pb[1])
+            diffs.append(f"choice {idx}: first difference at token {i}: recorded {x}, now {y}")
+            continue
+        keys = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
+        diffs.append(f"choice {idx}: {', '.join(keys)} differ: recorded "
+                     f"{ {k: ca.get(k) for k in keys} }, now { {k: cb.get(k) for k in keys} }")
+    return Verdict(not diffs, diffs)
+
+
+def verify(url: str, request: dict, response: dict, api_key: str | None = None, timeout: float = 300) -> Verdict:
+    import httpx
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    check_fingerprint(response.get("detent") or {}, server_fingerprint(url, headers, timeout))
+    path = "/v1/chat/completions" if "messages" in request else "/v1/completions"
+    r = httpx.post(url + path, json=replay_body(request, response), headers=headers, timeout=timeout)
+    if r.status_code != 200:
+        raise VerifyRefused(f"the server refused the request ({r.status_code}): {r.text[:500]}")
+    replayed: dict[str, Any] = r.json()
+    check_fingerprint(replayed.get("detent") or {}, response["detent"])
+    return compare(response, replayed)
