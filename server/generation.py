@@ -7,12 +7,15 @@ through the `AsyncEngine`, feeds the metrics, and records the outcome
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator
 
 from detent.server.errors import APIError
 from detent.server.formatting import usage
 from detent.server.metrics import RequestTimer
 from detent.server.serving import ServerState, merge, sse
+
+log = logging.getLogger("detent.server.requests")
 
 
 def _generated(out: Any) -> int:
@@ -71,6 +74,11 @@ class Generation:
     async def start(self) -> "Generation":
         """Admits every engine request (a refusal is raised here, before any response starts)."""
         self.state.engine.check_admission()
+        if self.state.log_requests:
+            p = self.params[0]
+            log.info("request %s: %d prompt(s), %d prompt tokens, n=%d max_tokens=%s temperature=%s top_p=%s "
+                     "top_k=%s seed=%s", self.base_id, len(self.prompts), self.prompt_tokens, p.n,
+                     [q.max_tokens for q in self.params], p.temperature, p.top_p, p.top_k, p.seed)
         try:
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
                 self._streams.append(await self.state.engine.add(self.rid(i), ids, p))
