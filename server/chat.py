@@ -82,7 +82,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     k = (req.top_logprobs or 0) if req.logprobs else None
     check_logprob_entries(state.limits, [len(ids)], [mt], req.n, k, req.prompt_logprobs, 1)
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
-                             structured=structured)
+                             structured=structured, vocab_size=state.vocab_size)
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     gen = await Generation(state, rid, [ids], [params]).start()
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
@@ -113,8 +113,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
 def _stream(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
             ctx: dict) -> AsyncIterator[str]:
     ctx = {**ctx, "object": "chat.completion.chunk"}
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return sse_events(_chunks(req, gen, tok, k, ctx), gen, ctx, include_usage)
+    return sse_events(_chunks(req, gen, tok, k, ctx), gen, ctx, req.stream_options)
 
 
 async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,

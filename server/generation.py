@@ -46,12 +46,23 @@ def output_error(out: Any) -> APIError | None:
     return None
 
 
+def usage_options(stream_options: Any) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); as vLLM, the second counts only with the first."""
+    if stream_options is None:
+        return False, False
+    return stream_options.include_usage, stream_options.include_usage and stream_options.continuous_usage_stats
+
+
 async def sse_events(chunks: AsyncIterator[dict], gen: "Generation", ctx: dict,
-                     include_usage: bool) -> AsyncIterator[str]:
-    """An OpenAI event stream: each chunk, then the usage chunk when asked for;
-    an error after the stream started is reported in-band; always ends [DONE]."""
+                     stream_options: Any) -> AsyncIterator[str]:
+    """An OpenAI event stream: each chunk (carrying the request's usage so far under
+    continuous_usage_stats), then the usage chunk when asked for; an error after the
+    stream started is reported in-band; always ends [DONE]."""
+    include_usage, continuous = usage_options(stream_options)
     try:
         async for chunk in chunks:
+            if continuous:
+                chunk = {**chunk, "usage": usage(gen.prompt_tokens, sum(gen.generated))}
             yield sse(chunk)
         if include_usage:
             yield sse({**ctx, "choices": [], "usage": usage(gen.prompt_tokens, gen.completion_tokens),
@@ -70,6 +81,7 @@ class Generation:
         self.timers = [RequestTimer(state.metrics) for _ in prompts]
         self._streams: list[AsyncIterator[Any]] = []
         self.final: list[Any] = [None] * len(prompts)
+        self.generated = [0] * len(prompts)  # tokens so far, per engine request
 
     async def start(self) -> "Generation":
         """Admits every engine request (a refusal is raised here, before any response starts)."""
@@ -110,6 +122,7 @@ class Generation:
         try:
             async for i, out in it:
                 self.timers[i].tokens(_generated(out))
+                self.generated[i] = _generated(out)
                 if out.finished:
                     self.final[i] = out
                     self.timers[i].finish(_outcome(out), len(self.prompts[i]))
