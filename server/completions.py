@@ -70,7 +70,9 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     params = [sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                               structured=structured, vocab_size=state.vocab_size) for mt in mts]
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-    gen = await Generation(state, rid, [ids for _, ids in prompts], params).start()
+    gen = Generation(state, rid, [ids for _, ids in prompts], params)
+    gen.reports_output = not _echo_only(req)
+    await gen.start()
     tok = TokenText(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=False),
                     req.return_tokens_as_token_ids)
     ctx = dict(id=rid, object="text_completion", created=int(time.time()), model=model,
@@ -90,7 +92,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
         for c in sorted(out.outputs, key=lambda c: c.index):
             choices.append(_choice(req, state, tok, i * req.n + c.index, text0, ids, out, c))
     body = {**ctx, "choices": choices,
-            "usage": usage(gen.prompt_tokens, 0 if _echo_only(req) else gen.completion_tokens),
+            "usage": usage(gen.prompt_tokens, gen.completion_tokens),
             "detent": {**state.fingerprint(), "seeds": seeds(finals)}}
     return JSONResponse(body)
 

@@ -62,7 +62,7 @@ async def sse_events(chunks: AsyncIterator[dict], gen: "Generation", ctx: dict,
     try:
         async for chunk in chunks:
             if continuous:
-                chunk = {**chunk, "usage": usage(gen.prompt_tokens, sum(gen.generated))}
+                chunk = {**chunk, "usage": usage(gen.prompt_tokens, gen.tokens_so_far)}
             yield sse(chunk)
         if include_usage:
             yield sse({**ctx, "choices": [], "usage": usage(gen.prompt_tokens, gen.completion_tokens),
@@ -82,6 +82,7 @@ class Generation:
         self._streams: list[AsyncIterator[Any]] = []
         self.final: list[Any] = [None] * len(prompts)
         self.generated = [0] * len(prompts)  # tokens so far, per engine request
+        self.reports_output = True  # False: the response drops the generated tokens (echo, max_tokens 0)
 
     async def start(self) -> "Generation":
         """Admits every engine request (a refusal is raised here, before any response starts)."""
@@ -115,7 +116,12 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(_generated(o) for o in self.final if o is not None)
+        """What `usage` reports: the finished requests' tokens, the response's only."""
+        return sum(_generated(o) for o in self.final if o is not None) if self.reports_output else 0
+
+    @property
+    def tokens_so_far(self) -> int:
+        return sum(self.generated) if self.reports_output else 0
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
         it = merge(self._streams)

@@ -123,6 +123,13 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client, server):
     assert len(c.logprobs.tokens) == len(IDS) and c.logprobs.token_logprobs[0] is None
     assert c.text == ref.choices[0].text[:len(c.text)] and scored.usage.completion_tokens == 0
     assert c.finish_reason == "length"
+    body = {"model": MODEL, "prompt": IDS, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == c.text
+    assert events[-1]["usage"]["completion_tokens"] == 0
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": IDS, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
