@@ -14,7 +14,7 @@ import os
 import sys
 
 from detent.engine import SELECTION_MODES
-from detent.server.vllm_flags import add_vllm_flags, resolve_model
+from detent.server.vllm_flags import add_vllm_flags, resolve_model, with_chat_template
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,7 +132,7 @@ def build_state(a: argparse.Namespace):
         core = CoreProcess(functools.partial(build_engine, **kw))
         try:
             info = core.wait_ready()
-            tok = load_tokenizer(a.model, a.load_format)
+            tok = with_chat_template(load_tokenizer(a.model, a.load_format), a.chat_template)
         except BaseException:
             core.stop(10)
             raise
@@ -140,7 +140,11 @@ def build_state(a: argparse.Namespace):
         fp, limits = info.fingerprint, info.limits
     else:
         llm = LLM(**kw)
-        tok = llm.get_tokenizer()
+        try:
+            tok = with_chat_template(llm.get_tokenizer(), a.chat_template)
+        except BaseException:
+            llm.shutdown()
+            raise
         engine = AsyncEngine(llm.llm_engine, max_queue_len=a.max_queue_len)
         fp, limits = llm.llm_engine.fingerprint(), llm.llm_engine.limits()
     names = a.served_model_name or [a.model or "smollm2-135m-instruct"]

@@ -8,6 +8,8 @@ checkpoint), and an unknown flag is argparse's usual error.
 from __future__ import annotations
 
 import argparse
+import codecs
+import os
 
 REMOTE_CODE = ("--trust-remote-code: Detent runs no remote code; it implements each architecture it serves "
                "(Llama, Qwen3, Qwen3-MoE) in detent.models and loads only weights, config and tokenizer files "
@@ -40,6 +42,36 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-log-stats", action="store_true",
                    help="accepted for vLLM command lines; Detent prints no periodic stats line (see /metrics)")
     p.add_argument("--trust-remote-code", action=_RefuseRemoteCode, help="refused: Detent runs no remote code")
+    p.add_argument("--chat-template", default=None,
+                   help="the chat template: a file, or the template itself (default: the model's)")
+
+
+def load_chat_template(value: str) -> str:
+    """A file's text, or `value` itself when it reads as a template (it holds `{`, `}` or a
+    newline; in ASCII input escapes such as \\n are decoded, as vLLM does); checked to parse."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            source = f.read()
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no such file")
+    else:
+        # vLLM decodes escapes; only ASCII input, which the codec cannot mangle
+        source = codecs.decode(value, "unicode_escape") if value.isascii() else value
+    import jinja2
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse as a Jinja template: {e}") from None
+    return source
+
+
+def with_chat_template(tok, template: str | None):
+    """The server's tokenizer, rendering with --chat-template when given."""
+    if template is not None:
+        if tok is None:
+            raise ValueError("--chat-template: this model has no tokenizer to render chats with")
+        tok.chat_template = template
+    return tok
 
 
 def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -49,5 +81,10 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"the model is given twice and differs: MODEL {pos!r} and --model {a.model!r}; give one")
     if a.model is None:
         a.model = pos
+    if a.chat_template is not None:
+        try:
+            a.chat_template = load_chat_template(a.chat_template)
+        except ValueError as e:
+            p.error(str(e))
     if not 0.0 < a.gpu_memory_utilization <= 1.0:
         p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")

@@ -59,12 +59,33 @@ def test_trust_remote_code_refused():
     assert "Detent runs no remote code" in r.stderr and "--trust-remote-code" in r.stderr
 
 
+def test_chat_template_file_or_string(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert parse_args(["--chat-template", str(f)]).chat_template == f.read_text()
+    assert parse_args(["--chat-template", "{{ messages[0].content }}\\n"]).chat_template == "{{ messages[0].content }}\n"
+    assert parse_args(["--chat-template", "{{ 'é' }}"]).chat_template == "{{ 'é' }}"
+    assert parse_args([]).chat_template is None
+    for bad in ("no/such/template.jinja", "{% for %}"):
+        with pytest.raises(SystemExit):
+            parse_args(["--chat-template", bad])
+
+
 def test_a_vllm_command_line_serves_and_logs_requests(tiny_model):
     """`vllm serve MODEL -tp 1 --gpu-memory-utilization ... --enable-log-requests`, pasted."""
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
     argv = real_argv(tiny_model, "-tp", "1", "--gpu-memory-utilization", "0.5", "--enforce-eager",
                      "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-log-stats",
-                     "--enable-log-requests", "--max-model-len", "256", "--api-key", API_KEY)
+                     "--enable-log-requests", "--max-model-len", "256", "--api-key", API_KEY,
+                     "--chat-template", template)
     with launch(argv) as s:
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        assert httpx.get(s.url + "/tokenizer_info", timeout=30).json()["chat_template"] == template
+        chat = httpx.post(s.url + "/tokenize", headers=auth, timeout=30,
+                          json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        plain = httpx.post(s.url + "/tokenize", headers=auth, timeout=30,
+                           json={"prompt": "<<hi>>", "add_special_tokens": False}).json()["tokens"]
+        assert chat == plain
         r = httpx.post(s.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                        json={"prompt": "hello", "max_tokens": 3, "temperature": 0, "request_id": "cmpl-logme"},
                        timeout=60)
