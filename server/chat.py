@@ -76,13 +76,13 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     mt = resolve_max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-                            len(ids), state.max_model_len, param)
+                            len(ids), state.max_model_len, param, state.sampling_defaults.get("max_tokens"))
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
     check_logprob_entries(state.limits, [len(ids)], [mt], req.n, k, req.prompt_logprobs, 1)
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
-                             structured=structured, vocab_size=state.vocab_size)
+                             structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults)
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     gen = await Generation(state, rid, [ids], [params]).start()
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)

@@ -14,7 +14,7 @@ import os
 import sys
 
 from detent.engine import SELECTION_MODES
-from detent.server.vllm_flags import add_vllm_flags, resolve_model, with_chat_template
+from detent.server.vllm_flags import add_vllm_flags, resolve_model, server_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,7 +132,7 @@ def build_state(a: argparse.Namespace):
         core = CoreProcess(functools.partial(build_engine, **kw))
         try:
             info = core.wait_ready()
-            tok = with_chat_template(load_tokenizer(a.model, a.load_format), a.chat_template)
+            tok, defaults = server_tokenizer(load_tokenizer(a.model, a.load_format), a)
         except BaseException:
             core.stop(10)
             raise
@@ -141,12 +141,15 @@ def build_state(a: argparse.Namespace):
     else:
         llm = LLM(**kw)
         try:
-            tok = with_chat_template(llm.get_tokenizer(), a.chat_template)
+            tok, defaults = server_tokenizer(llm.get_tokenizer(), a)
         except BaseException:
             llm.shutdown()
             raise
         engine = AsyncEngine(llm.llm_engine, max_queue_len=a.max_queue_len)
         fp, limits = llm.llm_engine.fingerprint(), llm.llm_engine.limits()
+    if defaults:
+        print(f"detent-serve: default sampling parameters from --generation-config {a.generation_config}: "
+              f"{defaults} (a request's own values win)", file=sys.stderr, flush=True)
     names = a.served_model_name or [a.model or "smollm2-135m-instruct"]
     return ServerState(
         engine=engine, tokenizer=tok, served_model_names=names,
@@ -154,7 +157,8 @@ def build_state(a: argparse.Namespace):
         max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
-        allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests)
+        allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
+        sampling_defaults=defaults)
 
 
 def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:

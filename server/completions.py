@@ -62,13 +62,15 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     # echo with max_tokens 0 (prompt scoring, as vLLM): the engine runs one step for the
     # prompt's logprobs; the token it samples is dropped from the response
     mt0 = 1 if _echo_only(req) else req.max_tokens
-    mts = [resolve_max_tokens(mt0, len(ids), state.max_model_len, "max_tokens") for _, ids in prompts]
+    mts = [resolve_max_tokens(mt0, len(ids), state.max_model_len, "max_tokens",
+                              state.sampling_defaults.get("max_tokens")) for _, ids in prompts]
     # each choice repeats its prompt's logprobs: once as prompt_logprobs, once more when echoed
     copies = req.n * ((req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None))
     check_logprob_entries(state.limits, [len(ids) for _, ids in prompts], mts, req.n, req.logprobs, prompt_lp,
                           copies)
     params = [sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
-                              structured=structured, vocab_size=state.vocab_size) for mt in mts]
+                              structured=structured, vocab_size=state.vocab_size,
+                              defaults=state.sampling_defaults) for mt in mts]
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, rid, [ids for _, ids in prompts], params)
     gen.reports_output = not _echo_only(req)

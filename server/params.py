@@ -61,14 +61,16 @@ def check_prompt_ids(ids: list[int], vocab_size: int | None, param: str = "promp
                                   f"[0, {vocab_size})", param)
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
-    """max_tokens against the context: a prompt or a request over it is a 400 naming the limit."""
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str,
+                       default: int | None = None) -> int:
+    """max_tokens against the context: a prompt or a request over it is a 400 naming the limit.
+    Not requested: `default` (--generation-config's max_new_tokens), capped by the context."""
     if prompt_len >= max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens "
                             f"(--max-model-len); the prompt has {prompt_len} tokens, which leaves "
                             f"no room to generate.", param="prompt", code="context_length_exceeded")
     if requested is None:
-        return max_model_len - prompt_len
+        return min(default or max_model_len, max_model_len - prompt_len)
     if requested < 1:
         raise bad_request(f"{param} must be >= 1, got {requested}", param)
     if prompt_len + requested > max_model_len:
@@ -126,7 +128,10 @@ def check_logprob_entries(limits: ServerLimits, prompt_lens: list[int], max_toke
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
                     logprobs: int | None, prompt_logprobs: int | None,
-                    structured: StructuredOutputs | None, vocab_size: int | None = None) -> SamplingParams:
+                    structured: StructuredOutputs | None, vocab_size: int | None = None,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's sampling parameters; those it leaves unset come from `defaults`
+    (--generation-config), then SamplingParams' own."""
     kw: dict[str, Any] = dict(
         logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
@@ -137,6 +142,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "logprobs_mode"):
         value = getattr(req, name)
+        if value is None:
+            value = (defaults or {}).get(name)
         if value is not None:
             kw[name] = value
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import os
+from typing import Any
 
 REMOTE_CODE = ("--trust-remote-code: Detent runs no remote code; it implements each architecture it serves "
                "(Llama, Qwen3, Qwen3-MoE) in detent.models and loads only weights, config and tokenizer files "
@@ -42,6 +43,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-log-stats", action="store_true",
                    help="accepted for vLLM command lines; Detent prints no periodic stats line (see /metrics)")
     p.add_argument("--trust-remote-code", action=_RefuseRemoteCode, help="refused: Detent runs no remote code")
+    p.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' "
+                        "(none) or a directory holding a generation_config.json")
     p.add_argument("--chat-template", default=None,
                    help="the chat template: a file, or the template itself (default: the model's)")
 
@@ -65,13 +69,15 @@ def load_chat_template(value: str) -> str:
     return source
 
 
-def with_chat_template(tok, template: str | None):
-    """The server's tokenizer, rendering with --chat-template when given."""
-    if template is not None:
+def server_tokenizer(tok, a: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The server's tokenizer, rendering with --chat-template when given, and the
+    --generation-config sampling defaults (server/generation_config.py)."""
+    from detent.server.generation_config import sampling_defaults
+    if a.chat_template is not None:
         if tok is None:
             raise ValueError("--chat-template: this model has no tokenizer to render chats with")
-        tok.chat_template = template
-    return tok
+        tok.chat_template = a.chat_template
+    return tok, sampling_defaults(a.generation_config, tok)
 
 
 def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -81,6 +87,8 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"the model is given twice and differs: MODEL {pos!r} and --model {a.model!r}; give one")
     if a.model is None:
         a.model = pos
+    if a.generation_config not in ("auto", "vllm") and not os.path.isdir(a.generation_config):
+        p.error(f"--generation-config {a.generation_config!r} is not a directory (give a directory, 'auto' or 'vllm')")
     if a.chat_template is not None:
         try:
             a.chat_template = load_chat_template(a.chat_template)

@@ -2,6 +2,7 @@
 it does under vLLM, or stops startup saying why."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -71,13 +72,34 @@ def test_chat_template_file_or_string(tmp_path):
             parse_args(["--chat-template", bad])
 
 
-def test_a_vllm_command_line_serves_and_logs_requests(tiny_model):
+def test_generation_config_defaults(tmp_path):
+    from detent.server.generation_config import sampling_defaults
+
+    class Tok:
+        path = str(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7, "do_sample": True, "eos_token_id": 2}))
+    want = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 7}
+    assert sampling_defaults("auto", Tok()) == want == sampling_defaults(str(tmp_path), None)
+    assert sampling_defaults("vllm", Tok()) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_defaults("auto", Tok())
+    with pytest.raises(ValueError, match="generation_config.json"):
+        sampling_defaults(str(tmp_path / "nope"), None)
+    with pytest.raises(SystemExit):
+        parse_args(["--generation-config", str(tmp_path / "nope")])
+    assert parse_args([]).generation_config == "auto"
+
+
+def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
     """`vllm serve MODEL -tp 1 --gpu-memory-utilization ... --enable-log-requests`, pasted."""
     template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
     argv = real_argv(tiny_model, "-tp", "1", "--gpu-memory-utilization", "0.5", "--enforce-eager",
                      "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-log-stats",
                      "--enable-log-requests", "--max-model-len", "256", "--api-key", API_KEY,
-                     "--chat-template", template)
+                     "--chat-template", template, "--generation-config", str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
     with launch(argv) as s:
         auth = {"Authorization": f"Bearer {API_KEY}"}
         assert httpx.get(s.url + "/tokenizer_info", timeout=30).json()["chat_template"] == template
@@ -86,6 +108,14 @@ def test_a_vllm_command_line_serves_and_logs_requests(tiny_model):
         plain = httpx.post(s.url + "/tokenize", headers=auth, timeout=30,
                            json={"prompt": "<<hi>>", "add_special_tokens": False}).json()["tokens"]
         assert chat == plain
+        # --generation-config: unset fields take its values, set ones win
+        msgs = [{"role": "user", "content": "hello"}]
+        url, body = s.url + "/v1/chat/completions", {"messages": msgs, "ignore_eos": True, "seed": 1}
+        a = httpx.post(url, headers=auth, timeout=60, json=body).json()
+        b = httpx.post(url, headers=auth, timeout=60, json={**body, "seed": 2}).json()
+        assert a["usage"]["completion_tokens"] == 3 and a["choices"][0]["message"] == b["choices"][0]["message"]
+        c = httpx.post(url, headers=auth, timeout=60, json={**body, "max_tokens": 5, "temperature": 1.0}).json()
+        assert c["usage"]["completion_tokens"] == 5
         r = httpx.post(s.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                        json={"prompt": "hello", "max_tokens": 3, "temperature": 0, "request_id": "cmpl-logme"},
                        timeout=60)
