@@ -185,6 +185,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad words, tokenized: a one-token word is never sampled; a longer one's
+    # last token is banned right after the output ends with the rest of it
+    bad_words_token_ids: list[list[int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -241,6 +244,11 @@ class SamplingParams:
             self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list when given")
+        if self.bad_words_token_ids is not None:
+            words = [_token_list("bad_words_token_ids", w) for w in self.bad_words_token_ids]
+            if not all(words):
+                raise ValueError("bad_words_token_ids must hold non-empty lists of token ids")
+            self.bad_words_token_ids = words
 
     @property
     def greedy(self) -> bool:
@@ -255,7 +263,8 @@ class SamplingParams:
         """Raise ValueError if a token-id field names an id outside [0, vocab_size)."""
         lists = {"stop_token_ids": self.stop_token_ids, "golden_token_ids": self.golden_token_ids,
                  "allowed_token_ids": self.allowed_token_ids,
-                 "logit_bias": list(self.logit_bias or {})}
+                 "logit_bias": list(self.logit_bias or {}),
+                 "bad_words": [t for w in self.bad_words_token_ids or () for t in w]}
         for name, ids in lists.items():
             for t in ids or ():
                 if t >= vocab_size:

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
-from detent.server.params import (check_counts, check_logprob_entries, check_prompt_ids, resolve_max_tokens,
-                                  sampling_params, structured_outputs)
+from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
+                                  resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
 
@@ -82,7 +82,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     k = (req.top_logprobs or 0) if req.logprobs else None
     check_logprob_entries(state.limits, [len(ids)], [mt], req.n, k, req.prompt_logprobs, 1)
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
-                             structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults)
+                             structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults,
+                             bad_words=await bad_words_ids(req, state.preprocess))
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     gen = await Generation(state, rid, [ids], [params]).start()
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, completion_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
-from detent.server.params import (check_counts, check_logprob_entries, check_prompt_ids, resolve_max_tokens,
-                                  sampling_params, structured_outputs)
+from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
+                                  resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import CompletionRequest
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
 
@@ -68,9 +68,10 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     copies = req.n * ((req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None))
     check_logprob_entries(state.limits, [len(ids) for _, ids in prompts], mts, req.n, req.logprobs, prompt_lp,
                           copies)
+    bad = await bad_words_ids(req, state.preprocess)
     params = [sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                               structured=structured, vocab_size=state.vocab_size,
-                              defaults=state.sampling_defaults) for mt in mts]
+                              defaults=state.sampling_defaults, bad_words=bad) for mt in mts]
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, rid, [ids for _, ids in prompts], params)
     gen.reports_output = not _echo_only(req)

@@ -126,14 +126,33 @@ def check_logprob_entries(limits: ServerLimits, prompt_lens: list[int], max_toke
                           f"of {limits.max_logprob_entries} (--max-logprob-entries); ask for fewer", param)
 
 
+async def bad_words_ids(req: CompletionRequest | ChatCompletionRequest, preprocess) -> list[list[int]] | None:
+    """vLLM's tokenization of bad_words: each word as written (leading spaces dropped), and
+    again after a space when that gives as many tokens, starting with a different one
+    (the word's form in the middle of a sentence)."""
+    if not req.bad_words:
+        return None
+    out = []
+    for i, word in enumerate(req.bad_words):
+        bare = await preprocess.encode(word.lstrip(), f"bad_words[{i}]", False)
+        if not bare:
+            raise bad_request(f"bad_words[{i}] is empty: {word!r} has no tokens", "bad_words")
+        out.append(bare)
+        spaced = await preprocess.encode(" " + word.lstrip(), f"bad_words[{i}]", False)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return out
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
                     logprobs: int | None, prompt_logprobs: int | None,
                     structured: StructuredOutputs | None, vocab_size: int | None = None,
-                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+                    defaults: dict[str, Any] | None = None, bad_words: list[list[int]] | None = None
+                    ) -> SamplingParams:
     """The request's sampling parameters; those it leaves unset come from `defaults`
     (--generation-config), then SamplingParams' own."""
     kw: dict[str, Any] = dict(
-        logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
+        logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words_token_ids=bad_words,
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,

@@ -86,6 +86,7 @@ class _Sampling(_Body):
     return_tokens_as_token_ids: bool = False
     request_id: str | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -30,7 +30,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "kv_transfer_params": (_UNSET, "KV transfer between instances is not supported"),
     "vllm_xargs": (_UNSET, "vLLM's extra arguments have no meaning here"),
     "return_token_ids": ((None, False), "use logprobs with return_tokens_as_token_ids"),
-    "bad_words": ((None, []), "bad_words is not implemented yet; allowed_token_ids or logit_bias can ban tokens"),
 }
 REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((None, False), "echo is supported on /v1/completions only"),

@@ -35,7 +35,7 @@ chat_template_kwargs mm_processor_kwargs""".split()
 ASKS = {"use_beam_search": True, "length_penalty": 0.5, "truncate_prompt_tokens": 4,
         "spaces_between_special_tokens": False, "priority": 1, "logits_processors": ["x"], "prompt_embeds": "AAAA",
         "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ", "cache_salt": "s",
-        "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "return_token_ids": True, "bad_words": ["the"],
+        "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "return_token_ids": True,
         "echo": True, "best_of": 2, "add_special_tokens": True, "documents": [{"t": "x"}], "mm_processor_kwargs": {"a": 1},
         "reasoning_effort": "low", "include_reasoning": False, "parallel_tool_calls": False}
 
@@ -64,7 +64,7 @@ def test_refused_fields_are_400s_naming_them_and_defaults_pass(server):
             err = r.json()["error"]
             assert err["param"] == name and name in err["message"], err
     defaults = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "spaces_between_special_tokens": True,
-                "truncate_prompt_tokens": None, "bad_words": [], "return_token_ids": False}
+                "truncate_prompt_tokens": None, "return_token_ids": False}
     assert _post(server, "/v1/completions", {**comp, **defaults}).status_code == 200
     assert _post(server, "/v1/chat/completions", {**chat, **defaults, "echo": False, "add_special_tokens": False,
                                                   "include_reasoning": True}).status_code == 200
@@ -146,3 +146,22 @@ def test_tokenizer_info_as_transformers_reads_it(server, tiny_model):
     assert info["chat_template"] == ref.chat_template
     assert isinstance(info["tokenizer_class"], str) and info["tokenizer_class"]
     assert "vocab_file" not in info and "merges_file" not in info
+
+
+def test_bad_words(client, server):
+    base = dict(model=MODEL, prompt=IDS, max_tokens=12, temperature=0, logprobs=0,
+                extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    plain = _ids(client.completions.create(**base).choices[0])
+    word = httpx.post(server.url + "/detokenize", json={"tokens": [plain[0]]}, headers=AUTH).json()["prompt"]
+    banned = set()
+    for text in (word.lstrip(), " " + word.lstrip()):
+        ids = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False},
+                         headers=AUTH).json()["tokens"]
+        if len(ids) == 1:
+            banned.add(ids[0])
+    assert plain[0] in banned
+    got = _ids(client.completions.create(**{**base, "extra_body": {**base["extra_body"], "bad_words": [word]}})
+               .choices[0])
+    assert len(got) == 12 and not banned & set(got) and got != plain
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": IDS, "max_tokens": 1, "bad_words": [" "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
