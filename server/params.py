@@ -6,10 +6,11 @@ sampling values themselves are validated once, by `SamplingParams`, whose
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
-from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs
+from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs, tokenize_bad_words
 from detent.server.errors import APIError, bad_request
 from detent.server.limits import ServerLimits
 from detent.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
@@ -127,21 +128,19 @@ def check_logprob_entries(limits: ServerLimits, prompt_lens: list[int], max_toke
 
 
 async def bad_words_ids(req: CompletionRequest | ChatCompletionRequest, preprocess) -> list[list[int]] | None:
-    """vLLM's tokenization of bad_words: each word as written (leading spaces dropped), and
-    again after a space when that gives as many tokens, starting with a different one
-    (the word's form in the middle of a sentence)."""
+    """The request's bad_words, tokenized on the preprocessing pool as vLLM does (sampling/params.py)."""
     if not req.bad_words:
         return None
-    out = []
-    for i, word in enumerate(req.bad_words):
-        bare = await preprocess.encode(word.lstrip(), f"bad_words[{i}]", False)
-        if not bare:
-            raise bad_request(f"bad_words[{i}] is empty: {word!r} has no tokens", "bad_words")
-        out.append(bare)
-        spaced = await preprocess.encode(" " + word.lstrip(), f"bad_words[{i}]", False)
-        if len(spaced) == len(bare) and spaced[0] != bare[0]:
-            out.append(spaced)
-    return out
+    preprocess.check_chars(sum(len(w) for w in req.bad_words), "bad_words")
+    encode = functools.partial(_encode_plain, preprocess.tokenizer)
+    try:
+        return await preprocess.run(tokenize_bad_words, req.bad_words, encode)
+    except ValueError as e:
+        raise bad_request(str(e), "bad_words") from None
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,

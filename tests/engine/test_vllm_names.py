@@ -57,3 +57,21 @@ def test_unknown_argument_is_still_a_type_error():
     from detent import LLM
     with pytest.raises(TypeError, match="not_an_argument"):
         LLM(model="unused", device="cpu", not_an_argument=1)
+
+
+def test_offline_bad_words_are_tokenized_and_banned():
+    from detent import SamplingParams
+    llm = text_llm()
+    tok = llm.get_tokenizer()
+    p = dict(temperature=0, ignore_eos=True, max_tokens=8)
+    plain = llm.generate(["Hello"], SamplingParams(**p), use_tqdm=False)[0].outputs[0].token_ids
+    word = tok.decode([plain[0]])
+    banned = {ids[0] for ids in (tok.encode(word.lstrip(), add_special_tokens=False),
+                                 tok.encode(" " + word.lstrip(), add_special_tokens=False)) if len(ids) == 1}
+    assert plain[0] in banned
+    sp = SamplingParams(bad_words=[word], **p)
+    got = llm.generate(["Hello"], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(got) == 8 and not banned & set(got)
+    assert sp.bad_words_token_ids  # tokenized at admission
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words="word")
