@@ -15,12 +15,15 @@ from detent.server.params import (bad_words_ids, check_counts, check_logprob_ent
                                   resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
+from detent.server.tools import tool_constraint, tool_message
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
+        if m.content is None:  # an assistant turn that only called tools: the template sees "", as vLLM's
+            d["content"] = ""
         if isinstance(m.content, list):
             parts = []
             for j, part in enumerate(m.content):
@@ -65,13 +68,21 @@ async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_g
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     model = state.check_model(req.model)
-    if req.tools:
-        raise bad_request("tools are not supported by this server", "tools")
     check_counts(req, state.limits, 1)
-    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                client_template(req, state.limits.trust_request_chat_template))
+    tool_so, tool_mode = tool_constraint(req.tools, req.tool_choice)
+    if tool_mode is not None and req.stream:
+        raise bad_request("streaming a forced tool call is not supported yet; send stream: false", "stream")
+    kwargs = client_template(req, state.limits.trust_request_chat_template)
+    if req.tools:
+        kwargs["tools"] = req.tools  # the template describes them to the model
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message, kwargs)
     check_prompt_ids(ids, None, "messages")
     structured = structured_outputs(req)
+    if tool_so is not None:
+        if structured is not None:
+            raise bad_request("tool_choice forces a tool call; it cannot be combined with another "
+                              "structured-output constraint", "tool_choice")
+        structured = tool_so
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -99,10 +110,13 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
         raise err
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
+        message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+        if tool_mode is not None:
+            message, finish = tool_message(c.text, tool_mode, finish)
         choices.append({
-            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "index": c.index, "message": message,
             "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None,
-            "finish_reason": c.finish_reason, "stop_reason": getattr(c, "stop_reason", None)})
+            "finish_reason": finish, "stop_reason": getattr(c, "stop_reason", None)})
     body = {**ctx, "object": "chat.completion", "choices": choices,
             "usage": usage(gen.prompt_tokens, gen.completion_tokens),
             "detent": {**state.fingerprint(), "seeds": seeds([out])}}

@@ -165,3 +165,45 @@ def test_bad_words(client, server):
     assert len(got) == 12 and not banned & set(got) and got != plain
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": IDS, "max_tokens": 1, "bad_words": [" "]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+MSGS = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_tool_choice_named_and_required_return_tool_calls(client, server):
+    import jsonschema
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=200, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    m = r.choices[0].message
+    assert m.content is None and len(m.tool_calls) == 1 and m.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(m.tool_calls[0].function.arguments), WEATHER)
+    assert r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=400, temperature=0,
+                                       tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    # the calls go back into the history (content null) with the tool's answer
+    history = MSGS + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+                      {"role": "tool", "tool_call_id": calls[0].id, "content": "21 C"}]
+    assert _post(server, "/v1/chat/completions", {"model": MODEL, "messages": history, "max_tokens": 2}).status_code == 200
+    for body, param in (({"tools": TOOLS}, "tool_choice"), ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream"),
+                        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+                        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "tool_choice")):
+        r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert _post(server, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 2, "tools": TOOLS,
+                                                  "tool_choice": "none"}).status_code == 200
