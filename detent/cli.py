@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from detent import battery_cli, selection_cli
+from detent import __version__, battery_cli, selection_cli
 from detent.engine.config import SELECTION_MODES
 
 
@@ -57,6 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detent", description="Detent: batch-invariant LLM inference.")
+    parser.add_argument("--version", action="version", version=f"detent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     selection_cli.add_subparsers(sub)  # `solve`, `tuple`

@@ -9,6 +9,8 @@ from __future__ import annotations
 _LAZY = {
     "LLM": "detent.engine.llm",
     "SamplingParams": "detent.sampling.params",
+    "TokensPrompt": "detent.engine.inputs",
+    "TextPrompt": "detent.engine.inputs",
     "RequestOutput": "detent.engine.outputs",
     "CompletionOutput": "detent.engine.outputs",
     "Logprob": "detent.engine.outputs",

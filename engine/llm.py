@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from detent.engine.config import EngineConfig
 from detent.engine.llm_engine import LLMEngine
 from detent.engine.outputs import RequestOutput
+from detent.engine.vllm_args import refuse_vllm_only
 from detent.sampling.params import SamplingParams
 
 PromptType = str | dict
@@ -27,7 +28,10 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
                  load_format: str = "auto", seed: int = 0, **kwargs: Any):
         """Extra keyword arguments: gpu_memory_utilization, kv_cache_memory_bytes,
-        num_gpu_blocks, max_logprobs, enforce_eager, async_scheduling, freeze_gc, rl (see EngineConfig)."""
+        num_gpu_blocks, max_logprobs, enforce_eager, async_scheduling, freeze_gc, rl (see EngineConfig).
+        vLLM-only ones (attention_config, compilation_config, ...) are a ValueError saying what
+        Detent uses instead (engine/vllm_args.py)."""
+        refuse_vllm_only(kwargs)
         config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, tuple=tuple,
                               selection=selection, dtype=dtype, device=device,
                               enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
@@ -40,6 +44,7 @@ class LLM:
     def from_model(cls, model, model_config, tokenizer=None, **kwargs: Any) -> "LLM":
         """An LLM over an already built model (tests, custom modules). The
         model must follow the contract in docs/architecture.md."""
+        refuse_vllm_only(kwargs)
         self = cls.__new__(cls)
         self.llm_engine = LLMEngine(EngineConfig(**kwargs), model=model, model_config=model_config,
                                     tokenizer=tokenizer)
@@ -57,6 +62,12 @@ class LLM:
         shape or dtype, a non-finite value, or while requests are running."""
         return self.llm_engine.update_weights(named_tensors)
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel ranks and grammar workers. Idempotent; the
+        LLM serves no more requests afterwards."""
+        self._shut_down = True
+        self.llm_engine.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
@@ -67,6 +78,8 @@ class LLM:
         """A prompt is a string or {"prompt_token_ids": [...]} (optionally
         with "prompt"); `sampling_params` is one for all or one per prompt.
         Returns the finished outputs in prompt order."""
+        if getattr(self, "_shut_down", False):
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()); make a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -42,7 +42,7 @@ from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
 from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.sampling.grammar_limits import check_limits
-from detent.sampling.params import SamplingParams
+from detent.sampling.params import SamplingParams, tokenize_bad_words
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
 
@@ -140,6 +140,13 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if len(ids) > self.state.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.state.max_model_len}")
+        if getattr(p, "bad_words", None) and p.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs the model's tokenizer (the engine has none); "
+                                 "pass bad_words_token_ids")
+            # tokenized once, on the params (vLLM does the same at admission)
+            p.bad_words_token_ids = tokenize_bad_words(
+                p.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
         if hasattr(p, "verify_vocab"):
             p.verify_vocab(vocab)
         if self.config.rl:

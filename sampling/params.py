@@ -29,7 +29,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable, Sequence
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_INT32 = 2**31 - 1  # top_k, token ids, token counts: any vocabulary and context is smaller
@@ -68,6 +68,22 @@ def _token_list(name: str, v: Any) -> list[int]:
     for t in out:
         if not _is_int(t) or not 0 <= t <= MAX_INT32:
             raise ValueError(f"{name} must be a list of token ids (integers in [0, {MAX_INT32}]), got element {t!r}")
+    return out
+
+
+def tokenize_bad_words(words: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """vLLM's tokenization of bad words (`encode` adds no special tokens): each word as
+    written, leading spaces dropped, and again after a space when that gives as many
+    tokens starting with a different one (the word's form inside a sentence)."""
+    out = []
+    for i, word in enumerate(words):
+        bare = encode(word.lstrip())
+        if not bare:
+            raise ValueError(f"bad_words[{i}] has no tokens: {word!r}")
+        out.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
     return out
 
 
@@ -185,6 +201,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad words, tokenized: a one-token word is never sampled; a longer one's
+    # last token is banned right after the output ends with the rest of it
+    bad_words_token_ids: list[list[int]] | None = None
+    bad_words: list[str] | None = None  # vLLM's; the engine tokenizes them into bad_words_token_ids
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -241,6 +261,14 @@ class SamplingParams:
             self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list when given")
+        if self.bad_words is not None and not (isinstance(self.bad_words, list)
+                                               and all(isinstance(w, str) for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        if self.bad_words_token_ids is not None:
+            words = [_token_list("bad_words_token_ids", w) for w in self.bad_words_token_ids]
+            if not all(words):
+                raise ValueError("bad_words_token_ids must hold non-empty lists of token ids")
+            self.bad_words_token_ids = words
 
     @property
     def greedy(self) -> bool:
@@ -255,7 +283,8 @@ class SamplingParams:
         """Raise ValueError if a token-id field names an id outside [0, vocab_size)."""
         lists = {"stop_token_ids": self.stop_token_ids, "golden_token_ids": self.golden_token_ids,
                  "allowed_token_ids": self.allowed_token_ids,
-                 "logit_bias": list(self.logit_bias or {})}
+                 "logit_bias": list(self.logit_bias or {}),
+                 "bad_words": [t for w in self.bad_words_token_ids or () for t in w]}
         for name, ids in lists.items():
             for t in ids or ():
                 if t >= vocab_size:

@@ -1,7 +1,7 @@
 """Logits processors, strictly row-wise, on a block of rows x[B, V] float32.
 
 Order (documented contract, tested against a float64 reference):
-  allowed_token_ids / logit_bias / min_tokens  ->  penalties (repetition,
+  allowed_token_ids / logit_bias / min_tokens / bad words  ->  penalties (repetition,
   frequency, presence)  ->  temperature  ->  top-k  ->  top-p  ->  min-p
   ->  grammar mask  ->  sample.
 Truncation keeps ties: top-k keeps every token whose logit is >= the k-th
@@ -43,11 +43,11 @@ def token_presence(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.
 
 
 def apply_request_masks(x: torch.Tensor, rows) -> torch.Tensor:
-    """allowed_token_ids, logit_bias, min_tokens (blocks EOS and stop_token_ids).
+    """allowed_token_ids, logit_bias, min_tokens (blocks EOS and stop_token_ids), bad words.
     Returns x itself when no row has any of them, else a masked copy (x is not modified)."""
     B, V = x.shape
     if not any(r.params.allowed_token_ids or r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens
-               for r in rows):
+               or r.params.bad_words_token_ids for r in rows):
         return x
     x = x.clone()
     for i, r in enumerate(rows):
@@ -64,7 +64,16 @@ def apply_request_masks(x: torch.Tensor, rows) -> torch.Tensor:
             banned = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
             if banned:
                 x[i, torch.tensor(banned, dtype=torch.long)] = NEG_INF
+        bad = [w[-1] for w in p.bad_words_token_ids or () if w[-1] < V and _ends_with(r.output_token_ids, w[:-1])]
+        if bad:
+            x[i, torch.tensor(bad, dtype=torch.long)] = NEG_INF
     return x
+
+
+def _ends_with(seq: Sequence[int], tail: Sequence[int]) -> bool:
+    """The output so far ends with `tail` (always true for an empty tail: a one-token bad word)."""
+    n = len(tail)
+    return n == 0 or (len(seq) >= n and list(seq[len(seq) - n:]) == list(tail))
 
 
 def apply_penalties(x: torch.Tensor, rows) -> torch.Tensor:

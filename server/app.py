@@ -121,6 +121,11 @@ def build_app(state: ServerState) -> FastAPI:
         req = await read_body(request, state, ChatCompletionRequest)
         return await chat.create_chat_completion(req, request, state)
 
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> Response:
+        from detent.server.tokenizer_info import tokenizer_info
+        return JSONResponse(tokenizer_info(state.tokenizer))
+
     @app.post("/v1/tokenize")
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

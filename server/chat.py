@@ -11,16 +11,19 @@ from fastapi.responses import JSONResponse, Response
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
-from detent.server.params import (check_counts, check_logprob_entries, check_prompt_ids, resolve_max_tokens,
-                                  sampling_params, structured_outputs)
+from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
+                                  resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
+from detent.server.tools import tool_constraint, tool_message
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
+        if m.content is None:  # an assistant turn that only called tools: the template sees "", as vLLM's
+            d["content"] = ""
         if isinstance(m.content, list):
             parts = []
             for j, part in enumerate(m.content):
@@ -65,24 +68,33 @@ async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_g
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     model = state.check_model(req.model)
-    if req.tools:
-        raise bad_request("tools are not supported by this server", "tools")
     check_counts(req, state.limits, 1)
-    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                client_template(req, state.limits.trust_request_chat_template))
+    tool_so, tool_mode = tool_constraint(req.tools, req.tool_choice)
+    if tool_mode is not None and req.stream:
+        raise bad_request("streaming a forced tool call is not supported yet; send stream: false", "stream")
+    kwargs = client_template(req, state.limits.trust_request_chat_template)
+    if req.tools:
+        kwargs["tools"] = req.tools  # the template describes them to the model
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message, kwargs)
     check_prompt_ids(ids, None, "messages")
     structured = structured_outputs(req)
+    if tool_so is not None:
+        if structured is not None:
+            raise bad_request("tool_choice forces a tool call; it cannot be combined with another "
+                              "structured-output constraint", "tool_choice")
+        structured = tool_so
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     mt = resolve_max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-                            len(ids), state.max_model_len, param)
+                            len(ids), state.max_model_len, param, state.sampling_defaults.get("max_tokens"))
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
     check_logprob_entries(state.limits, [len(ids)], [mt], req.n, k, req.prompt_logprobs, 1)
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
-                             structured=structured)
+                             structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults,
+                             bad_words=await bad_words_ids(req, state.preprocess))
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     gen = await Generation(state, rid, [ids], [params]).start()
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
@@ -98,10 +110,13 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
         raise err
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
+        message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+        if tool_mode is not None:
+            message, finish = tool_message(c.text, tool_mode, finish)
         choices.append({
-            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "index": c.index, "message": message,
             "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None,
-            "finish_reason": c.finish_reason, "stop_reason": getattr(c, "stop_reason", None)})
+            "finish_reason": finish, "stop_reason": getattr(c, "stop_reason", None)})
     body = {**ctx, "object": "chat.completion", "choices": choices,
             "usage": usage(gen.prompt_tokens, gen.completion_tokens),
             "detent": {**state.fingerprint(), "seeds": seeds([out])}}
@@ -113,8 +128,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
 def _stream(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
             ctx: dict) -> AsyncIterator[str]:
     ctx = {**ctx, "object": "chat.completion.chunk"}
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return sse_events(_chunks(req, gen, tok, k, ctx), gen, ctx, include_usage)
+    return sse_events(_chunks(req, gen, tok, k, ctx), gen, ctx, req.stream_options)
 
 
 async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,

@@ -14,12 +14,13 @@ import os
 import sys
 
 from detent.engine import SELECTION_MODES
+from detent.server.vllm_flags import add_vllm_flags, resolve_model, server_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser("detent-serve", description="OpenAI-compatible server for the Detent engine")
     p.add_argument("--model", default=None, help="model directory, HF cache name or preset (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--tuple", default=None, help="commitment tuple t.json (default: the default tuple)")
     p.add_argument("--selection", choices=SELECTION_MODES, default="pinned")
     p.add_argument("--host", default="127.0.0.1")
@@ -31,7 +32,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--max-mixed-batched-tokens", type=int, default=None,
                    help="a step that carries decodes takes at most this many tokens, so prompts never stall "
                         "generating requests behind one long step (default 2048; 0: the whole "
@@ -56,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default: weight updates refused)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     _limit_flags(p)
+    add_vllm_flags(p)
     a = p.parse_args(argv)
+    resolve_model(p, a)
     for d in a.allowed_weight_dir:
         if not os.path.isdir(d):
             p.error(f"--allowed-weight-dir {d!r} is not a directory")
@@ -107,7 +109,8 @@ def limits_from_args(a: argparse.Namespace):
 def engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, tensor_parallel_size=a.tp, tuple=a.tuple, selection=a.selection, dtype=a.dtype,
               device=a.device, enable_prefix_caching=a.enable_prefix_caching, load_format=a.load_format,
-              seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl)
+              seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl,
+              gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
@@ -129,7 +132,7 @@ def build_state(a: argparse.Namespace):
         core = CoreProcess(functools.partial(build_engine, **kw))
         try:
             info = core.wait_ready()
-            tok = load_tokenizer(a.model, a.load_format)
+            tok, defaults = server_tokenizer(load_tokenizer(a.model, a.load_format), a)
         except BaseException:
             core.stop(10)
             raise
@@ -137,9 +140,16 @@ def build_state(a: argparse.Namespace):
         fp, limits = info.fingerprint, info.limits
     else:
         llm = LLM(**kw)
-        tok = llm.get_tokenizer()
+        try:
+            tok, defaults = server_tokenizer(llm.get_tokenizer(), a)
+        except BaseException:
+            llm.shutdown()
+            raise
         engine = AsyncEngine(llm.llm_engine, max_queue_len=a.max_queue_len)
         fp, limits = llm.llm_engine.fingerprint(), llm.llm_engine.limits()
+    if defaults:
+        print(f"detent-serve: default sampling parameters from --generation-config {a.generation_config}: "
+              f"{defaults} (a request's own values win)", file=sys.stderr, flush=True)
     names = a.served_model_name or [a.model or "smollm2-135m-instruct"]
     return ServerState(
         engine=engine, tokenizer=tok, served_model_names=names,
@@ -147,7 +157,8 @@ def build_state(a: argparse.Namespace):
         max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
-        allowed_weight_dirs=tuple(a.allowed_weight_dir))
+        allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
+        sampling_defaults=defaults)
 
 
 def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:
@@ -193,12 +204,14 @@ def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if a.enable_log_requests:  # asked for by name: shown even under a quieter --log-level
+        logging.getLogger("detent.server.requests").setLevel(logging.INFO)
     try:
         state = build_state(a)
     except Exception as e:  # a bad tuple, model or flag: say why and refuse to start
         print(f"detent-serve: refusing to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    serve(state, a.host, a.port, a.log_level, a.graceful_timeout)
+    serve(state, a.host, a.port, a.uvicorn_log_level or a.log_level, a.graceful_timeout)
     print("detent-serve: stopped", file=sys.stderr, flush=True)
 
 

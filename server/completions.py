@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, completion_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
-from detent.server.params import (check_counts, check_logprob_entries, check_prompt_ids, resolve_max_tokens,
-                                  sampling_params, structured_outputs)
+from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
+                                  resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import CompletionRequest
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
 
@@ -31,12 +31,12 @@ def _split(p: Any) -> tuple[list[str] | None, list[list[int]] | None]:
 
 
 async def _prompts(texts: list[str] | None, ids_list: list[list[int]] | None,
-                   state: ServerState) -> list[tuple[str | None, list[int]]]:
+                   state: ServerState, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
     out = []
     if texts is not None:
         for i, t in enumerate(texts):
             param = f"prompt[{i}]" if len(texts) > 1 else "prompt"
-            ids = await state.preprocess.encode(t, param)
+            ids = await state.preprocess.encode(t, param, add_special_tokens)
             check_prompt_ids(ids, None, param)
             out.append((t, ids))
     else:
@@ -54,20 +54,28 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of must equal n ({req.n}) when given, got {req.best_of}", "best_of")
-    prompts = await _prompts(texts, ids_list, state)
+    prompts = await _prompts(texts, ids_list, state, req.add_special_tokens)
     structured = structured_outputs(req)
     prompt_lp = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_lp = max(prompt_lp or 0, req.logprobs)
-    mts = [resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, "max_tokens") for _, ids in prompts]
+    # echo with max_tokens 0 (prompt scoring, as vLLM): the engine runs one step for the
+    # prompt's logprobs; the token it samples is dropped from the response
+    mt0 = 1 if _echo_only(req) else req.max_tokens
+    mts = [resolve_max_tokens(mt0, len(ids), state.max_model_len, "max_tokens",
+                              state.sampling_defaults.get("max_tokens")) for _, ids in prompts]
     # each choice repeats its prompt's logprobs: once as prompt_logprobs, once more when echoed
     copies = req.n * ((req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None))
     check_logprob_entries(state.limits, [len(ids) for _, ids in prompts], mts, req.n, req.logprobs, prompt_lp,
                           copies)
+    bad = await bad_words_ids(req, state.preprocess)
     params = [sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
-                              structured=structured) for mt in mts]
+                              structured=structured, vocab_size=state.vocab_size,
+                              defaults=state.sampling_defaults, bad_words=bad) for mt in mts]
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-    gen = await Generation(state, rid, [ids for _, ids in prompts], params).start()
+    gen = Generation(state, rid, [ids for _, ids in prompts], params)
+    gen.reports_output = not _echo_only(req)
+    await gen.start()
     tok = TokenText(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=False),
                     req.return_tokens_as_token_ids)
     ctx = dict(id=rid, object="text_completion", created=int(time.time()), model=model,
@@ -86,9 +94,21 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
         text0, ids = prompts[i]
         for c in sorted(out.outputs, key=lambda c: c.index):
             choices.append(_choice(req, state, tok, i * req.n + c.index, text0, ids, out, c))
-    body = {**ctx, "choices": choices, "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+    body = {**ctx, "choices": choices,
+            "usage": usage(gen.prompt_tokens, gen.completion_tokens),
             "detent": {**state.fingerprint(), "seeds": seeds(finals)}}
     return JSONResponse(body)
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    return req.echo and req.max_tokens == 0
+
+
+def _generated(req: CompletionRequest, c, t0: int = 0, t1: int | None = None) -> tuple[str, list[int], list]:
+    """A choice's generated text, token ids and logprobs in [t0, t1); none for an echo-only request."""
+    if _echo_only(req):
+        return "", [], []
+    return c.text, list(c.token_ids[t0:t1]), list((c.logprobs or [])[t0:t1])
 
 
 def _prompt_text(state: ServerState, text0: str | None, ids: list[int]) -> str:
@@ -96,10 +116,10 @@ def _prompt_text(state: ServerState, text0: str | None, ids: list[int]) -> str:
 
 
 def _choice(req, state, tok, index, text0, ids, out, c) -> dict[str, Any]:
-    text, lps = c.text, None
+    lps = None
+    text, tids, tlps = _generated(req, c)
     prefix = _prompt_text(state, text0, ids) if req.echo else ""
     if req.logprobs is not None:
-        tids, tlps = list(c.token_ids), list(c.logprobs or [])
         if req.echo:
             tids, tlps = list(ids) + tids, list(out.prompt_logprobs or [None] * len(ids)) + tlps
         lps = completion_logprobs(tids, tlps, tok)
@@ -112,8 +132,7 @@ def _choice(req, state, tok, index, text0, ids, out, c) -> dict[str, Any]:
 
 def _stream(req: CompletionRequest, state: ServerState, gen: Generation,
             prompts: list[tuple[str | None, list[int]]], tok: TokenText, ctx: dict) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return sse_events(_chunks(req, state, gen, prompts, tok, ctx), gen, ctx, include_usage)
+    return sse_events(_chunks(req, state, gen, prompts, tok, ctx), gen, ctx, req.stream_options)
 
 
 async def _chunks(req: CompletionRequest, state: ServerState, gen: Generation,
@@ -132,12 +151,13 @@ async def _chunks(req: CompletionRequest, state: ServerState, gen: Generation,
             if first:
                 d = deltas[index] = ChoiceDelta(stop, req.include_stop_str_in_output)
             done = c.finish_reason is not None
-            text, t0, t1 = d.next(c.text, len(c.token_ids), done)
+            full, _, _ = _generated(req, c)
+            text, t0, t1 = d.next(full, 0 if _echo_only(req) else len(c.token_ids), done)
             if not text and t0 == t1 and not done and not (first and req.echo):
                 continue
             lps = None
             if req.logprobs is not None:
-                tids, tlps = list(c.token_ids[t0:t1]), list((c.logprobs or [])[t0:t1])
+                _, tids, tlps = _generated(req, c, t0, t1)
                 if first and req.echo:
                     tids, tlps = list(ids) + tids, list(out.prompt_logprobs or [None] * len(ids)) + tlps
                 lps = completion_logprobs(tids, tlps, tok)

@@ -7,12 +7,15 @@ through the `AsyncEngine`, feeds the metrics, and records the outcome
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator
 
 from detent.server.errors import APIError
 from detent.server.formatting import usage
 from detent.server.metrics import RequestTimer
 from detent.server.serving import ServerState, merge, sse
+
+log = logging.getLogger("detent.server.requests")
 
 
 def _generated(out: Any) -> int:
@@ -43,12 +46,23 @@ def output_error(out: Any) -> APIError | None:
     return None
 
 
+def usage_options(stream_options: Any) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); as vLLM, the second counts only with the first."""
+    if stream_options is None:
+        return False, False
+    return stream_options.include_usage, stream_options.include_usage and stream_options.continuous_usage_stats
+
+
 async def sse_events(chunks: AsyncIterator[dict], gen: "Generation", ctx: dict,
-                     include_usage: bool) -> AsyncIterator[str]:
-    """An OpenAI event stream: each chunk, then the usage chunk when asked for;
-    an error after the stream started is reported in-band; always ends [DONE]."""
+                     stream_options: Any) -> AsyncIterator[str]:
+    """An OpenAI event stream: each chunk (carrying the request's usage so far under
+    continuous_usage_stats), then the usage chunk when asked for; an error after the
+    stream started is reported in-band; always ends [DONE]."""
+    include_usage, continuous = usage_options(stream_options)
     try:
         async for chunk in chunks:
+            if continuous:
+                chunk = {**chunk, "usage": usage(gen.prompt_tokens, gen.tokens_so_far)}
             yield sse(chunk)
         if include_usage:
             yield sse({**ctx, "choices": [], "usage": usage(gen.prompt_tokens, gen.completion_tokens),
@@ -67,10 +81,17 @@ class Generation:
         self.timers = [RequestTimer(state.metrics) for _ in prompts]
         self._streams: list[AsyncIterator[Any]] = []
         self.final: list[Any] = [None] * len(prompts)
+        self.generated = [0] * len(prompts)  # tokens so far, per engine request
+        self.reports_output = True  # False: the response drops the generated tokens (echo, max_tokens 0)
 
     async def start(self) -> "Generation":
         """Admits every engine request (a refusal is raised here, before any response starts)."""
         self.state.engine.check_admission()
+        if self.state.log_requests:
+            p = self.params[0]
+            log.info("request %s: %d prompt(s), %d prompt tokens, n=%d max_tokens=%s temperature=%s top_p=%s "
+                     "top_k=%s seed=%s", self.base_id, len(self.prompts), self.prompt_tokens, p.n,
+                     [q.max_tokens for q in self.params], p.temperature, p.top_p, p.top_k, p.seed)
         try:
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
                 self._streams.append(await self.state.engine.add(self.rid(i), ids, p))
@@ -95,13 +116,19 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(_generated(o) for o in self.final if o is not None)
+        """What `usage` reports: the finished requests' tokens, the response's only."""
+        return sum(_generated(o) for o in self.final if o is not None) if self.reports_output else 0
+
+    @property
+    def tokens_so_far(self) -> int:
+        return sum(self.generated) if self.reports_output else 0
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
         it = merge(self._streams)
         try:
             async for i, out in it:
                 self.timers[i].tokens(_generated(out))
+                self.generated[i] = _generated(out)
                 if out.finished:
                     self.final[i] = out
                     self.timers[i].finish(_outcome(out), len(self.prompts[i]))

@@ -6,13 +6,15 @@ sampling values themselves are validated once, by `SamplingParams`, whose
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
-from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs
+from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs, tokenize_bad_words
 from detent.server.errors import APIError, bad_request
 from detent.server.limits import ServerLimits
 from detent.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from detent.server.vllm_fields import check_vllm_fields
 
 MAX_LOGPROBS = 20
 
@@ -60,14 +62,16 @@ def check_prompt_ids(ids: list[int], vocab_size: int | None, param: str = "promp
                                   f"[0, {vocab_size})", param)
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
-    """max_tokens against the context: a prompt or a request over it is a 400 naming the limit."""
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str,
+                       default: int | None = None) -> int:
+    """max_tokens against the context: a prompt or a request over it is a 400 naming the limit.
+    Not requested: `default` (--generation-config's max_new_tokens), capped by the context."""
     if prompt_len >= max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens "
                             f"(--max-model-len); the prompt has {prompt_len} tokens, which leaves "
                             f"no room to generate.", param="prompt", code="context_length_exceeded")
     if requested is None:
-        return max_model_len - prompt_len
+        return min(default or max_model_len, max_model_len - prompt_len)
     if requested < 1:
         raise bad_request(f"{param} must be >= 1, got {requested}", param)
     if prompt_len + requested > max_model_len:
@@ -86,6 +90,7 @@ def _range(value: int | None, lo: int, hi: int, param: str, flag: str = "") -> N
 def check_counts(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits, num_prompts: int) -> None:
     """The bounds that need no tokens, checked before any tokenizing: n, logprob
     counts, max_tokens, and how many sequences the request asks for."""
+    check_vllm_fields(req.model_extra, isinstance(req, ChatCompletionRequest))
     _range(req.n, 1, limits.max_n, "n", "--max-n")
     if isinstance(req, CompletionRequest):
         _range(req.best_of, 1, limits.max_n, "best_of", "--max-n")
@@ -94,7 +99,10 @@ def check_counts(req: CompletionRequest | ChatCompletionRequest, limits: ServerL
         _range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
         _range(req.max_completion_tokens, 1, MAX_INT32, "max_completion_tokens")
     _range(req.prompt_logprobs, 0, MAX_LOGPROBS, "prompt_logprobs")
-    _range(req.max_tokens, 1, MAX_INT32, "max_tokens")
+    if isinstance(req, CompletionRequest) and req.echo:
+        _range(req.max_tokens, 0, MAX_INT32, "max_tokens")  # 0 with echo: score the prompt, generate nothing
+    else:
+        _range(req.max_tokens, 1, MAX_INT32, "max_tokens")
     if num_prompts > limits.max_prompts:
         raise bad_request(f"prompt: {num_prompts} prompts in one request, over the limit of {limits.max_prompts} "
                           f"(--max-prompts-per-request)", "prompt")
@@ -119,12 +127,31 @@ def check_logprob_entries(limits: ServerLimits, prompt_lens: list[int], max_toke
                           f"of {limits.max_logprob_entries} (--max-logprob-entries); ask for fewer", param)
 
 
+async def bad_words_ids(req: CompletionRequest | ChatCompletionRequest, preprocess) -> list[list[int]] | None:
+    """The request's bad_words, tokenized on the preprocessing pool as vLLM does (sampling/params.py)."""
+    if not req.bad_words:
+        return None
+    preprocess.check_chars(sum(len(w) for w in req.bad_words), "bad_words")
+    encode = functools.partial(_encode_plain, preprocess.tokenizer)
+    try:
+        return await preprocess.run(tokenize_bad_words, req.bad_words, encode)
+    except ValueError as e:
+        raise bad_request(str(e), "bad_words") from None
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
                     logprobs: int | None, prompt_logprobs: int | None,
-                    structured: StructuredOutputs | None) -> SamplingParams:
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+                    structured: StructuredOutputs | None, vocab_size: int | None = None,
+                    defaults: dict[str, Any] | None = None, bad_words: list[list[int]] | None = None
+                    ) -> SamplingParams:
+    """The request's sampling parameters; those it leaves unset come from `defaults`
+    (--generation-config), then SamplingParams' own."""
     kw: dict[str, Any] = dict(
+        logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words_token_ids=bad_words,
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -133,18 +160,38 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "logprobs_mode"):
         value = getattr(req, name)
+        if value is None:
+            value = (defaults or {}).get(name)
         if value is not None:
             kw[name] = value
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
+        if vocab_size is not None:
+            params.verify_vocab(vocab_size)
+        return params
     except (ValueError, TypeError, NotImplementedError) as e:
         raise bad_request(f"invalid sampling parameters: {e}", _field_named(str(e))) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings); their range and the
+    biases' ([-100, 100]) are SamplingParams' checks."""
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = v
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {k!r}",
+                              "logit_bias") from None
+    return out
 
 
 def _field_named(message: str) -> str | None:
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                 "seed", "stop_token_ids", "stop", "golden_token_ids", "logit_bias", "structured_outputs", "n"):
+                 "seed", "stop_token_ids", "stop", "golden_token_ids", "logit_bias", "allowed_token_ids", "structured_outputs", "n"):
         if re.search(rf"\b{name}\b", message):
             return name
     return None

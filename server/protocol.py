@@ -2,7 +2,8 @@
 
 Types are strict so that a wrong type is a 400 naming the field, the same
 way for every field (a string where a number belongs is an error, not a
-silent coercion). Unknown fields are ignored, as `vllm serve` does; the
+silent coercion). Unknown fields are ignored, as `vllm serve` does, except
+vLLM's own fields that Detent lacks: those are a 400 (server/vllm_fields.py). The
 Detent and vLLM extensions (`top_k`, `min_p`, `golden_token_ids`,
 `prompt_logprobs`, `structured_outputs`, `guided_*`, ...) sit beside the
 OpenAI fields.
@@ -48,7 +49,10 @@ class StructuredOutputsBody(_Body):
 
 
 class _Sampling(_Body):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Unknown fields are
+    kept (`model_extra`) so that vLLM's fields Detent lacks are refused, not ignored
+    (server/vllm_fields.py)."""
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True, protected_namespaces=())
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -81,6 +85,8 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     return_tokens_as_token_ids: bool = False
     request_id: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -90,6 +96,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
 
 
 class ChatMessage(_Body):

@@ -42,6 +42,8 @@ class ServerState:
     preprocess: Preprocessor | None = None
     allowed_weight_dirs: tuple[str, ...] = ()  # POST /v1/update_weights reads only inside these (server/weights.py)
     created: int = field(default_factory=lambda: int(time.time()))
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # --generation-config (server/generation_config.py)
+    log_requests: bool = False  # --enable-log-requests: one INFO line per request (server/generation.py)
 
     def __post_init__(self) -> None:
         if self.preprocess is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from detent.sampling.params import SamplingParams, StructuredOutputs
@@ -36,6 +37,25 @@ def test_allowed_token_ids_and_logit_bias():
     worst = int(torch.argmin(logits))
     greedy = sample(logits[None], rows(SamplingParams(temperature=0, logit_bias={worst: 100}))).token_ids
     assert greedy == [worst]
+
+
+def test_bad_words_ban_a_word_only_where_it_would_complete():
+    logits = fixed_logits()
+    top = [int(t) for t in torch.argsort(logits, descending=True)[:3]]
+    a, b, c = top
+    greedy = lambda p, out=(): sample(logits[None], rows(p, output_token_ids=list(out))).token_ids[0]  # noqa: E731
+    base = dict(temperature=0)
+    assert greedy(SamplingParams(**base)) == a
+    assert greedy(SamplingParams(bad_words_token_ids=[[a]], **base)) == b  # one token: never sampled
+    two = SamplingParams(bad_words_token_ids=[[7, a], [b]], **base)
+    assert greedy(two, out=[5, 7]) == c  # the output ends with 7: a would complete [7, a]
+    assert greedy(two, out=[7, 5]) == a  # it does not: a is free
+    assert greedy(two) == a
+    for bad in ([[]], [["x"]], [[-1]]):
+        with pytest.raises(ValueError, match="bad_words_token_ids"):
+            SamplingParams(bad_words_token_ids=bad)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words_token_ids=[[V]]).verify_vocab(V)
 
 
 def test_processed_logprobs_equal_the_float64_reference():

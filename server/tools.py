@@ -1,0 +1,78 @@
+"""`tools` with `tool_choice` "required" or a named function, as `vllm serve`
+handles them without a tool parser: the output is constrained to JSON over
+the function's parameter schema (structured output) and returned as
+`tool_calls`. "auto" needs a parser that reads free text for calls, which
+Detent does not have: it is a 400, as is a tool choice while streaming.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from detent.sampling.params import StructuredOutputs
+from detent.server.errors import bad_request
+
+_EMPTY = {"type": "object", "properties": {}}
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict]:
+    """name -> parameter schema, each tool checked."""
+    out = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                              f"'parameters': ...}}}}", "tools")
+        params = fn.get("parameters", _EMPTY)
+        if not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+        out[fn["name"]] = params
+    return out
+
+
+def tool_constraint(tools: list[dict] | None, choice: Any) -> tuple[StructuredOutputs | None, str | None]:
+    """(the structured output the tool choice imposes, the forced function's name or
+    "required"); (None, None) when no call is forced."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None, None
+    fns = _functions(tools)
+    if choice == "none":
+        return None, None
+    if choice in (None, "auto"):
+        raise bad_request("tool_choice 'auto' (the default with tools) needs a tool-call parser, which Detent "
+                          "does not have; use tool_choice 'required' or name a function", "tool_choice")
+    if choice == "required":
+        one_call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+                     "required": ["name", "parameters"]} for n, p in fns.items()]
+        schema, mode = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}, "required"
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        mode = choice["function"].get("name")
+        if mode not in fns:
+            raise bad_request(f"tool_choice names function {mode!r}, which is not among the tools "
+                              f"({', '.join(fns)})", "tool_choice")
+        schema = fns[mode]
+    else:
+        raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', "
+                          f"'function': {{'name': ...}}}}, got {choice!r}", "tool_choice")
+    try:
+        return StructuredOutputs(json=schema), mode
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"invalid tool parameters schema: {e}", "tools") from None
+
+
+def tool_message(text: str, mode: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message carrying the calls in `text`, and the finish reason to report.
+    Output cut short (max_tokens) is not valid JSON: it stays `content`, with no calls."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return {"role": "assistant", "content": text, "tool_calls": []}, finish_reason
+    calls = ([(c["name"], c["parameters"]) for c in parsed] if mode == "required" else [(mode, parsed)])
+    tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                   "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}} for n, a in calls]
+    # OpenAI: a forced named function finishes "stop"; calls the model chose, "tool_calls"
+    return ({"role": "assistant", "content": None, "tool_calls": tool_calls},
+            "tool_calls" if mode == "required" and finish_reason == "stop" else finish_reason)

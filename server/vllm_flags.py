@@ -1,0 +1,98 @@
+"""The `vllm serve` flags Detent accepts beside its own (docs/server.md).
+
+A vLLM command line pasted onto `detent-serve` either does what it does
+under vLLM or stops at startup saying why: `--trust-remote-code` is refused
+(Detent implements every architecture it serves, so it runs no code from a
+checkpoint), and an unknown flag is argparse's usual error.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import os
+from typing import Any
+
+REMOTE_CODE = ("--trust-remote-code: Detent runs no remote code; it implements each architecture it serves "
+               "(Llama, Qwen3, Qwen3-MoE) in detent.models and loads only weights, config and tokenizer files "
+               "from a checkpoint. Drop the flag.")
+
+
+class _RefuseRemoteCode(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(REMOTE_CODE)
+
+
+def add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    from detent import __version__
+    p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
+    p.add_argument("--version", action="version", version=f"detent-serve {__version__}")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may use, KV cache included (default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true", help="GPU: run every step eagerly, no CUDA graphs")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of shared prompt prefixes (default: on; same output bits either way)")
+    p.add_argument("--uvicorn-log-level", default=None,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's own log level (default: --log-level)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request at INFO: id, endpoint, prompt tokens, sampling parameters")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted for vLLM command lines; Detent prints no periodic stats line (see /metrics)")
+    p.add_argument("--trust-remote-code", action=_RefuseRemoteCode, help="refused: Detent runs no remote code")
+    p.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' "
+                        "(none) or a directory holding a generation_config.json")
+    p.add_argument("--chat-template", default=None,
+                   help="the chat template: a file, or the template itself (default: the model's)")
+
+
+def load_chat_template(value: str) -> str:
+    """A file's text, or `value` itself when it reads as a template (it holds `{`, `}` or a
+    newline; in ASCII input escapes such as \\n are decoded, as vLLM does); checked to parse."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            source = f.read()
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no such file")
+    else:
+        # vLLM decodes escapes; only ASCII input, which the codec cannot mangle
+        source = codecs.decode(value, "unicode_escape") if value.isascii() else value
+    import jinja2
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse as a Jinja template: {e}") from None
+    return source
+
+
+def server_tokenizer(tok, a: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The server's tokenizer, rendering with --chat-template when given, and the
+    --generation-config sampling defaults (server/generation_config.py)."""
+    from detent.server.generation_config import sampling_defaults
+    if a.chat_template is not None:
+        if tok is None:
+            raise ValueError("--chat-template: this model has no tokenizer to render chats with")
+        tok.chat_template = a.chat_template
+    return tok, sampling_defaults(a.generation_config, tok)
+
+
+def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """MODEL and --model name the same thing: either may be given, both only when they agree."""
+    pos = a.__dict__.pop("model_positional")
+    if pos is not None and a.model is not None and pos != a.model:
+        p.error(f"the model is given twice and differs: MODEL {pos!r} and --model {a.model!r}; give one")
+    if a.model is None:
+        a.model = pos
+    if a.generation_config not in ("auto", "vllm") and not os.path.isdir(a.generation_config):
+        p.error(f"--generation-config {a.generation_config!r} is not a directory (give a directory, 'auto' or 'vllm')")
+    if a.chat_template is not None:
+        try:
+            a.chat_template = load_chat_template(a.chat_template)
+        except ValueError as e:
+            p.error(str(e))
+    if not 0.0 < a.gpu_memory_utilization <= 1.0:
+        p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")

@@ -1,0 +1,124 @@
+"""`vllm serve` command lines on detent-serve (issue 22): each flag does what
+it does under vLLM, or stops startup saying why."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from conftest import API_KEY, launch, real_argv
+
+from detent import __version__
+from detent.server.cli import engine_kwargs, parse_args
+
+
+def test_model_positional_or_flag():
+    assert parse_args(["some/model"]).model == "some/model"
+    assert parse_args(["--model", "some/model"]).model == "some/model"
+    assert parse_args(["m", "--model", "m"]).model == "m"
+    assert parse_args([]).model is None
+    with pytest.raises(SystemExit):
+        parse_args(["a", "--model", "b"])
+
+
+def test_engine_flags_reach_the_engine():
+    kw = engine_kwargs(parse_args(["m", "--gpu-memory-utilization", "0.5", "--enforce-eager", "-tp", "2"]))
+    assert (kw["gpu_memory_utilization"], kw["enforce_eager"], kw["tensor_parallel_size"]) == (0.5, True, 2)
+    kw = engine_kwargs(parse_args([]))
+    assert (kw["gpu_memory_utilization"], kw["enforce_eager"], kw["enable_prefix_caching"]) == (0.9, False, True)
+    assert engine_kwargs(parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
+    assert engine_kwargs(parse_args(["--enable-prefix-caching"]))["enable_prefix_caching"] is True
+    for bad in (["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_log_flags():
+    a = parse_args(["--uvicorn-log-level", "error", "--disable-log-stats", "--enable-log-requests"])
+    assert (a.uvicorn_log_level, a.disable_log_stats, a.enable_log_requests) == ("error", True, True)
+    assert parse_args([]).enable_log_requests is False
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "import sys; from detent.server.cli import main; main(sys.argv[1:])"
+                           if args[0] == "serve" else "import sys; from detent.cli import main; sys.exit(main())",
+                           *args[1:]], capture_output=True, text=True, timeout=120)
+
+
+def test_version_on_both_commands():
+    for cmd, name in (("serve", "detent-serve"), ("detent", "detent")):
+        r = _run(cmd, "--version")
+        assert r.returncode == 0 and r.stdout.strip() == f"{name} {__version__}", r
+
+
+def test_trust_remote_code_refused():
+    r = _run("serve", "some/model", "--trust-remote-code")
+    assert r.returncode == 2
+    assert "Detent runs no remote code" in r.stderr and "--trust-remote-code" in r.stderr
+
+
+def test_chat_template_file_or_string(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert parse_args(["--chat-template", str(f)]).chat_template == f.read_text()
+    assert parse_args(["--chat-template", "{{ messages[0].content }}\\n"]).chat_template == "{{ messages[0].content }}\n"
+    assert parse_args(["--chat-template", "{{ 'é' }}"]).chat_template == "{{ 'é' }}"
+    assert parse_args([]).chat_template is None
+    for bad in ("no/such/template.jinja", "{% for %}"):
+        with pytest.raises(SystemExit):
+            parse_args(["--chat-template", bad])
+
+
+def test_generation_config_defaults(tmp_path):
+    from detent.server.generation_config import sampling_defaults
+
+    class Tok:
+        path = str(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7, "do_sample": True, "eos_token_id": 2}))
+    want = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 7}
+    assert sampling_defaults("auto", Tok()) == want == sampling_defaults(str(tmp_path), None)
+    assert sampling_defaults("vllm", Tok()) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_defaults("auto", Tok())
+    with pytest.raises(ValueError, match="generation_config.json"):
+        sampling_defaults(str(tmp_path / "nope"), None)
+    with pytest.raises(SystemExit):
+        parse_args(["--generation-config", str(tmp_path / "nope")])
+    assert parse_args([]).generation_config == "auto"
+
+
+def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
+    """`vllm serve MODEL -tp 1 --gpu-memory-utilization ... --enable-log-requests`, pasted."""
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    argv = real_argv(tiny_model, "-tp", "1", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+                     "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-log-stats",
+                     "--enable-log-requests", "--max-model-len", "256", "--api-key", API_KEY,
+                     "--chat-template", template, "--generation-config", str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    with launch(argv) as s:
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        assert httpx.get(s.url + "/tokenizer_info", timeout=30).json()["chat_template"] == template
+        chat = httpx.post(s.url + "/tokenize", headers=auth, timeout=30,
+                          json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        plain = httpx.post(s.url + "/tokenize", headers=auth, timeout=30,
+                           json={"prompt": "<<hi>>", "add_special_tokens": False}).json()["tokens"]
+        assert chat == plain
+        # --generation-config: unset fields take its values, set ones win
+        msgs = [{"role": "user", "content": "hello"}]
+        url, body = s.url + "/v1/chat/completions", {"messages": msgs, "ignore_eos": True, "seed": 1}
+        a = httpx.post(url, headers=auth, timeout=60, json=body).json()
+        b = httpx.post(url, headers=auth, timeout=60, json={**body, "seed": 2}).json()
+        assert a["usage"]["completion_tokens"] == 3 and a["choices"][0]["message"] == b["choices"][0]["message"]
+        c = httpx.post(url, headers=auth, timeout=60, json={**body, "max_tokens": 5, "temperature": 1.0}).json()
+        assert c["usage"]["completion_tokens"] == 5
+        r = httpx.post(s.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"prompt": "hello", "max_tokens": 3, "temperature": 0, "request_id": "cmpl-logme"},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        logged = [line for line in s.output().splitlines() if "cmpl-logme" in line]
+        assert len(logged) == 1 and "INFO" in logged[0] and "max_tokens=[3]" in logged[0], s.output()[-2000:]
