@@ -109,15 +109,24 @@ class AsyncEngine:
         admitted = asyncio.get_running_loop().create_future()
         with self._lock:
             self._pending_adds += 1
-        self._cmds.append(("add", request_id, list(prompt_token_ids), params, admitted))
-        self._wake.set()
         try:
+            self._submit(request_id, list(prompt_token_ids), params, admitted)
             await admitted
         except BaseException:  # refused, or the caller was cancelled while waiting
             self._streams.pop(request_id, None)
             self.abort(request_id)  # harmless if it never reached the engine
             raise
+        finally:
+            self._admission_done(request_id)
         return self._outputs(request_id, q)
+
+    def _submit(self, request_id: str, ids: list[int], params: Any, admitted: asyncio.Future) -> None:
+        """Hand the request to the step loop; `admitted` resolves when the engine took or refused it."""
+        self._cmds.append(("add", request_id, ids, params, admitted))
+        self._wake.set()
+
+    def _admission_done(self, request_id: str) -> None:
+        """After admission (the thread counts its pending adds itself)."""
 
     async def _outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[Any]:
         finished = False
@@ -262,28 +271,14 @@ class AsyncCoreEngine(AsyncEngine):
     def running(self) -> bool:
         return super().running and self.core.alive()
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        self.check_admission()
-        if request_id in self._streams:
-            raise APIError(400, f"request id {request_id!r} is already in use", param="request_id")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = q
-        admitted = asyncio.get_running_loop().create_future()
+    def _submit(self, request_id: str, ids: list[int], params: Any, admitted: asyncio.Future) -> None:
         self._admitting[request_id] = admitted
-        with self._lock:
-            self._pending_adds += 1
-        try:
-            self.core.send("add", request_id, list(prompt_token_ids), params)
-            await admitted
-        except BaseException:
-            self._streams.pop(request_id, None)
-            self.abort(request_id)
-            raise
-        finally:
-            if self._admitting.pop(request_id, None) is not None:
-                with self._lock:
-                    self._pending_adds -= 1
-        return self._outputs(request_id, q)
+        self.core.send("add", request_id, ids, params)
+
+    def _admission_done(self, request_id: str) -> None:
+        if self._admitting.pop(request_id, None) is not None:
+            with self._lock:
+                self._pending_adds -= 1
 
     async def call(self, fn: Any, *args: Any) -> Any:
         """`fn(engine, *args)` in the core process, between two steps; its result or its error."""
