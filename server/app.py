@@ -69,7 +69,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(_: FastAPI):
         if state.engine._thread is None:
             state.engine.start(asyncio.get_running_loop())
+        ticker = None
+        if state.log_stats:
+            from detent.server.stats_log import interval_s, log_stats_forever
+            ticker = asyncio.ensure_future(log_stats_forever(state.metrics, state.engine, interval_s()))
         yield
+        if ticker is not None:
+            ticker.cancel()
         state.engine.shutdown()
         state.preprocess.shutdown()
 

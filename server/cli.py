@@ -158,6 +158,7 @@ def build_state(a: argparse.Namespace):
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
         allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
+        log_stats=not a.disable_log_stats,
         sampling_defaults=defaults)
 
 
@@ -186,7 +187,7 @@ def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout
 
     config = uvicorn.Config(build_app(state), host=host, port=port, loop="uvloop", lifespan="on",
                             log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=graceful_timeout)
+                            timeout_graceful_shutdown=graceful_timeout, log_config=_uvicorn_log_config())
     server = Server(config)
     # The engine thread runs Python between torch calls; with the default 5 ms
     # GIL switch interval every event-loop wake-up (accept, read, write) can
@@ -201,12 +202,33 @@ def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout
         sys.exit(1)  # e.g. the port is taken; uvicorn logged why
 
 
+LOG_DATEFMT = "%m-%d %H:%M:%S"
+
+
+def _uvicorn_log_config() -> dict:
+    """uvicorn's own logging config with a timestamp on every line, as ours has."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    for f in cfg.get("formatters", {}).values():
+        if "fmt" in f:
+            f["fmt"] = "%(asctime)s " + f["fmt"]
+            f["datefmt"] = LOG_DATEFMT
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt=LOG_DATEFMT)
     if a.enable_log_requests:  # asked for by name: shown even under a quieter --log-level
         logging.getLogger("detent.server.requests").setLevel(logging.INFO)
     try:
+        if not a.disable_log_stats:
+            from detent.server.stats_log import interval_s
+            interval_s()  # a bad $DETENT_LOG_STATS_INTERVAL refuses startup, not the first tick
         state = build_state(a)
     except Exception as e:  # a bad tuple, model or flag: say why and refuse to start
         print(f"detent-serve: refusing to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

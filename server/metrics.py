@@ -73,6 +73,12 @@ class Metrics:
         self.engine_up = g("detent_engine_up", "1 while the engine step loop is alive")
         self.model_name = model_name
 
+    def token_totals(self) -> tuple[float, float]:
+        """(prompt tokens, generated tokens) counted so far (the stats line's source)."""
+        lab = {"model_name": self.model_name}
+        return (self.registry.get_sample_value("detent_prompt_tokens_total", lab) or 0.0,
+                self.registry.get_sample_value("detent_generation_tokens_total", lab) or 0.0)
+
     def outcome(self, outcome: str) -> None:
         self.requests.labels(model_name=self.model_name, outcome=outcome).inc()
 

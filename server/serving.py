@@ -43,6 +43,7 @@ class ServerState:
     allowed_weight_dirs: tuple[str, ...] = ()  # POST /v1/update_weights reads only inside these (server/weights.py)
     created: int = field(default_factory=lambda: int(time.time()))
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # --generation-config (server/generation_config.py)
+    log_stats: bool = False  # the periodic stats line (server/stats_log.py); --disable-log-stats: off
     log_requests: bool = False  # --enable-log-requests: one INFO line per request (server/generation.py)
 
     def __post_init__(self) -> None:

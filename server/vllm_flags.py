@@ -41,7 +41,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log one line per request at INFO: id, endpoint, prompt tokens, sampling parameters")
     p.add_argument("--disable-log-stats", action="store_true",
-                   help="accepted for vLLM command lines; Detent prints no periodic stats line (see /metrics)")
+                   help="no periodic stats line (throughput, requests, KV usage, prefix-cache hits; every "
+                        "$DETENT_LOG_STATS_INTERVAL s, default 10)")
     p.add_argument("--trust-remote-code", action=_RefuseRemoteCode, help="refused: Detent runs no remote code")
     p.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' "
