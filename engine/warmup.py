@@ -210,8 +210,11 @@ def run_step(runner, shape: StepShape, logit_rows: int = 0) -> None:
     ctx = ForwardContext(attn=meta, kv_caches=runner.kv_caches, dispatcher=runner.dispatcher)
     with forward_context(ctx):
         hidden = runner.model(ids, positions)
-        if logit_rows:
-            ops.log_softmax(runner.model.compute_logits(hidden[:logit_rows]))
+        if logit_rows:  # what a sampling step runs on them: log-softmax and the keyed draw
+            logits = runner.model.compute_logits(hidden[:logit_rows])
+            ops.log_softmax(logits)
+            zeros = [0] * logit_rows
+            ops.gumbel_argmax(logits, zeros, zeros, zeros, 0)
 
 
 def _discover(runner) -> set:

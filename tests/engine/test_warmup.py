@@ -44,6 +44,7 @@ def test_warm_steps_cover_a_workload(name, selection):
     prompts = [{"prompt_token_ids": prompt(i, n, vocab)}
                for i, n in enumerate([3, 17, 40, 96, 150, 200, 7, 33, 64, 128, 5, 230])]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)
+    llm.generate(prompts[:5], SamplingParams(temperature=1.0, seed=7, max_tokens=4), use_tqdm=False)
     llm.generate([prompts[0], {"prompt_token_ids": prompt(99, 250, vocab)}],
                  SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)
     seen = _reached(d)
