@@ -49,11 +49,14 @@ def _hf_grads(ref) -> dict[str, torch.Tensor]:
     return out
 
 
-def _our_grads(path, dtype) -> dict[str, torch.Tensor]:
+def _our_grads(path, dtype, budget: int = 64, checkpoint_layers: bool = True) -> dict[str, torch.Tensor]:
+    """budget < len(SEQS[1]): the sequences are scored in chunks over steps (the
+    later chunks' attention differentiates into the earlier chunks' K and V)."""
     mc = ModelConfig.from_hf(path)
     model = load_model(mc, path=str(path), dtype=dtype, progress=False)
-    llm = LLM.from_model(model, mc, device="cpu", max_model_len=64, num_gpu_blocks=16, max_num_batched_tokens=64)
-    tm = TrainerModel(llm, checkpoint_layers=True, logprob_chunk=4)
+    llm = LLM.from_model(model, mc, device="cpu", max_model_len=64, num_gpu_blocks=16,
+                         max_num_batched_tokens=budget)
+    tm = TrainerModel(llm, checkpoint_layers=checkpoint_layers, logprob_chunk=4)
     lps = tm(SEQS, PROMPT)
     sum((lp * _coef(len(lp), j)).sum() for j, lp in enumerate(lps)).backward()
     return tm.checkpoint_grads()
@@ -89,6 +92,30 @@ def _compare(ours, theirs, dtype):
 def test_gradients_match_transformers(checkpoint, dtype):
     path, ref = checkpoint
     _compare(_our_grads(path, dtype), _hf_grads(ref), dtype)
+
+
+# budget 5: SEQS (9 and 14 tokens) run in 5 steps as 6 chunks, the two sequences sharing the second
+@pytest.mark.parametrize("checkpoint_layers", [True, False])
+def test_chunked_sequences_gradients_match_transformers(checkpoint, checkpoint_layers):
+    path, ref = checkpoint
+    _compare(_our_grads(path, torch.float32, budget=5, checkpoint_layers=checkpoint_layers), _hf_grads(ref),
+             torch.float32)
+
+
+def test_chunked_gradients_without_the_kv_history_are_caught(checkpoint, monkeypatch):
+    """The chunked comparison can fail: if a later chunk's attention did not
+    differentiate into the earlier chunks' K and V (the history's tensors
+    detached), the gradients are wrong and the comparison says so."""
+    from detent.selection.autograd import StepKV
+    prior = StepKV.prior
+
+    def detached(self, kv_cache, before):
+        ks, vs, counts = prior(self, kv_cache, before)
+        return [k.detach() for k in ks], [v.detach() for v in vs], counts
+    monkeypatch.setattr(StepKV, "prior", detached)
+    path, ref = checkpoint
+    with pytest.raises(AssertionError, match="beyond"):
+        _compare(_our_grads(path, torch.float32, budget=5), _hf_grads(ref), torch.float32)
 
 
 def test_a_wrong_gradient_is_detected(checkpoint):
