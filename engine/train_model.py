@@ -67,17 +67,24 @@ class TrainerModel(nn.Module):
         """Per sequence x with P = num_prompt_tokens[j] (default 1), a float32
         tensor [len(x) - P] whose entry i is log p(x[P + i] | x[:P + i]),
         differentiable in the parameters."""
-        return [lp for lp, _ in self._score(sequences, num_prompt_tokens, entropy=False)]
+        return self._score(sequences, num_prompt_tokens, "logprob")
 
     def logprobs_and_entropy(self, sequences: Sequence[Sequence[int]],
                              num_prompt_tokens: Sequence[int] | None = None
                              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """As `forward`, plus each scored position's entropy of the raw next-token
         distribution (float32, differentiable: for an entropy bonus)."""
-        pairs = self._score(sequences, num_prompt_tokens, entropy=True)
-        return [lp for lp, _ in pairs], [h for _, h in pairs]
+        both = self._score(sequences, num_prompt_tokens, "entropy")  # [R, 2] each
+        return [x[:, 0] for x in both], [x[:, 1] for x in both]
 
-    def _score(self, sequences, num_prompt_tokens, entropy: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def hidden_states(self, sequences: Sequence[Sequence[int]],
+                      num_prompt_tokens: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """The final (normed) hidden state at each position `forward` scores, the
+        LM head's input: [len(x) - P, hidden] in the model's dtype, differentiable
+        (for a loss of one's own, e.g. a value head). Row i predicts x[P + i]."""
+        return self._score(sequences, num_prompt_tokens, "hidden")
+
+    def _score(self, sequences, num_prompt_tokens, what: str) -> list[torch.Tensor]:
         eng = self.engine
         seqs = [list(map(int, s)) for s in sequences]
         check_sequences(seqs, eng.state.max_model_len, eng.model_config.vocab_size)
@@ -91,11 +98,10 @@ class TrainerModel(nn.Module):
         out: list = [None] * len(seqs)
         g = eng.config.max_num_seqs
         for i in range(0, len(seqs), g):  # a scratch KV cache per group of sequences
-            out[i:i + g] = self._score_group(seqs[i:i + g], starts[i:i + g], entropy)
+            out[i:i + g] = self._score_group(seqs[i:i + g], starts[i:i + g], what)
         return out
 
-    def _score_group(self, seqs: list[list[int]], starts: list[int], entropy: bool
-                     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _score_group(self, seqs: list[list[int]], starts: list[int], what: str) -> list[torch.Tensor]:
         """The sequences prefilled in steps under the engine's token budget, as the
         engine's chunked prefill runs them (`plan_chunks`): a sequence longer than
         the budget spans steps, and its later chunks attend to the earlier ones' KV
@@ -112,7 +118,8 @@ class TrainerModel(nn.Module):
             planned = tuple(ScheduledSeq(str(i), tuple(seqs[i][lo:lo + n]), lo, tables[i], None)
                             for i, lo, n in step)
             batch = runner.prepare(SchedulerOutput(planned, sum(n for _, _, n in step)))
-            grad = GradDispatcher(eng.dispatcher, history.step(k, tuple(i for i, _, _ in step)))
+            grad = GradDispatcher(eng.dispatcher, history.step(k, tuple(i for i, _, _ in step),
+                                                               tuple(lo + n < len(seqs[i]) for i, lo, n in step)))
             scope = _Scope(ForwardContext(attn=batch.attn, kv_caches=caches, dispatcher=grad))
             rows, targets, sizes, qs = [], [], [], 0
             for i, lo, n in step:  # row at position t scores token t + 1, for t in [P - 1, len - 2]
@@ -121,14 +128,17 @@ class TrainerModel(nn.Module):
                 targets += s[first + 1:last + 1]
                 sizes.append(max(0, last - first))
                 qs += n
-            with scope():
+            with scope():  # a step with no scored rows still writes the KV later chunks read
                 hidden = self._hidden(batch.input_ids, batch.positions, scope)  # [T, H]
-                got = self._score_rows(hidden, rows, targets, scope, entropy) if rows else None
-            if got is not None:
-                for (i, _, _), piece in zip(step, got.split(sizes)):
-                    parts[i].append(piece)
-        out = [torch.cat(p) for p in parts]  # [R] float32, or [R, 2] (logprob, entropy)
-        return [(x, None) for x in out] if not entropy else [(x[:, 0], x[:, 1]) for x in out]
+                if not rows:
+                    continue
+                if what == "hidden":
+                    got = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
+                else:
+                    got = self._score_rows(hidden, rows, targets, scope, what == "entropy")
+            for (i, _, _), piece in zip(step, got.split(sizes)):
+                parts[i].append(piece)
+        return [torch.cat(p) for p in parts]  # [R] logprobs, [R, 2] (logprob, entropy) or [R, H]
 
     def _score_rows(self, hidden, rows, targets, scope: "_Scope", entropy: bool) -> torch.Tensor:
         """Chosen-token logprobs (and entropies) of `rows` of hidden, `logprob_chunk`

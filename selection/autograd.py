@@ -125,27 +125,35 @@ class KVHistory:
     token budget is scored in chunks, as the engine's chunked prefill runs
     it: a later chunk's candidate reads the earlier chunks' KV from the cache
     (so its bits are the engine's), and its backward differentiates into the
-    tensors that KV came from, which live here. Entries are views of tensors
-    the forward made anyway; nothing is copied."""
+    tensors that KV came from, which live here. Only the K and V of
+    sequences a later step extends are kept (the size of their KV), until the
+    backward."""
 
     def __init__(self):
         self._kv: dict[tuple[int, Any], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def step(self, step: int, seq_keys: tuple) -> "StepKV":
-        """The view one step's attention calls use (`seq_keys[b]`: the step's b-th sequence)."""
-        return StepKV(self, step, seq_keys)
+    def step(self, step: int, seq_keys: tuple, continues: tuple[bool, ...] | None = None) -> "StepKV":
+        """The view one step's attention calls use: `seq_keys[b]` names the step's
+        b-th sequence, `continues[b]` says whether a later step extends it (only
+        those sequences' K and V are kept; default: all)."""
+        return StepKV(self, step, seq_keys, continues or (True,) * len(seq_keys))
 
 
 class StepKV:
-    def __init__(self, history: KVHistory, step: int, seq_keys: tuple):
-        self.history, self.step_index, self.seq_keys = history, step, seq_keys
+    def __init__(self, history: KVHistory, step: int, seq_keys: tuple, continues: tuple[bool, ...]):
+        self.history, self.step_index, self.seq_keys, self.continues = history, step, seq_keys, continues
 
     def record(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: tuple[int, ...]) -> None:
         for b, key in enumerate(self.seq_keys):
+            if not self.continues[b]:
+                continue
             chunks = self.history._kv.setdefault((kv_cache.data_ptr(), key), {})
             # setdefault: a checkpointed layer recomputing in backward keeps the forward's entry,
-            # which later steps' graphs already point at
-            chunks.setdefault(self.step_index, (k[qsl[b]:qsl[b + 1]], v[qsl[b]:qsl[b + 1]]))
+            # which later steps' graphs already point at. contiguous(): v is a view of the
+            # fused qkv projection, which a checkpointed layer would otherwise keep alive
+            if self.step_index not in chunks:
+                s, e = qsl[b], qsl[b + 1]
+                chunks[self.step_index] = (k[s:e].contiguous(), v[s:e].contiguous())
 
     def prior(self, kv_cache: torch.Tensor, before: list[int]
               ) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[int, ...]]:

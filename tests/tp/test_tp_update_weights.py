@@ -19,8 +19,8 @@ from detent.engine import LLM
 from test_tp_engine import TARGET, TINY, _write_model
 
 
-def make_llm(path: str, tp: int, seed: int) -> LLM:
-    return LLM(model=path, tensor_parallel_size=tp, load_format="dummy", device="cpu", seed=seed,
+def make_llm(path: str, tp: int, seed: int, device: str = "cpu") -> LLM:
+    return LLM(model=path, tensor_parallel_size=tp, load_format="dummy", device=device, seed=seed,
                max_model_len=128, kv_cache_memory_bytes=1 << 22)
 
 
@@ -81,3 +81,31 @@ def test_tp2_update_equals_a_fresh_engine(tmp_path):
     assert _same(got, fresh)
     assert not _same(old, fresh)
     assert not _same(half, fresh), "an update that skipped rank 1 matched: this comparison could not fail"
+
+
+# head_dim 64, bf16: shapes the GPU candidates (Triton) take
+GPU_MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=64, torch_dtype="bfloat16")
+
+
+@pytest.mark.gpu
+def test_tp2_gpu_update_equals_a_fresh_engine(tmp_path):
+    """On two GPUs (NCCL, CUDA graphs): the update reaches both ranks' graph-captured
+    parameters in place; generation then == a fresh tp = 2 engine's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    path = _write_model(tmp_path, "gpu", **GPU_MODEL)
+    new = load_model(ModelConfig.from_hf({**TINY, **GPU_MODEL}), dtype="bfloat16", load_format="dummy", seed=5)
+    weights = [(n, s.dest.clone()) for n, s in new.weight_sources().items()]
+    runs = {}
+    for name, seed in (("updated", 0), ("fresh", 5)):
+        llm = make_llm(path, 2, seed, "cuda")
+        try:
+            if name == "updated":
+                runs["old"] = _run(llm)
+                llm.update_weights(weights)
+            runs[name] = _run(llm)
+        finally:
+            llm.llm_engine.shutdown()
+    assert _same(runs["updated"], runs["fresh"])
+    assert not _same(runs["old"], runs["fresh"])
