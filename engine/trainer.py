@@ -35,11 +35,12 @@ def check_sequences(seqs: list[list[int]], max_model_len: int, vocab: int) -> No
 
 
 def plan_chunks(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
-    """Steps of a scoring pass over sequences of `lengths`, as the engine's
-    chunked prefill would cut them: each step takes up to `budget` tokens, in
+    """Steps of a scoring pass over sequences of `lengths`, cut the way
+    chunked prefill cuts prompts: each step takes up to `budget` tokens, in
     sequence order, as (sequence index, first position, number of tokens).
     A sequence longer than the budget spans steps; a later chunk attends to
-    the KV its earlier chunks wrote."""
+    the KV its earlier chunks wrote. The cuts need not be the rollout's:
+    under pinned selection no bit depends on them."""
     steps, done = [], [0] * len(lengths)
     while any(d < n for d, n in zip(done, lengths)):
         left, step = budget, []

@@ -100,6 +100,13 @@ def test_stock_selection_breaks_chunked_trainer_equality(model):
     assert not all(_score(llm, cells)), "stock matched every rollout: this comparison could not fail"
 
 
+def test_plan_chunks_fills_each_step_to_the_budget():
+    from detent.engine.trainer import plan_chunks
+    assert plan_chunks([9, 14], 5) == [[(0, 0, 5)], [(0, 5, 4), (1, 0, 1)], [(1, 1, 5)], [(1, 6, 5)], [(1, 11, 3)]]
+    assert plan_chunks([3, 4, 2], 16) == [[(0, 0, 3), (1, 0, 4), (2, 0, 2)]]
+    assert plan_chunks([40], 16) == [[(0, 0, 16)], [(0, 16, 16)], [(0, 32, 8)]]
+
+
 def test_trainer_refuses_bad_input():
     b = model_bundle("llama")
     llm = make_llm(b, "pinned", max_num_batched_tokens=BUDGET)
