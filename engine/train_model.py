@@ -11,7 +11,7 @@ Every op goes through the `ops` façade with the engine's own dispatcher (same
 deployment, same tuple, same pins), wrapped by `GradDispatcher`: forwards
 are the engine's candidates, backwards are reference torch math in float32
 (`selection/autograd.py`). Sequences are packed varlen into steps under the
-engine's token budget, cut as the engine's chunked prefill cuts them: a
+engine's token budget, cut the way chunked prefill cuts prompts: a
 sequence longer than the budget spans steps, its later chunks reading the
 earlier chunks' KV from a scratch cache (forward) and differentiating into
 the tensors it came from (`KVHistory`, backward). Logprobs are computed in
@@ -102,8 +102,8 @@ class TrainerModel(nn.Module):
         return out
 
     def _score_group(self, seqs: list[list[int]], starts: list[int], what: str) -> list[torch.Tensor]:
-        """The sequences prefilled in steps under the engine's token budget, as the
-        engine's chunked prefill runs them (`plan_chunks`): a sequence longer than
+        """The sequences prefilled in steps under the engine's token budget, cut the
+        way chunked prefill cuts prompts (`plan_chunks`): a sequence longer than
         the budget spans steps, and its later chunks attend to the earlier ones' KV
         through the scratch cache (forward) and the `KVHistory` (backward)."""
         eng = self.engine

@@ -122,15 +122,16 @@ WRAPPERS: dict[str, Callable] = {"gemm": _gemm, "attention": _attention, "norm":
 class KVHistory:
     """The autograd-tracked K and V each sequence wrote into the trainer's
     scratch KV cache, per layer and step. A sequence longer than one step's
-    token budget is scored in chunks, as the engine's chunked prefill runs
-    it: a later chunk's candidate reads the earlier chunks' KV from the cache
+    token budget is scored in chunks, as chunked prefill runs a long prompt:
+    a later chunk's candidate reads the earlier chunks' KV from the cache
     (so its bits are the engine's), and its backward differentiates into the
     tensors that KV came from, which live here. Only the K and V of
     sequences a later step extends are kept (the size of their KV), until the
     backward."""
 
     def __init__(self):
-        self._kv: dict[tuple[int, Any], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (layer's KV cache, sequence key) -> {step: (K, V) of that step's chunk}
+        self.chunks: dict[tuple[int, Any], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def step(self, step: int, seq_keys: tuple, continues: tuple[bool, ...] | None = None) -> "StepKV":
         """The view one step's attention calls use: `seq_keys[b]` names the step's
@@ -147,10 +148,10 @@ class StepKV:
         for b, key in enumerate(self.seq_keys):
             if not self.continues[b]:
                 continue
-            chunks = self.history._kv.setdefault((kv_cache.data_ptr(), key), {})
-            # setdefault: a checkpointed layer recomputing in backward keeps the forward's entry,
-            # which later steps' graphs already point at. contiguous(): v is a view of the
-            # fused qkv projection, which a checkpointed layer would otherwise keep alive
+            chunks = self.history.chunks.setdefault((kv_cache.data_ptr(), key), {})
+            # recorded once: a checkpointed layer recomputing in backward keeps the forward's
+            # entry, which later steps' graphs already point at. contiguous(): v is a view of
+            # the fused qkv projection, which a checkpointed layer would otherwise keep alive
             if self.step_index not in chunks:
                 s, e = qsl[b], qsl[b + 1]
                 chunks[self.step_index] = (k[s:e].contiguous(), v[s:e].contiguous())
@@ -161,7 +162,7 @@ class StepKV:
         positions of sequence b), and how many chunks each has."""
         ks, vs, counts = [], [], []
         for key, n in zip(self.seq_keys, before):
-            chunks = self.history._kv.get((kv_cache.data_ptr(), key), {})
+            chunks = self.history.chunks.get((kv_cache.data_ptr(), key), {})
             parts = [chunks[s] for s in sorted(chunks) if s < self.step_index]
             got = sum(p[0].shape[0] for p in parts)
             if got != n:
