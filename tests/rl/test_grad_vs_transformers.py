@@ -95,11 +95,11 @@ def test_gradients_match_transformers(checkpoint, dtype):
 
 
 # budget 5: SEQS (9 and 14 tokens) run in 5 steps as 6 chunks, the two sequences sharing the second
-@pytest.mark.parametrize("checkpoint_layers", [True, False])
-def test_chunked_sequences_gradients_match_transformers(checkpoint, checkpoint_layers):
+@pytest.mark.parametrize("dtype,checkpoint_layers", [(torch.float32, True), (torch.float32, False),
+                                                     (torch.bfloat16, True)])
+def test_chunked_sequences_gradients_match_transformers(checkpoint, dtype, checkpoint_layers):
     path, ref = checkpoint
-    _compare(_our_grads(path, torch.float32, budget=5, checkpoint_layers=checkpoint_layers), _hf_grads(ref),
-             torch.float32)
+    _compare(_our_grads(path, dtype, budget=5, checkpoint_layers=checkpoint_layers), _hf_grads(ref), dtype)
 
 
 def test_chunked_gradients_without_the_kv_history_are_caught(checkpoint, monkeypatch):
