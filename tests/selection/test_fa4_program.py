@@ -150,3 +150,21 @@ def test_a_knob_chosen_selection_point_is_pinned_inside_its_path():
     # the pins of "a" do not reach "b"'s selection (pinning the merged value would have put split=64 there)
     assert sel(n=3) == sel(n=50) == {"impl": "b", "tile": 8}
     assert s.compile({"split": 64, "tile": 8, "impl": "a"})(n=5) == {"impl": "a", "split": 64}
+
+
+def test_cli_default_tuple_with_fa4(tmp_path, capsys):
+    import json
+
+    from detent.selection_cli import main
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 100}
+    facts = default_facts_for(cfg, device="cuda", dtype="bfloat16", max_context=8192, num_sms=132, arch="sm90",
+                              triton=True, fa4=FA4)
+    ff, out = tmp_path / "facts.json", tmp_path / "t.json"
+    ff.write_text(json.dumps(facts))
+    assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4", "-o", str(out)]) == 0
+    t = CommitmentTuple.load(str(out))
+    assert t.families["attention"]["knobs"] == {"impl": "fa4", "split_stride": 256}
+    assert main(["tuple", "check", str(out), "--facts", str(ff)]) == 0
+    ff.write_text(json.dumps(dict(facts, fa4="")))
+    assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4"]) == 1
+    assert 'pip install "detent[fa4]"' in capsys.readouterr().err
