@@ -225,3 +225,25 @@ def test_battery_passes_under_the_fa4_tuple_and_fails_when_the_choice_follows_th
     assert any(not r.passed for r in run_battery(OfflineBackend(llm), CELLS + STRONG))
     set_mode(llm, "stock", graphs=False)
     assert any(not r.passed for r in run_battery(OfflineBackend(llm), CELLS + STRONG))
+
+
+def test_trainer_logprobs_equal_the_rollouts_under_the_fa4_tuple():
+    """RL's contract with FA4 for every step: the trainer's forward (all tokens at once,
+    with gradients) reproduces each sampled token's logprob with `torch.equal`."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from gpu_engine import set_mode
+
+    from detent.engine import SamplingParams
+    from detent.engine.train_model import TrainerModel
+    llm = _engine()
+    set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(5, 200, (10,), generator=g)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=1.0, seed=i, max_tokens=24, logprobs=0, ignore_eos=True)
+                         for i in range(len(prompts))], use_tqdm=False)
+    comp = [list(o.outputs[0].token_ids) for o in outs]
+    want = [torch.tensor([pos[t].logprob for t, pos in zip(c, o.outputs[0].logprobs)]) for c, o in zip(comp, outs)]
+    got = TrainerModel(llm, checkpoint_layers=True, logprob_chunk=64)([p + c for p, c in zip(prompts, comp)],
+                                                                      [len(p) for p in prompts])
+    assert all(torch.equal(lp.detach().cpu(), w) for lp, w in zip(got, want))
