@@ -28,7 +28,10 @@ def _fa4_installed_here() -> bool:
 def test_asking_for_fa4_without_it_says_how_to_install():
     if _fa4_installed_here():
         pytest.skip("flash-attn-4 runs here")
-    with pytest.raises(KeyError, match=r'attention/fa4 is not available here: .*pip install "detent\[fa4\]"'):
+    from detent.selection.facts import fa4_version
+    # without the package: how to install it; with it but no sm90 GPU here: why not
+    why = r'pip install "detent\[fa4\]"' if not fa4_version() else "needs a CUDA GPU of sm90 or newer"
+    with pytest.raises(KeyError, match=r"attention/fa4 is not available here: .*" + why):
         registry.get("attention", "fa4")
     # an explicit selection, as a benchmark or experiment would make it
     from detent.selection import make_dispatcher
@@ -36,7 +39,7 @@ def test_asking_for_fa4_without_it_says_how_to_install():
     from detent.selection.provider import FamilyOverride
     base = make_dispatcher({"device": "cpu"}, "stock")
     d = Dispatcher(FamilyOverride(base.provider, "attention", {"impl": "fa4", **PINNED}))
-    with pytest.raises(KeyError, match=r'pip install "detent\[fa4\]"'):
+    with pytest.raises(KeyError, match=why):
         d.resolve("attention", (("num_heads", 4),), dict(num_tokens=1, num_seqs=1, max_seqlen_q=1,
                                                         max_seqlen_k=1, total_kv=1))
 

@@ -168,3 +168,31 @@ def test_cli_default_tuple_with_fa4(tmp_path, capsys):
     ff.write_text(json.dumps(dict(facts, fa4="")))
     assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4"]) == 1
     assert 'pip install "detent[fa4]"' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("d,kvh", [(64, 2), (96, 8), (128, 8), (128, 32), (192, 4), (256, 8)])
+def test_transcription_equals_fa4s_own_selection(monkeypatch, d, kvh):
+    """Against flash-attn-4's own `_get_fwd_config` (its SM90 tile and, with
+    num_splits=0, its split heuristic), where the package imports (it does on
+    a CPU machine too, with nvidia-cutlass-dsl's cu13 libraries)."""
+    fi = pytest.importorskip("flash_attn.cute.interface")
+    import torch
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    s = sol(dict(GPU, fa4=FA4), dict(SITE, head_dim=d, num_kv_heads=kvh))
+    sel = s.compile(dict(s.default_assignment(), impl="fa4"))
+    knobs = tuple({"impl": "fa4", "split_stride": 256}[k] for k in s.vra.knob_names)
+    gqa = 32 // kvh
+    points = POINTS + [rt(num_seqs=b, max_seqlen_q=q, max_seqlen_k=k) for b, q, k in
+                       [(1, 1, 512), (1, 1, 640), (3, 1, 4096), (2, 17, 3000), (16, 1, 70000), (1, 2000, 2000),
+                        (33, 1, 9000), (4, 5, 100000)]]
+    for point in points:
+        cfg = fi._get_fwd_config(arch=90, head_dim=d, head_dim_v=d, max_seqlen_q=point["max_seqlen_q"],
+                                 max_seqlen_k=point["max_seqlen_k"], num_head_kv=kvh, qhead_per_kvhead=gqa,
+                                 pack_gqa=gqa > 1, batch_size=point["num_seqs"], causal=True, local=False,
+                                 window_size_left=None, window_size_right=None, num_splits=0,
+                                 device=torch.device("cuda", 0))
+        got = sel(**point)
+        assert (got["tile_m"], got["tile_n"], got["mma_pv_is_rs"], got["intra_wg_overlap"], got["pack_gqa"]) == (
+            cfg.m_block_size, cfg.n_block_size, cfg.mma_pv_is_rs, cfg.intra_wg_overlap, gqa > 1), point
+        pins = dict(zip(s.pins, s.vra.values_at(tuple(point[n] for n in s.vra.inputs), knobs)))
+        assert pins["num_splits"] == cfg.num_splits, point  # what FA4 would read from this batch
