@@ -108,12 +108,21 @@ def attention_fa4(q, k, v, kv_cache, meta, scale: float, tile_m: int, tile_n: in
     if q.shape[0] == 0 or meta.num_seqs == 0:
         return torch.empty_like(q)
     kv = paged_views(kv_cache, meta)
-    out = _FWD(q.detach(), kv.k_pages, kv.v_pages, cu_seqlens_q=kv.cu_seqlens_q, seqused_k=kv.seqused_k,
-               max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, page_table=kv.page_table,
-               softmax_scale=float(scale), causal=True, tile_mn=(tile_m, tile_n), mma_pv_is_rs=mma_pv_is_rs,
-               intra_wg_overlap=intra_wg_overlap, num_threads=num_threads, num_splits=num_splits,
-               pack_gqa=pack_gqa)[0]
-    return out
+    return _FWD(q.detach(), kv.k_pages, kv.v_pages,
+                **call_args(kv, meta.max_seqlen_q, meta.max_seqlen_k, scale, tile_m=tile_m, tile_n=tile_n,
+                            num_threads=num_threads, pack_gqa=pack_gqa, num_splits=num_splits,
+                            mma_pv_is_rs=mma_pv_is_rs, intra_wg_overlap=intra_wg_overlap))[0]
+
+
+def call_args(kv: PagedKV, max_seqlen_q: int, max_seqlen_k: int, scale: float, *, tile_m: int, tile_n: int,
+              num_threads: int, pack_gqa: bool, num_splits: int, mma_pv_is_rs: bool, intra_wg_overlap: bool) -> dict:
+    """The keyword arguments of FA4's forward for one step: everything its own
+    selection would decide, given (the max lengths are the host-side bounds
+    FA4's scheduler reads; a CUDA graph's must cover every replay)."""
+    return dict(cu_seqlens_q=kv.cu_seqlens_q, seqused_k=kv.seqused_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, page_table=kv.page_table, softmax_scale=float(scale), causal=True,
+                tile_mn=(tile_m, tile_n), mma_pv_is_rs=mma_pv_is_rs, intra_wg_overlap=intra_wg_overlap,
+                num_threads=num_threads, num_splits=num_splits, pack_gqa=pack_gqa)
 
 
 def register_fa4(fwd: Callable) -> None:

@@ -173,3 +173,61 @@ def test_candidate_refuses_selections_that_would_break_invariance(fake_fa4):
     with pytest.raises(TypeError, match="bf16 or fp16"):
         attention_fa4.attention_fa4(q.float(), k.float(), v.float(), cache.float(), meta, SCALE, **PINNED)
     assert fake_fa4 == []  # nothing reached FA4
+
+
+COMPILE_SCRIPT = r'''
+import json, sys
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from flash_attn.cute import interface as I
+from detent.kernels.attention_fa4 import PagedKV, call_args
+out = []
+for c in json.loads(sys.argv[1]):
+    sel, (h, kvh, d, page, max_q) = c["sel"], c["shape"]
+    with FakeTensorMode():  # FA4 compiles the kernel and skips the launch
+        t, dev, bf = 40, "cuda", torch.bfloat16
+        kv = PagedKV(torch.empty(64, page, kvh, d, dtype=bf, device=dev), torch.empty(64, page, kvh, d, dtype=bf,
+                     device=dev), torch.empty(3, 8, dtype=torch.int32, device=dev),
+                     torch.empty(3, dtype=torch.int32, device=dev), torch.empty(4, dtype=torch.int32, device=dev))
+        q = torch.empty(t, h, d, dtype=bf, device=dev)
+        o = I._flash_attn_fwd(q, kv.k_pages, kv.v_pages, **call_args(kv, max_q, 4096, d ** -0.5, **sel))[0]
+        out.append(["ok", list(o.shape), str(o.dtype)])
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_fa4_compiles_the_pinned_configurations_for_sm90():
+    """Where flash_attn.cute imports (a CPU machine too, with nvidia-cutlass-dsl's cu13
+    libraries), FA4 compiles for sm_90a, under fake tensors, the kernels the SelIR
+    program pins, through the arguments the candidate passes (`call_args`): paged
+    through non-TMA (page 16, 64) and TMA (page 128) loads, GQA packed and not, the
+    decode (one-tile, persistent) and prefill schedulers. (A split cannot be shown
+    asserting here: its scheduler metadata is computed on the device first.)"""
+    pytest.importorskip("flash_attn.cute.interface")
+    import json
+    import os
+    import subprocess
+    import sys
+    from detent.selection import programs, solve
+    from tests.selection.conftest import GPU
+
+    configs = []
+    for h, kvh, d, page, max_q in ((32, 8, 128, 16, 300), (32, 8, 128, 16, 1), (32, 8, 128, 128, 300),
+                                   (8, 2, 64, 64, 300), (16, 16, 128, 16, 1)):
+        site = dict(num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=page, dtype="bfloat16")
+        s = solve(programs.load("attention"), {**GPU, "fa4": "4.0.0b36", "page_size": page, **site})
+        sel = s.compile(dict(s.default_assignment(), impl="fa4"))(num_seqs=3, max_seqlen_q=max_q, max_seqlen_k=4096)
+        sel = {k: v for k, v in sel.items() if k not in ("impl", "page_size")}
+        configs.append({"sel": sel, "shape": [h, kvh, d, page, max_q]})
+    env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(configs)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    got = json.loads(lines[0][len("RESULT "):])
+    assert len(got) == len(configs)
+    for c, g in zip(configs, got):
+        h, kvh, d = c["shape"][:3]
+        assert g == ["ok", [40, h, d], "torch.bfloat16"], (c, g)
