@@ -46,9 +46,6 @@ FA4_VERSION = "4.0.0b36"
 INSTALL = 'pip install "detent[fa4]"'
 PARAMS = ("tile_m", "tile_n", "num_threads", "pack_gqa", "num_splits", "mma_pv_is_rs", "intra_wg_overlap",
           "page_size")
-# keyword arguments of interface._flash_attn_fwd the candidate passes
-_FWD_ARGS = ("cu_seqlens_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table", "softmax_scale", "causal",
-             "tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "num_threads", "num_splits", "pack_gqa")
 
 
 class PagedKV(NamedTuple):
@@ -151,7 +148,9 @@ def load_fa4() -> tuple[Callable | None, str | None]:
         return None, f"flash_attn.cute does not import ({type(e).__name__}: {e}); {INSTALL}"
     fwd = getattr(interface, "_flash_attn_fwd", None)
     have = inspect.signature(fwd).parameters if fwd is not None else {}
-    missing = [a for a in _FWD_ARGS if a not in have]
+    passed = call_args(PagedKV(*(None,) * 5), 1, 1, 1.0, tile_m=128, tile_n=128, num_threads=384, pack_gqa=True,
+                       num_splits=1, mma_pv_is_rs=True, intra_wg_overlap=True)
+    missing = [a for a in passed if a not in have]
     if missing:
         return None, f"flash_attn.cute.interface._flash_attn_fwd lacks {missing}; {INSTALL}"
     return fwd, None

@@ -65,6 +65,13 @@ def test_load_fa4_says_what_is_missing(monkeypatch):
     assert attention_fa4.load_fa4()[1] == "FlashAttention-4 needs an sm90 or newer GPU; this one is sm80"
 
 
+def test_load_fa4_takes_fa4s_forward_where_it_imports(monkeypatch):
+    fi = pytest.importorskip("flash_attn.cute.interface")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on an sm90 GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert attention_fa4.load_fa4() == (fi._flash_attn_fwd, None)  # and it takes every argument we pass
+
+
 def _case_step(dtype=torch.float32, chunks=((0, 40), (30, 33), (70, 71)), order=None):
     case = PagedCase([40, 33, 71], h=8, kvh=2, d=64, dtype=dtype, seed=3)
     cache = torch.zeros(2, case.num_blocks, case.bs, case.kvh, case.d, dtype=dtype)
