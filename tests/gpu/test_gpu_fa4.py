@@ -247,3 +247,27 @@ def test_trainer_logprobs_equal_the_rollouts_under_the_fa4_tuple():
     got = TrainerModel(llm, checkpoint_layers=True, logprob_chunk=64)([p + c for p, c in zip(prompts, comp)],
                                                                       [len(p) for p in prompts])
     assert all(torch.equal(lp.detach().cpu(), w) for lp, w in zip(got, want))
+
+
+def test_decoded_logprobs_equal_prompt_logprobs_under_the_fa4_tuple():
+    """A decoded token's logprob (FA4 decode rows, one query each) equals the prompt
+    logprob of its position when prompt + output is prefilled (FA4 prefill rows)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from gpu_engine import set_mode
+
+    from detent.engine import SamplingParams
+    llm = _engine()
+    set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (7, 130, 300)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=20, logprobs=1, ignore_eos=True), use_tqdm=False)
+    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    again = llm.generate([{"prompt_token_ids": f} for f in full],
+                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True),
+                         use_tqdm=False)
+    for p, o, a in zip(prompts, outs, again):
+        c = o.outputs[0]
+        decoded = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs)]
+        prefilled = [a.prompt_logprobs[len(p) + i][t].logprob for i, t in enumerate(c.token_ids)]
+        assert decoded == prefilled
