@@ -256,18 +256,29 @@ def test_decoded_logprobs_equal_prompt_logprobs_under_the_fa4_tuple():
     from gpu_engine import set_mode
 
     from detent.engine import SamplingParams
+    from detent.selection.dispatch import Dispatcher
     llm = _engine()
-    set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
+    eng = llm.llm_engine
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (7, 130, 300)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=20, logprobs=1, ignore_eos=True), use_tqdm=False)
-    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    again = llm.generate([{"prompt_token_ids": f} for f in full],
-                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True),
-                         use_tqdm=False)
-    for p, o, a in zip(prompts, outs, again):
-        c = o.outputs[0]
-        decoded = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs)]
-        prefilled = [a.prompt_logprobs[len(p) + i][t].logprob for i, t in enumerate(c.token_ids)]
-        assert decoded == prefilled
+
+    def same():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=20, logprobs=1, ignore_eos=True), use_tqdm=False)
+        full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        again = llm.generate([{"prompt_token_ids": f} for f in full],
+                             SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True),
+                             use_tqdm=False)
+        ok = []
+        for p, o, a in zip(prompts, outs, again):
+            c = o.outputs[0]
+            decoded = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs)]
+            ok.append(decoded == [a.prompt_logprobs[len(p) + i][t].logprob for i, t in enumerate(c.token_ids)])
+        return ok
+
+    set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
+    fa4_d = eng.dispatcher
+    assert all(same())
+    set_mode(llm, "pinned", graphs=False)  # FA4 with prefill, Triton for decode-only steps: the bits move
+    eng.dispatcher = eng.runner.dispatcher = Dispatcher(PerStepSplit(fa4_d, eng.dispatcher))
+    assert not all(same())
