@@ -235,18 +235,29 @@ def test_trainer_logprobs_equal_the_rollouts_under_the_fa4_tuple():
 
     from detent.engine import SamplingParams
     from detent.engine.train_model import TrainerModel
+    from detent.selection.dispatch import Dispatcher
     llm = _engine()
-    set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
+    eng = llm.llm_engine
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(5, 200, (10,), generator=g)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(temperature=1.0, seed=i, max_tokens=24, logprobs=0, ignore_eos=True)
-                         for i in range(len(prompts))], use_tqdm=False)
-    comp = [list(o.outputs[0].token_ids) for o in outs]
-    want = [torch.tensor([pos[t].logprob for t, pos in zip(c, o.outputs[0].logprobs)]) for c, o in zip(comp, outs)]
-    got = TrainerModel(llm, checkpoint_layers=True, logprob_chunk=64)([p + c for p, c in zip(prompts, comp)],
-                                                                      [len(p) for p in prompts])
-    assert all(torch.equal(lp.detach().cpu(), w) for lp, w in zip(got, want))
+
+    def matches():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=1.0, seed=i, max_tokens=24, logprobs=0, ignore_eos=True)
+                             for i in range(len(prompts))], use_tqdm=False)
+        comp = [list(o.outputs[0].token_ids) for o in outs]
+        want = [torch.tensor([pos[t].logprob for t, pos in zip(c, o.outputs[0].logprobs)])
+                for c, o in zip(comp, outs)]
+        got = TrainerModel(llm, checkpoint_layers=True, logprob_chunk=64)([p + c for p, c in zip(prompts, comp)],
+                                                                          [len(p) for p in prompts])
+        return [torch.equal(lp.detach().cpu(), w) for lp, w in zip(got, want)]
+
+    set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
+    fa4_d = eng.dispatcher
+    assert all(matches())
+    set_mode(llm, "pinned", graphs=False)  # FA4 with prefill (and the trainer), Triton for decode-only steps
+    eng.dispatcher = eng.runner.dispatcher = Dispatcher(PerStepSplit(fa4_d, eng.dispatcher))
+    assert not all(matches())
 
 
 def test_decoded_logprobs_equal_prompt_logprobs_under_the_fa4_tuple():
