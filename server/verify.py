@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from detent.engine import (Finding, RecordError, compare_output, parse_record, refusal_reason, skip_reason,
                            verify_report)
 from detent.server.body import parse_json, receive_body
-from detent.server.errors import bad_request
+from detent.server.errors import APIError, bad_request
 from detent.server.generation import Generation
 from detent.server.params import MAX_LOGPROBS, check_logprob_entries, check_prompt_ids, resolve_max_tokens
 from detent.server.serving import ClientGone, ServerState, unless_disconnected
@@ -54,24 +54,31 @@ def _records(body: Any, limit: int) -> tuple[list[Any], dict[str, dict]]:
 
 
 def _check_bounds(state: ServerState, records: list[Any]) -> None:
-    """The bounds /v1/completions puts on a request, per record (400 naming the record)."""
+    """The bounds /v1/completions puts on a request, per record (a 400 naming the record and field)."""
     lim = state.limits
     for i, r in enumerate(records):
-        p, where = r.params, f"[{i}] ({r.request_id})"
-        if p.n > lim.max_n:
-            raise bad_request(f"{where}: params.n={p.n} is over the limit of {lim.max_n} (--max-n)", "params.n")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(p, name) or 0) > MAX_LOGPROBS:
-                raise bad_request(f"{where}: params.{name} must be at most {MAX_LOGPROBS}", f"params.{name}")
-        if p.max_tokens is None:
-            raise bad_request(f"{where}: params.max_tokens must be a number (the server logs the one it ran)",
-                              "params.max_tokens")
-        check_prompt_ids(r.prompt_token_ids, state.vocab_size, f"{where}.prompt_token_ids")
-        resolve_max_tokens(p.max_tokens, len(r.prompt_token_ids), state.max_model_len, "params.max_tokens")
-        check_logprob_entries(lim, [len(r.prompt_token_ids)], [p.max_tokens], p.n, p.logprobs, p.prompt_logprobs, 1)
+        try:
+            _check_record(state, r)
+        except APIError as e:
+            e.message = f"record {i} ({r.request_id}): {e.message}"
+            raise
     if sum(r.params.n for r in records) > lim.max_sequences:
         raise bad_request(f"the records ask for {sum(r.params.n for r in records)} sequences, over the limit of "
                           f"{lim.max_sequences} (--max-sequences-per-request)", "params.n")
+
+
+def _check_record(state: ServerState, r: Any) -> None:
+    p, lim = r.params, state.limits
+    if p.n > lim.max_n:
+        raise bad_request(f"params.n={p.n} is over the limit of {lim.max_n} (--max-n)", "params.n")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(p, name) or 0) > MAX_LOGPROBS:
+            raise bad_request(f"params.{name} must be at most {MAX_LOGPROBS}", f"params.{name}")
+    if p.max_tokens is None:
+        raise bad_request("params.max_tokens must be a number (the server logs the one it ran)", "params.max_tokens")
+    check_prompt_ids(r.prompt_token_ids, state.vocab_size, "prompt_token_ids")
+    resolve_max_tokens(p.max_tokens, len(r.prompt_token_ids), state.max_model_len, "params.max_tokens")
+    check_logprob_entries(lim, [len(r.prompt_token_ids)], [p.max_tokens], p.n, p.logprobs, p.prompt_logprobs, 1)
 
 
 async def verify_records(request: Request, state: ServerState) -> Response:
