@@ -42,9 +42,11 @@ def add_subparsers(sub) -> None:
     v.add_argument("--selection", default=None, choices=SELECTION_MODES,
                    help="LOG: selection mode (default: the one the log's requests ran under)")
     v.add_argument("--load-format", default="auto")
-    v.add_argument("--batch", type=int, default=32, help="LOG: requests re-executed together (default 32)")
+    v.add_argument("--batch", type=int, default=None, help="LOG: requests re-executed together (default 32; "
+                   "with --url, records per POST /v1/verify call, default 16)")
     v.add_argument("--json", default=None, help="LOG: write the report to this file")
-    v.add_argument("--url", default=None, help="a running detent-serve (with --request and --response)")
+    v.add_argument("--url", default=None, help="a running detent-serve: with LOG, its POST /v1/verify "
+                   "re-executes the log; with --request and --response, one request")
     v.add_argument("--api-key", default=None)
     v.add_argument("--request", default=None, help="--url: the request body (JSON) sent to /v1/completions or "
                    "/v1/chat/completions")
@@ -91,9 +93,8 @@ def _battery(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     if args.log is not None:
-        if args.url or args.request or args.response:
-            print("detent verify: error: give LOG, or --url with --request and --response, not both",
-                  file=sys.stderr)
+        if args.request or args.response:
+            print("detent verify: error: give LOG, or --request and --response, not both", file=sys.stderr)
             return 2
         return _verify_log(args)
     if not (args.url and args.request and args.response):
@@ -137,15 +138,38 @@ def _verify_log(args: argparse.Namespace) -> int:
     if not records:
         print(f"detent verify: error: {args.log} holds no request record", file=sys.stderr)
         return 2
-    from detent.engine import LLM
-    selection = args.selection or next((r.selection for r in records if hasattr(r, "selection")), "pinned")
-    llm = LLM(model=args.model, tuple=args.tuple, selection=selection, load_format=args.load_format,
-              **engine_args(records))
-    try:
-        findings = verify_log(llm, records, tuples, max(1, args.batch))
-        rep = verify_report(findings, llm.llm_engine.fingerprint())
-    finally:
-        llm.shutdown()
+    if args.url:
+        given = [f for f, v in (("--model", args.model), ("--tuple", args.tuple), ("--selection", args.selection))
+                 if v is not None]
+        if given:
+            print(f"detent verify: error: {', '.join(given)} choose the in-process engine; with --url the "
+                  "server re-executes the log under its own", file=sys.stderr)
+            return 2
+        from detent.verify_log import verify_remote
+        import httpx
+        try:
+            findings, rep = verify_remote(args.url, records, tuples, args.api_key, max(1, args.batch or 16))
+        except httpx.HTTPError as e:
+            print(f"detent verify: error: no detent-serve answers at {args.url}: {e}", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"detent verify: error: {e}", file=sys.stderr)
+            return 2
+    else:
+        from detent.engine import LLM
+        selection = args.selection or next((r.selection for r in records if hasattr(r, "selection")), "pinned")
+        try:
+            llm = LLM(model=args.model, tuple=args.tuple, selection=selection, load_format=args.load_format,
+                      **engine_args(records))
+        except (ValueError, OSError) as e:  # a tuple for other facts, a model that does not load
+            print(f"detent verify: error: cannot build the engine to re-execute on: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return 2
+        try:
+            findings = verify_log(llm, records, tuples, max(1, args.batch or 32))
+            rep = verify_report(findings, llm.llm_engine.fingerprint())
+        finally:
+            llm.shutdown()
     print(table(findings))
     c = rep["counts"]
     print(f"{c['equal']} equal, {c['different']} different, {c['refused']} refused, {c['skipped']} skipped, "

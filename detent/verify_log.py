@@ -108,6 +108,37 @@ def verify_log(llm: Any, records: list[Any], tuples: dict[str, dict], batch: int
     return findings
 
 
+def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key: str | None = None,
+                  batch: int = 16, timeout: float = 600) -> tuple[list[Finding], dict[str, Any]]:
+    """The same report from a running server's POST /v1/verify, `batch` records per call
+    (each call carries the log's tuples, so refusals name pins); lines that did not parse
+    stay errors here."""
+    import httpx
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    servers = [{"type": "server", "tuple_hash": h, "tuple": t} for h, t in tuples.items()]
+    parsed = [r for r in records if not isinstance(r, Finding)]
+    entries: list[dict] = [f.to_json() for f in records if isinstance(f, Finding)]
+    rep: dict[str, Any] = {}
+    for start in range(0, len(parsed), batch):
+        body = servers + [r.raw for r in parsed[start:start + batch]]
+        r = httpx.post(url.rstrip("/") + "/v1/verify", json=body, headers=headers, timeout=timeout)
+        if r.status_code != 200:
+            raise ValueError(f"the server refused records {start}..{start + batch - 1} ({r.status_code}): "
+                             f"{r.text[:500]}")
+        rep = r.json()
+        entries += rep["records"]
+    findings = [Finding(e["request_id"], e["status"], e.get("reason"), e.get("differences", [])) for e in entries]
+    return findings, verify_report(findings, _Fp(rep.get("tuple_hash"), rep.get("deployment_hash"),
+                                                 rep.get("selection")))
+
+
+class _Fp:
+    """The fingerprint a server's report names (for verify_report)."""
+
+    def __init__(self, tuple_hash, deployment_hash, selection):
+        self.tuple_hash, self.deployment_hash, self.selection = tuple_hash, deployment_hash, selection
+
+
 def table(findings: list[Finding]) -> str:
     rows = [("request", "result", "detail")]
     for f in findings:
@@ -123,4 +154,4 @@ def exit_code(rep: dict[str, Any]) -> int:
     return 1 if c["different"] else 3 if c["refused"] or c["error"] else 0
 
 
-__all__ = ["engine_args", "exit_code", "read_log", "replay", "table", "verify_log", "verify_report"]
+__all__ = ["engine_args", "exit_code", "read_log", "replay", "table", "verify_log", "verify_remote", "verify_report"]

@@ -189,3 +189,19 @@ def test_params_round_trip_through_json():
         back = SamplingParams(**json.loads(json.dumps(params_json(p, p.seed))))
         assert back == p
     assert SamplingParams(**json.loads(json.dumps(params_json(SamplingParams(), 42)))).seed == 42
+
+
+def test_read_log_names_bad_lines_and_leaves_out_an_unfinished_last_one(pinned_records, tmp_path):
+    from detent.engine import Finding
+    from detent.verify_log import read_log
+    records, fp = pinned_records
+    good = json.dumps(records[0].raw)
+    server = json.dumps({"type": "server", "tuple_hash": fp.tuple_hash, "tuple": fp.tuple})
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join([server, good, good[:40] + "{", '{"type": "request"}', good, good[:50]]))
+    got, tuples, notes = read_log(str(path))
+    assert tuples == {fp.tuple_hash: fp.tuple}
+    assert [type(x).__name__ for x in got] == ["Record", "Finding", "Finding", "Record"]
+    assert isinstance(got[1], Finding) and "line 3 is not JSON" in got[1].reason
+    assert "line 4 is not a request record: format" in got[2].reason
+    assert notes == ["line 6: an unfinished last line (the server stopped while writing it), left out"]

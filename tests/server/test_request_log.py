@@ -173,6 +173,19 @@ def test_verify_offline_refuses_an_edited_tuple_hash(logged, tiny_model, tmp_pat
     assert "tuple_hash differs" in capsys.readouterr().out
 
 
+def test_verify_a_log_through_the_servers_endpoint(logged, tmp_path, capsys):
+    s, log, _ = logged
+    base = ["--url", s.url, "--api-key", API_KEY, "--batch", "4"]  # the fixture allows 4 records per call
+    assert main(["verify", log, *base]) == 0
+    assert f"{ENGINE_REQUESTS} equal, 0 different" in capsys.readouterr().out
+    path, rid = _tampered(log, tmp_path)
+    out = tmp_path / "report.json"
+    assert main(["verify", path, *base, "--json", str(out)]) == 1
+    rep = json.loads(out.read_text())
+    assert [r["request_id"] for r in rep["records"] if r["status"] == "different"] == [rid]
+    assert main(["verify", log, *base, "--model", "x"]) == 2
+
+
 def _post(server, body) -> httpx.Response:
     return httpx.post(server.url + "/v1/verify", json=body, headers=HEADERS, timeout=300)
 
