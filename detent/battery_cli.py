@@ -1,4 +1,4 @@
-"""`detent battery` and `detent verify` (docs/battery.md)."""
+"""`detent battery` (docs/battery.md) and `detent verify` (docs/verify.md)."""
 from __future__ import annotations
 
 import argparse
