@@ -41,6 +41,12 @@ def seeds(finals: list[Any]) -> list[int | None]:
             for c in sorted(o.outputs, key=lambda c: c.index)]
 
 
+def _entries(prompt: list[int], params: Any, out: Any) -> int:
+    """About how many values a request's record holds: tokens x (top-k + 1), prompt and output."""
+    n = len(prompt) * ((params.prompt_logprobs or 0) + 1)
+    return n + sum(len(c.token_ids) for c in out.outputs) * ((params.logprobs or 0) + 1)
+
+
 def output_error(out: Any) -> APIError | None:
     """A request the engine failed on its own (e.g. a grammar that did not compile): a 400."""
     for c in out.outputs:
@@ -160,7 +166,8 @@ class Generation:
         st.request_log.submit(functools.partial(
             request_record, request_id=self.rid(i), endpoint=self.endpoint, model=st.model_name,
             fp=st.engine_fingerprint, prompt=self.texts[i], prompt_token_ids=self.prompts[i],
-            params=self.params[i], output=out, arrival=self.arrival, finished=time.time()))
+            params=self.params[i], output=out, arrival=self.arrival, finished=time.time()),
+            entries=_entries(self.prompts[i], self.params[i], out))
 
     async def run(self) -> list[Any]:
         """Until every engine request finished: the final cumulative outputs."""

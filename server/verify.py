@@ -82,6 +82,8 @@ def _check_record(state: ServerState, r: Any) -> None:
 
 
 async def verify_records(request: Request, state: ServerState) -> Response:
+    if state.engine_fingerprint is None:  # a test server over a fake engine
+        raise APIError(501, "this server's engine reports no fingerprint: it cannot verify records")
     body = parse_json(await receive_body(request, state.limits), allow_list=True)
     records, tuples = _records(body, state.limits.max_verify_records)
     _check_bounds(state, records)

@@ -115,3 +115,20 @@ def test_a_torn_line_costs_one_record(tmp_path):
     with pytest.raises(ValueError):
         json.loads(lines[3])  # the torn one
     assert json.loads(lines[4]) == {"i": 2} and log.failed == 1
+
+
+def test_records_waiting_are_bounded_by_their_size(tmp_path):
+    """Each queued record holds its outputs in memory: past max_pending_entries they are dropped,
+    but one record alone always fits, whatever its size."""
+    release = threading.Event()
+    log = RequestLog(str(tmp_path / "log.jsonl"), FIRST, max_pending_entries=100)
+    deadline = time.monotonic() + 10
+    while log.written < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    log.submit(lambda: (release.wait(10), {"big": 1})[1], entries=1000)  # alone: accepted
+    log.submit(lambda: {"small": 1}, entries=10)  # 1000 + 10 > 100: dropped
+    assert log.dropped == 1
+    release.set()
+    log.close()
+    assert [json.loads(x) for x in _lines(tmp_path / "log.jsonl") if x] == [FIRST, {"big": 1}]
+    assert log._entries == 0
