@@ -205,3 +205,20 @@ def test_read_log_names_bad_lines_and_leaves_out_an_unfinished_last_one(pinned_r
     assert isinstance(got[1], Finding) and "line 3 is not JSON" in got[1].reason
     assert "line 4 is not a request record: format" in got[2].reason
     assert notes == ["line 6: an unfinished last line (the server stopped while writing it), left out"]
+
+
+def test_non_finite_logprobs_round_trip_as_strings():
+    """logprobs_mode="processed" reports -inf for the tokens top-k masked: the record writes
+    "-inf" (JSON has no infinity), reads it back, and compares it equal to a re-execution."""
+    llm = make_llm(bundle("llama"), "pinned", max_num_batched_tokens=32, max_model_len=512)
+    p = SamplingParams(temperature=1.0, top_k=2, seed=5, max_tokens=6, logprobs=5, logprobs_mode="processed",
+                       ignore_eos=True)
+    ids = prompt(7, 20, VOCAB)
+    out = llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False)[0]
+    line = json.dumps(request_record(request_id="r", endpoint="", model="tiny", fp=llm.llm_engine.fingerprint(),
+                                     prompt=None, prompt_token_ids=ids, params=p, output=out, arrival=0.0,
+                                     finished=0.0), allow_nan=False)
+    rec = parse_record(json.loads(line))
+    assert "-inf" in [e[1] for pos in rec.raw["outputs"][0]["logprobs"] for e in pos]
+    again = llm.generate([{"prompt_token_ids": ids}], rec.params, use_tqdm=False)[0]
+    assert compare_output(rec, again).status == "equal"
