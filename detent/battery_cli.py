@@ -31,8 +31,9 @@ def add_subparsers(sub) -> None:
 
     v = sub.add_parser("verify", help="re-execute logged requests and compare their bits",
                        description="LOG: re-execute every request of a detent-serve --request-log in process, "
-                       "on an engine built as the log's deployment facts say, with --model and --tuple; or "
-                       "--url with --request/--response: send one request again to a running server. Compare "
+                       "on an engine built as the log's deployment facts say, with --model and --tuple (with "
+                       "--url: by that server's POST /v1/verify); or --url with --request/--response: send one "
+                       "request again to a running server. Compare "
                        "token ids, logprobs and top-k logprobs with ==. Exit 0 if equal, 1 if any differs, "
                        "3 if a request cannot be re-executed here (another deployment or tuple), 2 on a usage "
                        "error (docs/verify.md).")
