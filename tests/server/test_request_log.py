@@ -256,6 +256,21 @@ def test_post_verify_does_not_change_other_requests(logged):
     assert again.json()["choices"] == solo
 
 
+def test_the_in_process_engine_logs_the_same_way(tiny_model, tmp_path):
+    """--no-engine-process: the outputs the log builds records from come from a thread of the server."""
+    log = str(tmp_path / "inproc.jsonl")
+    bodies = [{"prompt": "in process", "max_tokens": 8, "temperature": 0, "logprobs": 2},
+              {"prompt": [9, 8, 7, 6], "max_tokens": 8, "temperature": 1.0, "n": 2, "logprobs": 3}]
+
+    async def send(url):
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*(c.post(url + "/v1/completions", json=b) for b in bodies))
+    with launch(real_argv("--model", tiny_model, *SERVE, "--no-engine-process", "--request-log", log)) as s:
+        assert all(r.status_code == 200 for r in asyncio.run(send(s.url)))
+        _records(log, 2)
+    assert main(["verify", log, "--model", tiny_model]) == 0
+
+
 def test_a_failing_disk_fails_no_request(tiny_model):
     """/dev/full accepts the open and fails every write: requests still succeed, the server logs why."""
     if not os.path.exists("/dev/full"):
