@@ -50,11 +50,11 @@ def test_200_requests_quarter_disconnect_mid_stream(which, request):
     res = asyncio.run(main())
     assert res.count("left") == 50 and res.count("done") == 150
     deadline = time.time() + 30
-    while time.time() < deadline and (server.metric("detent_kv_cache_usage_perc") != 0
-                                      or server.metric("detent_num_requests_running") != 0):
+    while time.time() < deadline and (server.metric("detent:kv_cache_usage_perc") != 0
+                                      or server.metric("detent:num_requests_running") != 0):
         time.sleep(0.2)
-    assert server.metric("detent_kv_cache_usage_perc") == 0.0
-    assert server.metric("detent_num_requests_running") == 0
+    assert server.metric("detent:kv_cache_usage_perc") == 0.0
+    assert server.metric("detent:num_requests_running") == 0
     assert _count(server, "abort") - aborted0 == 50
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     print(f"200 requests (50 disconnecting) in {time.time() - t0:.1f}s")
@@ -71,15 +71,15 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
             pass
     deadline = time.time() + 30
     while time.time() < deadline and (_count(server, "abort") - aborted0 < 3
-                                      or server.metric("detent_kv_cache_usage_perc") != 0):
+                                      or server.metric("detent:kv_cache_usage_perc") != 0):
         time.sleep(0.2)
     assert _count(server, "abort") - aborted0 == 3
-    assert server.metric("detent_kv_cache_usage_perc") == 0.0
+    assert server.metric("detent:kv_cache_usage_perc") == 0.0
 
 
 def _count(server, outcome):
     return sum(v for k, v in server.metrics().items()
-               if k.startswith("detent_requests_total{") and f'outcome="{outcome}"' in k)
+               if k.startswith("detent:request_success_total{") and f'finished_reason="{outcome}"' in k)
 
 
 def test_embedded_default_model_overload_503_then_sigterm_clean():
