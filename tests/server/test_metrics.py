@@ -191,3 +191,60 @@ def test_refused_requests_are_counted_as_rejected_not_as_requests(server):
     assert delta(b, a, "detent:requests_rejected_total") == 1
     assert sum(delta(b, a, "detent:request_success_total", finished_reason=f)
                for f in ("stop", "length", "abort", "error")) == 0
+
+
+# ---------------------------------------------------------------- in process (--no-engine-process's AsyncEngine)
+def test_in_thread_engine_counts_finished_aborted_and_not_refused_requests():
+    import asyncio
+
+    from fake_engine import FakeEngine
+    from detent.sampling.params import SamplingParams
+    from detent.server.async_engine import AsyncEngine
+    from detent.server.errors import APIError
+    from detent.server.metrics import Metrics
+    from detent.server.request_stats import RequestStats
+
+    m = Metrics("m", 512)
+    count = lambda name, **lab: m.registry.get_sample_value(  # noqa: E731
+        "detent:" + name, {"model_name": "m", "engine": "0", **lab}) or 0.0
+
+    async def main():
+        ae = AsyncEngine(FakeEngine(max_model_len=64, step_s=0.001))
+        ae.observer = RequestStats(m)
+        ae.start(asyncio.get_running_loop())
+        with pytest.raises(APIError):  # refused at admission: not a request
+            await ae.add("long", list(range(3, 100)), SamplingParams(temperature=0))
+        stream = await ae.add("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=50))
+        n = 0
+        async for _ in stream:  # the client leaves after 3 outputs
+            n += 1
+            if n == 3:
+                break
+        await stream.aclose()
+        done = [o async for o in await ae.add("b", [5, 6], SamplingParams(temperature=0, max_tokens=3))]
+        ae.shutdown()
+        return done
+
+    done = asyncio.run(main())
+    assert done[-1].outputs[0].finish_reason == "length"
+    assert count("request_success_total", finished_reason="abort") == 1
+    assert count("request_success_total", finished_reason="length") == 1
+    assert count("request_prompt_tokens_sum") == 3 + 2 and count("request_prompt_tokens_count") == 2
+    assert count("prompt_tokens_total") == 3 + 2
+    assert count("request_generation_tokens_sum") == count("generation_tokens_total") >= 3 + 3
+
+
+def test_engine_counters_advance_by_the_engines_cumulative_counts():
+    from detent.server.metrics import Metrics
+    m = Metrics("m", 512)
+    get = lambda name: m.registry.get_sample_value(name, {"model_name": "m", "engine": "0"})  # noqa: E731
+    m.engine_stats({"prefix_cache_queries": 40, "prefix_cache_hits": 32, "num_preemptions": 1, "num_running": 2,
+                    "num_waiting": 1, "num_pending": 2, "kv_cache_usage": 0.5})
+    m.engine_stats({"prefix_cache_queries": 80, "prefix_cache_hits": 32, "num_preemptions": 3})
+    assert get("detent:prefix_cache_queries_total") == 80 and get("detent:prefix_cache_hits_total") == 32
+    assert get("detent:num_preemptions_total") == 3
+    m.engine_stats({"prefix_cache_queries": 10, "prefix_cache_hits": 5})  # reset_prefix_cache zeroed the engine's
+    assert get("detent:prefix_cache_queries_total") == 90 and get("detent:prefix_cache_hits_total") == 37
+    m.engine_stats({"num_running": 2, "num_waiting": 1, "num_pending": 2, "kv_cache_usage": 0.5})
+    assert get("detent:num_requests_running") == 2 and get("detent:num_requests_waiting") == 3
+    assert get("detent:kv_cache_usage_perc") == 0.5
