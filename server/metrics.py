@@ -28,6 +28,7 @@ ENGINE = "0"
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")  # the finish reasons Detent's engine gives
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+WAITING_REASONS = ("capacity", "deferred")
 
 # vLLM's bucket lists (vllm/v1/metrics/loggers.py, PrometheusStatLogger)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -91,9 +92,8 @@ HISTOGRAMS = {
     "request_prefill_kv_computed_tokens": ("Histogram of new KV tokens computed during prefill "
                                            "(excluding cached tokens).", "1-2-5"),
 }
-# engine-stats key -> counter stem, advanced by the engine's cumulative count
-ENGINE_COUNTERS = {"prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
-                   "num_preemptions": "num_preemptions"}
+# counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
+ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
 
 def stat(stats: dict[str, Any], *names: str, default: float = 0.0) -> float:
@@ -138,6 +138,11 @@ class Metrics:
         success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                           LABELS + ("finished_reason",), registry=r)
         self.success = {f: success.labels(**lab, finished_reason=f) for f in FINISH_REASONS}
+        by_reason = Gauge(PREFIX + "num_requests_waiting_by_reason", "Number of waiting requests by reason. "
+                          "Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by "
+                          "transient constraints (a grammar still compiling). Sum of all reasons equals "
+                          "num_requests_waiting.", LABELS + ("reason",), registry=r)
+        self.waiting_by_reason = {w: by_reason.labels(**lab, reason=w) for w in WAITING_REASONS}
         by_source = Counter(PREFIX + "prompt_tokens_by_source", "Number of prompt tokens by source.",
                             LABELS + ("source",), registry=r)
         self.prompt_by_source = {s: by_source.labels(**lab, source=s) for s in PROMPT_SOURCES}
@@ -164,12 +169,15 @@ class Metrics:
         """Gauges from the latest snapshot; the engine's cumulative counts advance the counters
         (a count that went down was reset, e.g. by reset_prefix_cache: it advances by its new value)."""
         self.g["num_requests_running"].set(stat(stats, "num_running"))
-        self.g["num_requests_waiting"].set(stat(stats, "num_waiting") + stat(stats, "num_pending"))
+        waiting, deferred = stat(stats, "num_waiting") + stat(stats, "num_pending"), stat(stats, "num_waiting_deferred")
+        self.g["num_requests_waiting"].set(waiting)
+        self.waiting_by_reason["capacity"].set(waiting - deferred)
+        self.waiting_by_reason["deferred"].set(deferred)
         self.g["kv_cache_usage_perc"].set(kv_usage(stats))
-        for key, stem in ENGINE_COUNTERS.items():
-            if key in stats and stats[key] is not None:
+        for key in ENGINE_COUNTERS:
+            if stats.get(key) is not None:
                 now, seen = float(stats[key]), self._engine_seen[key]
-                self.c[stem].inc(now - seen if now >= seen else now)
+                self.c[key].inc(now - seen if now >= seen else now)
                 self._engine_seen[key] = now
 
     def render(self, stats: dict[str, Any], alive: bool, step_times: Any = ()) -> bytes:

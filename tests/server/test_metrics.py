@@ -5,8 +5,9 @@ The list below is data copied from vLLM's source, vllm/v1/metrics/loggers.py
 over max_model_len): each metric's stem, Prometheus type, extra label names
 and buckets. Left out, as Detent has none of what they measure: the
 KV-connector and multimodal caches, LoRA, speculative decoding, sleep mode,
-`corrupted_requests` (behind VLLM_COMPUTE_NANS_IN_LOGITS) and the KV-block
-residency histograms (behind --kv-cache-metrics).
+`corrupted_requests` (behind VLLM_COMPUTE_NANS_IN_LOGITS), the KV-block
+residency histograms (behind --kv-cache-metrics) and `cache_config_info`
+(vLLM's CacheConfig fields as labels).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ TOKENS_1024 = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]  # build_1_2_5_buckets(
 VLLM_METRICS = [
     ("num_requests_running", "gauge", (), None),
     ("num_requests_waiting", "gauge", (), None),
+    ("num_requests_waiting_by_reason", "gauge", ("reason",), None),
     ("kv_cache_usage_perc", "gauge", (), None),
     ("prefix_cache_queries", "counter", (), None),
     ("prefix_cache_hits", "counter", (), None),
@@ -245,6 +247,10 @@ def test_engine_counters_advance_by_the_engines_cumulative_counts():
     assert get("detent:num_preemptions_total") == 3
     m.engine_stats({"prefix_cache_queries": 10, "prefix_cache_hits": 5})  # reset_prefix_cache zeroed the engine's
     assert get("detent:prefix_cache_queries_total") == 90 and get("detent:prefix_cache_hits_total") == 37
-    m.engine_stats({"num_running": 2, "num_waiting": 1, "num_pending": 2, "kv_cache_usage": 0.5})
+    m.engine_stats({"num_running": 2, "num_waiting": 1, "num_pending": 2, "num_waiting_deferred": 1,
+                    "kv_cache_usage": 0.5})
     assert get("detent:num_requests_running") == 2 and get("detent:num_requests_waiting") == 3
+    by_reason = lambda w: m.registry.get_sample_value(  # noqa: E731
+        "detent:num_requests_waiting_by_reason", {"model_name": "m", "engine": "0", "reason": w})
+    assert (by_reason("capacity"), by_reason("deferred")) == (2, 1)
     assert get("detent:kv_cache_usage_perc") == 0.5
