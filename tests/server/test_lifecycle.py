@@ -161,3 +161,22 @@ def test_good_tuple_serves_and_reports_its_hash(tmp_path, tiny_model):
         assert h.startswith(printed) and r.json()["detent"]["tuple_hash"] == h
     finally:
         s.stop()
+
+
+def test_max_model_len_unlike_the_tuples_says_how_to_match(tmp_path, tiny_model):
+    t = tmp_path / "t.json"
+    p = subprocess.run([sys.executable, "-m", "detent.cli", "tuple", "default", "--model", tiny_model,
+                        "--max-model-len", "512", "--max-num-seqs", "32", "-o", str(t)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    s = Server(real_argv("--model", tiny_model, "--tuple", str(t), "--max-model-len", "1024", "--max-num-seqs", "32"))
+    try:
+        assert s.proc.wait(300) == 2
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    err = s.output()
+    assert "refusing to start" in err and "deployment fact 'max_context' differs" in err, err[-2000:]
+    assert re.search(rf"detent tuple default --model {re.escape(tiny_model)} .*--max-model-len 1024 .*-o t\.json",
+                     err), err[-2000:]
+    assert "or run with the tuple's value: --max-model-len 512" in err

@@ -103,14 +103,16 @@ def test_the_tuple_hash_is_an_info_metric(server):
 
 # ---------------------------------------------------------------- the values
 def snapshot(server) -> dict[str, float]:
-    """Every sample as `name{labels sorted}` -> value, once the engine is idle and its stats are in."""
-    deadline = time.time() + 30
+    """Every sample as `name{labels sorted}` -> value, once nothing moves: the idle engine core sends
+    its stats at least every 0.5 s, so two reads 0.7 s apart that agree have the engine's latest."""
+    deadline = time.time() + 60
+    prev = server.metrics()
     while True:
-        m = server.metrics()
-        if m.get('detent:num_requests_running{engine="0",model_name="smollm2"}', 0) == 0 or time.time() > deadline:
-            time.sleep(0.3)  # the core sends its stats at least every 0.1 s, and when idle
-            return server.metrics()
-        time.sleep(0.1)
+        time.sleep(0.7)
+        now = server.metrics()
+        if now == prev or time.time() > deadline:
+            return now
+        prev = now
 
 
 def delta(before: dict, after: dict, name: str, **labels: str) -> float:
