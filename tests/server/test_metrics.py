@@ -2,8 +2,9 @@
 
 The list below is data copied from vLLM's source, vllm/v1/metrics/loggers.py
 (`PrometheusStatLogger.__init__`; the 1-2-5 buckets from `build_1_2_5_buckets`
-over max_model_len): each metric's stem, Prometheus type, extra label names
-and buckets. Left out, as Detent has none of what they measure: the
+over max_model_len; recent releases, with `num_requests_waiting_by_reason`
+and the prompt-token source counters): each metric's stem, Prometheus type,
+extra label names and buckets. Left out, as Detent has none of what they measure: the
 KV-connector and multimodal caches, LoRA, speculative decoding, sleep mode,
 `corrupted_requests` (behind VLLM_COMPUTE_NANS_IN_LOGITS), the KV-block
 residency histograms (behind --kv-cache-metrics) and `cache_config_info`
