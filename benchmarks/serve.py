@@ -16,11 +16,16 @@ previous one ends; prompts of --prompt-len tokens of seeded random text;
 greedy, `ignore_eos`, exactly --max-tokens tokens each. TTFT is measured
 from sending (server) or add_request (offline) to the first token; TPOT
 is (last token time - first token time) / (tokens - 1) per request.
+
+Dependencies: the package and its `bench` extra (`pip install -e ".[bench]"`:
+httpx). Whatever happens (an error, Ctrl-C), the server it started, with its
+engine core, and the --tiny model's temp folder are gone when it exits.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -28,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 WORDS = ("river stone light garden window music paper cloud forest silver engine harbor "
@@ -95,7 +101,12 @@ async def bench_server(url: str, c: int, ps: list[str], max_tokens: int) -> dict
     return ttft, tpot, total, wall
 
 
-def start_server(a) -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def running_server(a):
+    """`detent-serve` in a process group of its own for the duration of the block (yields its URL).
+    On the way out, whatever happened: SIGTERM (it stops its engine core), then SIGKILL to
+    whatever of the group is left, so no server or core outlives the benchmark."""
+    import httpx
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -106,20 +117,37 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ)
     if a.threads:
         env["OMP_NUM_THREADS"] = str(a.threads)  # torch's intra-op threads in the server process
-    proc = subprocess.Popen(argv, env=env)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    import httpx
-    for _ in range(3000):
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
+    try:
+        for _ in range(3000):
+            if proc.poll() is not None:
+                raise SystemExit(f"server exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise SystemExit("server did not become ready")
+        yield url
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 60) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
             pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not become ready")
+    try:  # the server leads its group (start_new_session): its core and workers are in it
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 # ---------------------------------------------------------------- offline
@@ -168,7 +196,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--tiny", action="store_true", help="build and use a tiny random Llama (in a temp dir)")
@@ -185,24 +213,23 @@ def main() -> None:
                    help="torch CPU threads for both the server and the offline engine (same for both)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("engine_args", nargs="*", help="after --: extra detent-serve / LLM flags for the server")
-    a = p.parse_args()
-    if a.tiny:
-        import tempfile
-
-        from detent.models.tiny import write_tiny_llama
-        a.model = write_tiny_llama(tempfile.mkdtemp(prefix="detent-tiny-"))
+    a = p.parse_args(argv)
     n_for = lambda c: max(a.min_requests, c * a.requests_per_client)  # noqa: E731
     modes = [m for m, skip in (("server", a.skip_server), ("offline", a.skip_offline)) if not skip]
-    proc, url, eng, tok = None, a.url, None, None
-    try:
+    url, eng, tok = a.url, None, None
+    with contextlib.ExitStack() as cleanup:  # undone in reverse order, on any exit
+        if a.tiny:
+            from detent.models.tiny import write_tiny_llama
+            a.model = write_tiny_llama(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="detent-tiny-")))
         if "server" in modes and url is None:
-            proc, url = start_server(a)
+            url = cleanup.enter_context(running_server(a))
         if "offline" in modes:
             if a.threads:
                 import torch
                 torch.set_num_threads(a.threads)
             from detent.engine import LLM
             llm = LLM(model=a.model, max_num_seqs=max(a.concurrency))
+            cleanup.callback(llm.shutdown)
             eng, tok = llm.llm_engine, llm.get_tokenizer()
 
         def once(mode: str, c: int, ps: list[str]):
@@ -223,10 +250,6 @@ def main() -> None:
             for mode in modes:
                 rows.append(summarize(mode, c, *acc[mode]))
                 print(table(rows[-1:]), flush=True)
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
     rows.sort(key=lambda r: (r["concurrency"], r["mode"]))
     print(f"\n{os.cpu_count()} CPUs, {a.threads or 'default'} torch threads; prompt {a.prompt_words} words, "
           f"{a.max_tokens} tokens per request\n")

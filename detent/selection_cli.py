@@ -71,7 +71,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--max-context", "--max-model-len", dest="max_context", type=int, default=None,
+                   help="the longest sequence served (the engine's max_model_len; default: the model's "
+                   "max_position_embeddings)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
 

@@ -137,6 +137,7 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         want = set(ids)
+        in_toks = out_toks = 0
         try:
             while eng.has_unfinished_requests() and not want <= done.keys():
                 outs = eng.step()
@@ -145,7 +146,12 @@ class LLM:
                 for out in outs:
                     if out.finished and out.request_id in want:
                         done[out.request_id] = out
-                        if bar is not None:
+                        if bar is not None:  # as vLLM's bar: token throughput since the start
+                            in_toks += len(out.prompt_token_ids) * len(out.outputs)
+                            out_toks += sum(len(c.token_ids) for c in out.outputs)
+                            elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                            bar.set_postfix_str(f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                                                f"output: {out_toks / elapsed:.2f} toks/s", refresh=False)
                             bar.update(1)
         finally:
             if bar is not None:

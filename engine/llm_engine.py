@@ -286,9 +286,12 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         bm, sch = self.block_manager, self.scheduler
+        waiting = list(sch.waiting)  # one C-level copy: safe while the step thread edits the deque
         return {
             "num_running": len(sch.running),
-            "num_waiting": len(sch.waiting) + len(self._inbox),
+            "num_waiting": len(waiting) + len(self._inbox),
+            # waiting for their grammar to compile, not for room (vLLM's "deferred" waiting reason)
+            "num_waiting_deferred": sum(1 for r in waiting if r.grammar is not None and r.grammar.pending),
             "kv_cache_usage": bm.usage,
             "num_kv_blocks": bm.num_usable_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,

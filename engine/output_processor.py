@@ -33,6 +33,10 @@ class _Group:
     finished_time: float | None = None
 
 
+def _earliest(times) -> float | None:
+    return min((t for t in times if t is not None), default=None)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -134,8 +138,11 @@ class OutputProcessor:
             request_id=request_id, prompt=g.prompt, prompt_token_ids=g.prompt_token_ids,
             prompt_logprobs=self._prompt_logprobs(g), outputs=outs, finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=RequestMetrics(first.arrival_time, first.first_token_time, g.finished_time,
-                                   sum(s.req.num_preemptions for s in g.samples)),
+            metrics=RequestMetrics(first.arrival_time, _earliest(s.req.first_token_time for s in g.samples),
+                                   g.finished_time, sum(s.req.num_preemptions for s in g.samples),
+                                   _earliest(s.req.scheduled_time for s in g.samples),
+                                   max((t for s in g.samples if (t := s.req.last_token_time) is not None),
+                                       default=None)),
             error=errors[0] if errors else None)
 
     def release(self, request_id: str) -> None:

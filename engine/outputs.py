@@ -32,10 +32,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    arrival_time: float
+    """The engine's timestamps (its time.monotonic(); one clock per host, so a
+    server process on the same machine can subtract its own readings)."""
+    arrival_time: float  # queued in the engine
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    scheduled_time: float | None = None  # first scheduled (preemptions do not move it)
+    last_token_time: float | None = None  # the latest token of any sample
 
 
 @dataclass

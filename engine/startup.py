@@ -33,6 +33,34 @@ def max_model_len_for(config: EngineConfig, mc: Any) -> int:
     return max_len
 
 
+# deployment fact -> (detent-serve flag, LLM argument) that sets it
+FACT_OPTIONS = {"max_context": ("--max-model-len", "max_model_len"), "max_num_seqs": ("--max-num-seqs", "max_num_seqs"),
+                "max_num_batched_tokens": ("--max-num-batched-tokens", "max_num_batched_tokens"),
+                "tp": ("--tp", "tensor_parallel_size"), "dtype": ("--dtype", "dtype"),
+                "page_size": (None, "block_size")}
+
+
+def tuple_command(config: EngineConfig, facts: dict[str, Any]) -> str:
+    """The `detent tuple default` line that writes a tuple for exactly these facts."""
+    import shlex
+    return (f"detent tuple default --model {shlex.quote(config.model or 'embedded')} --device {facts['device']} "
+            f"--dtype {facts['dtype']} --tp {facts['tp']} --page-size {facts['page_size']} "
+            f"--max-model-len {facts['max_context']} --max-num-batched-tokens {facts['max_num_batched_tokens']} "
+            f"--max-num-seqs {facts['max_num_seqs']} -o t.json")
+
+
+def matching_tuple_hint(config: EngineConfig, facts: dict[str, Any], err: Any) -> str:
+    """What to do when the tuple was made for another deployment: make one for this one,
+    or (when a flag sets the fact) run with the tuple's value."""
+    lines = [f"Make a tuple for this deployment:\n    {tuple_command(config, facts)}"]
+    flag, arg = FACT_OPTIONS.get(err.fact, (None, None))
+    if arg is not None:
+        made_for = err.made_for
+        how = f"{flag} {made_for} (LLM(..., {arg}={made_for!r}))" if flag else f"LLM(..., {arg}={made_for!r})"
+        lines.append(f"or run with the tuple's value: {how}.")
+    return "\n".join(lines)
+
+
 def local_kv_heads(num_kv_heads: int, tp: int) -> int:
     """KV heads each rank holds (1 when KV heads are replicated)."""
     return num_kv_heads // tp if num_kv_heads >= tp else 1
@@ -86,7 +114,7 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, mc: Any, device: 
                  world: int = 1, group=None, dispatcher=None) -> RankRuntime:
     """Size and allocate the KV cache, make the dispatcher (unless given) and
     the runner for `model` on `device`; `world > 1`: one rank of a group."""
-    from detent.selection import make_dispatcher
+    from detent.selection import FactMismatch, make_dispatcher
 
     dtype = next(model.parameters()).dtype
     max_len = max_model_len_for(config, mc)
@@ -105,7 +133,10 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, mc: Any, device: 
     state = EngineState(device, dtype, max_len, num_blocks, config.block_size)
     facts = deployment_facts(config, mc, state)
     if dispatcher is None:
-        dispatcher = make_dispatcher(facts, config.selection, config.tuple)
+        try:
+            dispatcher = make_dispatcher(facts, config.selection, config.tuple)
+        except FactMismatch as e:
+            raise FactMismatch(f"{e}\n{matching_tuple_hint(config, facts, e)}", e.fact, e.made_for, e.here) from None
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
                          dispatcher, device)
     from detent.engine.cuda_graph import enable_graphs

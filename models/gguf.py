@@ -9,6 +9,8 @@ from the GGUF metadata; tokenizer.json and the chat template from the
 file's tokenizer fields (via transformers' GGUF tokenizer converter). The
 result is cached under $DETENT_CACHE (default ~/.cache/detent)/models/,
 keyed by the file's content hash, so later starts only load safetensors.
+The conversion takes seconds to a minute; it says so on stderr and shows a
+progress bar (tokenizer, each tensor, the write).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -113,11 +116,13 @@ def gguf_config(reader) -> dict:
     }
 
 
-def dequantized_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
-    """HF name -> float32 tensor (dequantized, Q/K rows unpermuted)."""
+def dequantized_tensors(reader, cfg: dict, bar=None) -> dict[str, torch.Tensor]:
+    """HF name -> float32 tensor (dequantized, Q/K rows unpermuted); `bar` (tqdm) advances per tensor."""
     from gguf.quants import dequantize
     out = {}
     for t in reader.tensors:
+        if bar is not None:
+            bar.update(1)
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(tuple(int(x) for x in reversed(t.shape)))  # GGUF shape is [in, out]
         name = hf_name(t.name)
@@ -142,8 +147,8 @@ def converted_dir(gguf_path: str) -> str:
     return os.path.join(cache_root(), f"{stem}-{_file_hash(gguf_path)}-v{CONVERTER_VERSION}")
 
 
-def convert_gguf(gguf_path: str, out_dir: str | None = None) -> str:
-    """A safetensors + tokenizer directory for `gguf_path` (cached)."""
+def convert_gguf(gguf_path: str, out_dir: str | None = None, progress: bool = True) -> str:
+    """A safetensors + tokenizer directory for `gguf_path` (cached); `progress`: say so on stderr."""
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
     out_dir = out_dir or converted_dir(gguf_path)
@@ -151,26 +156,41 @@ def convert_gguf(gguf_path: str, out_dir: str | None = None) -> str:
         return out_dir
     import gguf
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
+    name = os.path.basename(gguf_path)
+    if progress:
+        print(f"detent: converting {name} to safetensors, once (later starts load {out_dir}); "
+              f"reading the GGUF file...", file=sys.stderr, flush=True)
     reader = gguf.GGUFReader(gguf_path)
     cfg = gguf_config(reader)
     os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out_dir) or ".")
+    # one step for the tokenizer, one per tensor, one for the write
+    bar = tqdm(total=len(reader.tensors) + 2, desc=f"Converting {name}", unit="step", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
     try:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(gen, f, indent=2)
+        bar.set_postfix_str("tokenizer")
         _save_tokenizer(gguf_path, tmp)
-        save_file(dequantized_tensors(reader, cfg), os.path.join(tmp, "model.safetensors"),
+        bar.update(1)
+        bar.set_postfix_str("tensors")
+        tensors = dequantized_tensors(reader, cfg, bar)
+        bar.set_postfix_str("writing model.safetensors")
+        save_file(tensors, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt", "source": os.path.basename(gguf_path)})
+        bar.update(1)
         try:
             os.replace(tmp, out_dir)
         except OSError:  # another process finished first
             if not os.path.isfile(os.path.join(out_dir, "model.safetensors")):
                 raise
     finally:
+        bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 

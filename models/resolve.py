@@ -131,7 +131,10 @@ def _not_found_message(spec: str, path: str, repos: tuple[str, ...]) -> str:
     else:
         lines.append(f"  a preset name: not one of {', '.join(sorted(PRESETS))}")
     repo = repos[0] if repos else "ORG/NAME"
-    lines.append(f"Get the weights with `huggingface-cli download {repo}` (honours HF_HOME), pass a "
-                 f"local directory with config.json + *.safetensors + tokenizer.json, or use "
-                 f"load_format='dummy' with a preset for random weights at the real shapes.")
+    local = f"models/{repo.split('/')[-1]}"
+    lines += [f"Get the weights with huggingface_hub's `hf` command (pip install -U huggingface_hub):",
+              f"    hf download {repo}    # into the Hugging Face cache (honours HF_HOME); then pass {spec!r} again",
+              f"    hf download {repo} --local-dir {local}    # then pass {local}",
+              "or pass a local directory with config.json + *.safetensors + tokenizer.json, or use "
+              "load_format='dummy' with a preset for random weights at the real shapes."]
     return "\n".join(lines)

@@ -178,6 +178,11 @@ class GrammarState:
         return self._matcher is not None
 
     @property
+    def pending(self) -> bool:
+        """Still compiling as of the last poll (reads only: safe from a thread that is not the step's)."""
+        return self._matcher is None and self._error is None
+
+    @property
     def error(self) -> str | None:
         self._poll()
         return self._error

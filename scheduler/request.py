@@ -60,8 +60,12 @@ class Request:
         self.output_logprobs: list[tuple[float, int, list[int], list[float]]] = []
         # per prompt position 1..P-1: (logprob of the prompt token, rank, topk ids, topk logprobs)
         self.prompt_logprobs: list[tuple[float, int, list[int], list[float]]] = []
+        # engine-clock timestamps (time.monotonic) for the server's metrics: queued, first
+        # scheduled, first and latest token (vLLM's QUEUED / SCHEDULED / NEW_TOKENS events)
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     # ------------------------------------------------------------ derived
     @property
@@ -106,8 +110,9 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.last_token_time = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = self.last_token_time
         n = len(self.block_hashes)
         if self.num_tokens // self.block_size > n:
             parent = self.block_hashes[-1] if n else NONE_HASH

@@ -28,6 +28,7 @@ step already launched for it (that row's token is discarded).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -134,11 +135,12 @@ class Scheduler:
             n = min(req.num_tokens - done, budget)
             if not self.bm.allocate(req, n, hits):
                 break
-            self.bm.record_lookup(req.num_tokens, done, enabled=not req.wants_prompt_logprobs)
             self.waiting.remove(req)
             req.num_computed_tokens = done
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission (a preempted request's re-admission is not a query)
+                self.bm.record_lookup(req.num_tokens, done, enabled=not req.wants_prompt_logprobs)
                 req.num_cached_tokens = done
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             planned[req.request_id] = n

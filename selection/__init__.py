@@ -14,7 +14,8 @@ from detent.selection.dispatch import Dispatcher, get_dispatcher, use_dispatcher
 from detent.selection.compiler.lang import SelectionError, SelIRError, SelIRSyntaxError, parse_program
 from detent.selection.compiler.solver import MODES, IllegalAssignment, Solution, solve
 from detent.selection.facts import default_facts_for, deployment_hash
-from detent.selection.compiler.commitment import CommitmentTuple, TupleError, default_tuple, tuple_hash
+from detent.selection.compiler.commitment import (CommitmentTuple, FactMismatch, TupleError, default_tuple,
+                                                  tuple_hash)
 
 
 def make_dispatcher(facts: dict[str, Any], mode: str = "pinned", tuple_path: str | None = None) -> Dispatcher:
@@ -47,7 +48,8 @@ def active_tuple_hash(d: Dispatcher) -> str:
     return tuple_hash(t)
 
 
-__all__ = ["CommitmentTuple", "Dispatcher", "IllegalAssignment", "MODES", "SelIRError", "SelIRSyntaxError",
-           "SelectionError", "Solution", "TupleError", "active_tuple_hash", "default_facts_for", "default_tuple",
+__all__ = ["CommitmentTuple", "Dispatcher", "FactMismatch", "IllegalAssignment", "MODES", "SelIRError",
+           "SelIRSyntaxError", "SelectionError", "Solution", "TupleError", "active_tuple_hash", "default_facts_for",
+           "default_tuple",
            "deployment_hash", "get_dispatcher", "make_dispatcher", "parse_program", "solve",
            "tuple_hash", "use_dispatcher"]

@@ -87,7 +87,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         if request.url.path in GENERATION_PATHS:
-            state.metrics.outcome("rejected")
+            state.metrics.rejected.inc()
         return exc.response()
 
     app.add_exception_handler(APIError, on_api_error)

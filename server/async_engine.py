@@ -54,6 +54,8 @@ class AsyncEngine:
         self.dead: str | None = None
         self.steps = 0
         self.step_times: collections.deque = collections.deque(maxlen=4096)  # seconds, for /metrics
+        # per-request metrics (server/request_stats.py: begin / step / ended / forget), or None
+        self.observer: Any = None
         self._stats: dict[str, Any] = self._read_stats()
 
     # ---- lifecycle (event loop side) ----
@@ -106,6 +108,8 @@ class AsyncEngine:
             raise APIError(400, f"request id {request_id!r} is already in use", param="request_id")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
+        if self.observer is not None:  # before the engine sees it: its first output may come before we resume
+            self.observer.begin(request_id, len(prompt_token_ids), params)
         admitted = asyncio.get_running_loop().create_future()
         with self._lock:
             self._pending_adds += 1
@@ -114,6 +118,8 @@ class AsyncEngine:
             await admitted
         except BaseException:  # refused, or the caller was cancelled while waiting
             self._streams.pop(request_id, None)
+            if self.observer is not None:
+                self.observer.forget(request_id)
             self.abort(request_id)  # harmless if it never reached the engine
             raise
         finally:
@@ -146,6 +152,13 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+            self._ended(request_id, aborted=not finished)
+
+    def _ended(self, request_id: str, aborted: bool) -> None:
+        """The stream is closed: an unfinished request counts as aborted (a no-op for one
+        the metrics saw finish); a dead engine's requests are not counted."""
+        if self.observer is not None:
+            (self.observer.ended if aborted else self.observer.forget)(request_id)
 
     async def call(self, fn: Any, *args: Any) -> Any:
         """`fn(engine, *args)` where the engine lives (here: a worker thread; the
@@ -162,6 +175,7 @@ class AsyncEngine:
         """Stops delivering to a request's stream and aborts it in the engine (idempotent)."""
         if self._streams.pop(request_id, None) is not None:
             self.abort(request_id)
+            self._ended(request_id, aborted=True)
 
     def abort(self, request_id: str) -> None:
         self._cmds.append(("abort", request_id))
@@ -175,6 +189,8 @@ class AsyncEngine:
 
     def _fan_out(self, outputs: list[Any]) -> None:
         """On the event loop: each output to its request's queue (gone requests are skipped)."""
+        if self.observer is not None:
+            self.observer.step(outputs)
         for out in outputs:
             q = self._streams.get(out.request_id)
             if q is not None:
@@ -317,6 +333,7 @@ class AsyncCoreEngine(AsyncEngine):
                 self.steps += 1
             if stats is not None:
                 self._stats = stats
+            outs = []
             for d in deltas:
                 q = self._streams.get(d.request_id)
                 if q is None:  # the client left (its abort is on its way to the core)
@@ -328,7 +345,10 @@ class AsyncCoreEngine(AsyncEngine):
                     log.exception("could not rebuild the output of %s", d.request_id)
                     q.put_nowait(APIError(500, f"internal error: {type(e).__name__}: {e}"))
                     continue
+                outs.append(out)
                 q.put_nowait(out)
+            if self.observer is not None:
+                self.observer.step(outs)
         elif kind == "result":
             _, cid, ok, value = msg
             fut = self._calls.get(cid)

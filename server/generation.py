@@ -1,9 +1,9 @@
-"""One HTTP request's engine requests, merged, timed and reported.
+"""One HTTP request's engine requests, merged.
 
 A completion with several prompts is several engine requests (ids
 `<id>-0`, `<id>-1`, ...); each may carry `n` samples. `Generation` runs them
-through the `AsyncEngine`, feeds the metrics, and records the outcome
-(`stop`, `length`, `error`, or `abort` when the consumer stops early).
+through the `AsyncEngine` (whose observer, server/request_stats.py, feeds the
+metrics) and aborts what is unfinished when the consumer stops early.
 With `--request-log`, each engine request that finishes is handed to the
 request log (server/request_log.py), which builds and writes its record off
 the event loop.
@@ -17,7 +17,6 @@ from typing import Any, AsyncIterator
 
 from detent.server.errors import APIError
 from detent.server.formatting import usage
-from detent.server.metrics import RequestTimer
 from detent.server.serving import ServerState, merge, sse
 
 log = logging.getLogger("detent.server.requests")
@@ -25,14 +24,6 @@ log = logging.getLogger("detent.server.requests")
 
 def _generated(out: Any) -> int:
     return sum(len(c.token_ids) for c in out.outputs)
-
-
-def _outcome(out: Any) -> str:
-    reasons = {c.finish_reason for c in out.outputs}
-    for r in ("error", "abort", "length", "stop"):
-        if r in reasons:
-            return r
-    return "stop"
 
 
 def seeds(finals: list[Any]) -> list[int | None]:
@@ -93,7 +84,6 @@ class Generation:
         self.endpoint, self.texts = endpoint, texts or [None] * len(prompts)
         self.log_record = log_record and state.request_log is not None  # POST /v1/verify's replays: not logged
         self.arrival = time.time()
-        self.timers = [RequestTimer(state.metrics) for _ in prompts]
         self._streams: list[AsyncIterator[Any]] = []
         self.final: list[Any] = [None] * len(prompts)
         self.generated = [0] * len(prompts)  # tokens so far, per engine request
@@ -123,7 +113,6 @@ class Generation:
         for i in range(len(self.prompts)):
             if self.final[i] is None:
                 self.state.engine.cancel(self.rid(i))
-            self.timers[i].finish("abort", len(self.prompts[i]))
 
     @property
     def prompt_tokens(self) -> int:
@@ -142,23 +131,14 @@ class Generation:
         it = merge(self._streams)
         try:
             async for i, out in it:
-                self.timers[i].tokens(_generated(out))
                 self.generated[i] = _generated(out)
                 if out.finished:
                     self.final[i] = out
-                    self.timers[i].finish(_outcome(out), len(self.prompts[i]))
                     if self.log_record:
                         self._log(i, out)
                 yield i, out
-        except BaseException as e:
-            outcome = "error" if isinstance(e, (APIError, Exception)) else "abort"
-            for i, t in enumerate(self.timers):
-                t.finish(outcome, len(self.prompts[i]))
-            raise
         finally:
             await it.aclose()
-            for i, t in enumerate(self.timers):
-                t.finish("abort", len(self.prompts[i]))
 
     def _log(self, i: int, out: Any) -> None:
         from detent.engine import request_record

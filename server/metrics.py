@@ -1,22 +1,99 @@
-"""Prometheus metrics for /metrics (one registry per server).
+"""Prometheus metrics for /metrics: vLLM's metric stems under `detent:`.
 
-Counters and histograms are fed per request by `RequestTimer`; gauges
-(KV usage, prefix-cache hit rate, queue lengths) are read from the engine
-thread's latest stats snapshot at scrape time.
+The names, types, label names and buckets are those of vLLM's v1 engine
+(`vllm:num_requests_running` is `detent:num_requests_running`, ...), so a
+dashboard built for `vllm serve` works by changing the prefix. Every series
+has the labels `model_name` and `engine` ("0": Detent runs one engine core).
+The values come from two places:
+
+- the engine's stats snapshot (`LLMEngine.stats()`, which crosses the core
+  process boundary with each step's outputs): the gauges, and the prefix-cache
+  and preemption counters, advanced by the engine's cumulative counts;
+- each request's outputs as they stream (`server/request_stats.py`): token
+  counters, per-request histograms, finish reasons.
+
+Detent's own series: `detent:tuple_info` (the tuple and deployment hashes,
+an info metric), `detent:engine_up`, `detent:engine_step_seconds` and
+`detent:requests_rejected` (requests refused before reaching the engine).
 """
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-OUTCOMES = ("stop", "length", "abort", "error", "rejected")
-_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-            20.0, 40.0, 80.0)
-_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-         0.5, 0.75, 1.0, 2.5)
+PREFIX = "detent:"
+ENGINE = "0"
+LABELS = ("model_name", "engine")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # the finish reasons Detent's engine gives
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+WAITING_REASONS = ("capacity", "deferred")
+
+# vLLM's bucket lists (vllm/v1/metrics/loggers.py, PrometheusStatLogger)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+# stem -> documentation (gauges, counters) or (documentation, buckets); "1-2-5": up to max_model_len
+GAUGES = {
+    "num_requests_running": "Number of requests in model execution batches.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+}
+COUNTERS = {
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "num_preemptions": "Cumulative number of preemption from the engine.",
+    "prompt_tokens": "Number of prefill tokens processed.",
+    "prompt_tokens_cached": "Number of cached prompt tokens (local + external).",
+    "prompt_tokens_recomputed": "Number of cached tokens recomputed for forward pass.",
+    "generation_tokens": "Number of generation tokens processed.",
+}
+HISTOGRAMS = {
+    "request_prompt_tokens": ("Number of prefill tokens processed.", "1-2-5"),
+    "request_generation_tokens": ("Number of generation tokens processed.", "1-2-5"),
+    "iteration_tokens_total": ("Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS),
+    "request_max_num_generation_tokens": ("Histogram of maximum number of requested generation tokens.",
+                                          "1-2-5"),
+    "request_params_n": ("Histogram of the n request parameter.", N_BUCKETS),
+    "request_params_max_tokens": ("Histogram of the max_tokens request parameter.", "1-2-5"),
+    "time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS),
+    "request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
+                                              TOKEN_LATENCY_BUCKETS),
+    "e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    "request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.",
+                                   REQUEST_LATENCY_BUCKETS),
+    "request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.",
+                                       REQUEST_LATENCY_BUCKETS),
+    "request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.",
+                                     REQUEST_LATENCY_BUCKETS),
+    "request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.",
+                                    REQUEST_LATENCY_BUCKETS),
+    "request_prefill_kv_computed_tokens": ("Histogram of new KV tokens computed during prefill "
+                                           "(excluding cached tokens).", "1-2-5"),
+}
+# counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
+ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
 
 def stat(stats: dict[str, Any], *names: str, default: float = 0.0) -> float:
@@ -46,80 +123,66 @@ def metric_label(served_name: str) -> str:
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    """One registry per server; `m.c[stem]`, `m.h[stem]`, `m.g[stem]` are the labelled children."""
+
+    def __init__(self, model_name: str, max_model_len: int = 4096, fingerprint: dict[str, str] | None = None):
         self.registry = r = CollectorRegistry()
-        lab = {"model_name": model_name}
-        self.requests = Counter("detent_requests", "Requests finished, by outcome",
-                                ["model_name", "outcome"], registry=r)
-        for o in OUTCOMES:
-            self.requests.labels(model_name=model_name, outcome=o)
-        self.prompt_tokens = Counter("detent_prompt_tokens", "Prompt tokens processed",
-                                     ["model_name"], registry=r).labels(**lab)
-        self.generation_tokens = Counter("detent_generation_tokens", "Tokens generated",
-                                         ["model_name"], registry=r).labels(**lab)
-        self.ttft = Histogram("detent_time_to_first_token_seconds", "Time to first token",
-                              ["model_name"], buckets=_LATENCY, registry=r).labels(**lab)
-        self.tpot = Histogram("detent_time_per_output_token_seconds", "Time per output token after the first",
-                              ["model_name"], buckets=_TPOT, registry=r).labels(**lab)
-        self.e2e = Histogram("detent_e2e_request_latency_seconds", "Request latency",
-                             ["model_name"], buckets=_LATENCY, registry=r).labels(**lab)
-        self.step = Histogram("detent_engine_step_seconds", "Duration of one engine step",
-                              ["model_name"], buckets=_TPOT, registry=r).labels(**lab)
-        g = lambda name, doc: Gauge(name, doc, ["model_name"], registry=r).labels(**lab)  # noqa: E731
-        self.kv_usage = g("detent_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)")
-        self.prefix_hit_rate = g("detent_prefix_cache_hit_rate", "Prefix-cache hit rate over queried tokens (0..1)")
-        self.waiting = g("detent_num_requests_waiting", "Requests waiting to be scheduled (incl. not yet admitted)")
-        self.running = g("detent_num_requests_running", "Requests running in the engine")
-        self.engine_up = g("detent_engine_up", "1 while the engine step loop is alive")
         self.model_name = model_name
+        lab = {"model_name": model_name, "engine": ENGINE}
+        self.g = {s: Gauge(PREFIX + s, doc, LABELS, registry=r).labels(**lab) for s, doc in GAUGES.items()}
+        self.c = {s: Counter(PREFIX + s, doc, LABELS, registry=r).labels(**lab) for s, doc in COUNTERS.items()}
+        self.h = {}
+        for s, (doc, buckets) in HISTOGRAMS.items():
+            b = buckets_1_2_5(max_model_len) if buckets == "1-2-5" else buckets
+            self.h[s] = Histogram(PREFIX + s, doc, LABELS, buckets=b, registry=r).labels(**lab)
+        success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                          LABELS + ("finished_reason",), registry=r)
+        self.success = {f: success.labels(**lab, finished_reason=f) for f in FINISH_REASONS}
+        by_reason = Gauge(PREFIX + "num_requests_waiting_by_reason", "Number of waiting requests by reason. "
+                          "Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by "
+                          "transient constraints (a grammar still compiling). Sum of all reasons equals "
+                          "num_requests_waiting.", LABELS + ("reason",), registry=r)
+        self.waiting_by_reason = {w: by_reason.labels(**lab, reason=w) for w in WAITING_REASONS}
+        by_source = Counter(PREFIX + "prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            LABELS + ("source",), registry=r)
+        self.prompt_by_source = {s: by_source.labels(**lab, source=s) for s in PROMPT_SOURCES}
+        # Detent's own
+        Info(PREFIX + "tuple", "The commitment tuple and deployment this server runs (hashes, selection mode)",
+             LABELS, registry=r).labels(**lab).info(dict(fingerprint or {}))
+        self.engine_up = Gauge(PREFIX + "engine_up", "1 while the engine step loop is alive", LABELS,
+                               registry=r).labels(**lab)
+        self.step = Histogram(PREFIX + "engine_step_seconds", "Duration of one engine step", LABELS,
+                              buckets=STEP_BUCKETS, registry=r).labels(**lab)
+        self.rejected = Counter(PREFIX + "requests_rejected", "Generation requests refused before reaching the "
+                                "engine (4xx, 503)", LABELS, registry=r).labels(**lab)
+        self._engine_seen = {k: 0.0 for k in ENGINE_COUNTERS}
 
     def token_totals(self) -> tuple[float, float]:
-        """(prompt tokens, generated tokens) counted so far (the stats line's source)."""
-        lab = {"model_name": self.model_name}
-        return (self.registry.get_sample_value("detent_prompt_tokens_total", lab) or 0.0,
-                self.registry.get_sample_value("detent_generation_tokens_total", lab) or 0.0)
+        """(prompt tokens computed, tokens generated) so far: the stats line's throughputs
+        (as vLLM's, the prompt side leaves out prefix-cache hits)."""
+        lab = {"model_name": self.model_name, "engine": ENGINE}
+        get = self.registry.get_sample_value
+        return (get(PREFIX + "prompt_tokens_by_source_total", {**lab, "source": "local_compute"}) or 0.0,
+                get(PREFIX + "generation_tokens_total", lab) or 0.0)
 
-    def outcome(self, outcome: str) -> None:
-        self.requests.labels(model_name=self.model_name, outcome=outcome).inc()
+    def engine_stats(self, stats: dict[str, Any]) -> None:
+        """Gauges from the latest snapshot; the engine's cumulative counts advance the counters
+        (a count that went down was reset, e.g. by reset_prefix_cache: it advances by its new value)."""
+        self.g["num_requests_running"].set(stat(stats, "num_running"))
+        waiting, deferred = stat(stats, "num_waiting") + stat(stats, "num_pending"), stat(stats, "num_waiting_deferred")
+        self.g["num_requests_waiting"].set(waiting)
+        self.waiting_by_reason["capacity"].set(waiting - deferred)
+        self.waiting_by_reason["deferred"].set(deferred)
+        self.g["kv_cache_usage_perc"].set(kv_usage(stats))
+        for key in ENGINE_COUNTERS:
+            if stats.get(key) is not None:
+                now, seen = float(stats[key]), self._engine_seen[key]
+                self.c[key].inc(now - seen if now >= seen else now)
+                self._engine_seen[key] = now
 
     def render(self, stats: dict[str, Any], alive: bool, step_times: Any = ()) -> bytes:
-        self.kv_usage.set(kv_usage(stats))
-        self.prefix_hit_rate.set(stat(stats, "prefix_cache_hit_rate"))
-        self.waiting.set(stat(stats, "num_waiting") + stat(stats, "num_pending"))
-        self.running.set(stat(stats, "num_running"))
+        self.engine_stats(stats)
         self.engine_up.set(1.0 if alive else 0.0)
         while step_times:
             self.step.observe(step_times.popleft())
         return generate_latest(self.registry)
-
-
-class RequestTimer:
-    """One request's timeline; reports it to the metrics once, at the end."""
-
-    def __init__(self, metrics: Metrics):
-        self.m = metrics
-        self.t0 = time.perf_counter()
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.num_tokens = 0
-        self.done = False
-
-    def tokens(self, total_generated: int) -> None:
-        if total_generated > self.num_tokens:
-            now = time.perf_counter()
-            if self.t_first is None:
-                self.t_first = now
-                self.m.ttft.observe(now - self.t0)
-            self.t_last = now
-            self.num_tokens = total_generated
-
-    def finish(self, outcome: str, prompt_tokens: int) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.m.outcome(outcome)
-        self.m.prompt_tokens.inc(prompt_tokens)
-        self.m.generation_tokens.inc(self.num_tokens)
-        self.m.e2e.observe(time.perf_counter() - self.t0)
-        if self.t_first is not None and self.num_tokens > 1:
-            self.m.tpot.observe((self.t_last - self.t_first) / (self.num_tokens - 1))

@@ -20,6 +20,7 @@ from detent.server.errors import APIError, validation_error
 from detent.server.limits import ServerLimits
 from detent.server.metrics import Metrics, metric_label
 from detent.server.preprocess import Preprocessor
+from detent.server.request_stats import RequestStats
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -52,7 +53,8 @@ class ServerState:
         if self.preprocess is None:
             self.preprocess = Preprocessor(self.tokenizer, self.limits, self.max_model_len)
         if self.metrics is None:
-            self.metrics = Metrics(metric_label(self.served_model_names[0]))
+            self.metrics = Metrics(metric_label(self.served_model_names[0]), self.max_model_len, self.fingerprint())
+        self.engine.observer = RequestStats(self.metrics)  # the engine's outputs feed the per-request metrics
 
     @property
     def model_name(self) -> str:

@@ -41,6 +41,14 @@ class TupleError(ValueError):
     """A commitment tuple that cannot be used for this deployment."""
 
 
+class FactMismatch(TupleError):
+    """The tuple was made for another deployment: `fact` is `made_for` there, `here` here."""
+
+    def __init__(self, message: str, fact: str, made_for: Any, here: Any):
+        super().__init__(message)
+        self.fact, self.made_for, self.here = fact, made_for, here
+
+
 def _tuples(v: Any) -> Any:
     """JSON has no tuples: lists in pin values come back as tuples."""
     if isinstance(v, list):
@@ -184,8 +192,8 @@ class CommitmentTuple:
         for k in sorted(set(self.facts) | set(facts)):
             a, b = self.facts.get(k, "<absent>"), facts.get(k, "<absent>")
             if _tuples(a) != _tuples(b):
-                raise TupleError(f"{self.source}: deployment fact {k!r} differs: the tuple was made for {a!r}, "
-                                 f"this deployment has {b!r}")
+                raise FactMismatch(f"{self.source}: deployment fact {k!r} differs: the tuple was made for {a!r}, "
+                                   f"this deployment has {b!r}", k, a, b)
 
     def validate(self, facts: dict[str, Any], legal: bool = True) -> None:
         """Refuse the tuple for this deployment: facts mismatch, a family, pin or

@@ -3,6 +3,7 @@ this issue, RequestOutput/CompletionOutput/Logprob, and LLMEngine's
 add/step/abort loop (also driven from a second thread)."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -268,3 +269,14 @@ def test_freeze_gc_moves_startup_objects_out_of_the_collector(unfrozen_gc):
     junk.append(junk)  # a cycle only a collection frees
     del junk
     assert gc.collect() >= 1000 and gc.get_freeze_count() == frozen
+
+
+def test_progress_bar_shows_input_and_output_tokens_per_second(llm, capsys):
+    prompts = [{"prompt_token_ids": [5 + i] * 10} for i in range(2)]
+    llm.generate(prompts, SamplingParams(max_tokens=4, n=2, seed=0, ignore_eos=True))  # 2 x 2 x 10 in, 2 x 2 x 4 out
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err
+    speeds = re.findall(r"est\. speed input: ([\d.]+) toks/s, output: ([\d.]+) toks/s", err)
+    assert speeds, err
+    inp, out = map(float, speeds[-1])
+    assert inp > 0 and out > 0 and inp / out == pytest.approx(40 / 16, rel=0.01)  # one clock for both

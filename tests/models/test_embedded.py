@@ -147,3 +147,32 @@ def test_capital_of_france(embedded_model, embedded_tokenizer):
     out = greedy(embedded_model, ids, 16, stop=tok.eos_token_ids)
     text = tok.decode(out)
     assert "Paris" in text, text
+
+
+def test_conversion_shows_progress_on_stderr(monkeypatch, tmp_path, capsys):
+    """The first conversion takes seconds to a minute: it says so and counts its steps."""
+    import gguf
+    import numpy as np
+
+    class _T:  # an F32 GGUF tensor as GGUFReader lists it
+        def __init__(self, name):
+            self.name, self.tensor_type = name, gguf.GGMLQuantizationType.F32
+            self.shape, self.data = (4, 2), np.arange(8, dtype=np.float32)
+
+    class _Reader:
+        def __init__(self, path):
+            self.tensors = [_T("token_embd.weight"), _T("output_norm.weight"), _T("blk.0.ffn_up.weight")]
+
+    src = tmp_path / "tiny.gguf"
+    src.write_bytes(b"GGUF")
+    monkeypatch.setattr(gguf, "GGUFReader", _Reader)
+    monkeypatch.setattr(dg, "gguf_config", lambda r: {"bos_token_id": 1, "eos_token_id": 2, "num_attention_heads": 1,
+                                                      "num_key_value_heads": 1})
+    monkeypatch.setattr(dg, "_save_tokenizer", lambda path, out: None)
+    out = dg.convert_gguf(str(src), str(tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert "detent: converting tiny.gguf to safetensors, once" in err
+    assert "Converting tiny.gguf" in err and "5/5" in err  # tokenizer + 3 tensors + the write
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    dg.convert_gguf(str(src), str(tmp_path / "out"))  # cached: silent
+    assert capsys.readouterr().err == ""

@@ -94,7 +94,10 @@ def test_unresolvable_name_says_where_it_looked(tmp_path, monkeypatch):
         resolve_model("some-org/some-model")
     msg = str(e.value)
     assert str(tmp_path / "hf" / "hub" / "models--some-org--some-model") in msg
-    assert "huggingface-cli download some-org/some-model" in msg
+    # current huggingface_hub's command (`huggingface-cli` is deprecated): into the cache, or into a directory
+    assert "    hf download some-org/some-model    # into the Hugging Face cache" in msg
+    assert "    hf download some-org/some-model --local-dir models/some-model    # then pass models/some-model" in msg
+    assert "huggingface-cli" not in msg
     with pytest.raises(ModelNotFound, match="not one of .*llama-3.1-8b"):
         resolve_model("not-a-model")
     with pytest.raises(ModelNotFound, match=r"models--Qwen--Qwen3-8B"):
@@ -240,3 +243,20 @@ def test_tp_ranks_read_their_slices_from_safetensors(ckpt):
     assert torch.equal(cat(lambda m: layer(m).mlp.down_proj.weight, 1), layer(full).mlp.down_proj.weight)
     assert torch.equal(cat(lambda m: m.lm_head.weight), full.lm_head.weight)
     assert torch.equal(ranks[1].model.norm.weight, full.model.norm.weight)
+
+
+def test_the_hf_download_command_we_print_is_one_the_hf_cli_accepts(tmp_path, monkeypatch):
+    """The installed huggingface_hub's own `hf download` parser takes the command the message prints."""
+    import shutil
+    import subprocess
+    hf = shutil.which("hf")
+    if hf is None:
+        pytest.skip("huggingface_hub's `hf` command is not installed")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ModelNotFound) as e:
+        resolve_model("qwen3-8b")
+    [line] = [ln for ln in str(e.value).splitlines() if "--local-dir" in ln]
+    argv = line.split("#")[0].split()
+    assert argv[:3] == ["hf", "download", "Qwen/Qwen3-8B"]
+    usage = subprocess.run([hf, "download", "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert "REPO_ID" in usage and "--local-dir" in usage

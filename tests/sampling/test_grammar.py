@@ -177,3 +177,22 @@ def test_sampled_tokens_follow_the_grammar_to_the_end():
             assert len(toks) < 20
         assert toks[-1] == EOS
         assert re.fullmatch("[a-f]{2,4}-[0-9]{1,3}", decode(toks)), decode(toks)
+
+
+def test_pending_reads_the_last_poll_and_never_polls():
+    """`pending` is what LLMEngine.stats() reads from any thread (the "deferred" waiting requests):
+    it must not build the matcher itself, which only the step thread's `ready` does."""
+    from concurrent.futures import Future
+
+    from detent.sampling.grammar import GrammarState
+    done = tiny_cache().new_state(StructuredOutputs(choice=["yes", "no"]))
+    wait(done)
+    fut = Future()
+    st = GrammarState(fut, V, timeout_s=30)
+    assert st.pending and not st.ready
+    fut.set_result(done._future.result())
+    assert st.pending  # compiled, but not polled yet
+    assert st.ready and not st.pending
+    failed = GrammarState(Future(), V, timeout_s=30)
+    failed._future.set_exception(RuntimeError("bad grammar"))
+    assert not failed.ready and not failed.pending

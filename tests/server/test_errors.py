@@ -125,5 +125,4 @@ def test_errors_counted_as_rejected(server):
 
 
 def _rejected(server):
-    return sum(v for k, v in server.metrics().items()
-               if k.startswith("detent_requests_total{") and 'outcome="rejected"' in k)
+    return server.metric("detent:requests_rejected_total")

@@ -50,11 +50,11 @@ def test_200_requests_quarter_disconnect_mid_stream(which, request):
     res = asyncio.run(main())
     assert res.count("left") == 50 and res.count("done") == 150
     deadline = time.time() + 30
-    while time.time() < deadline and (server.metric("detent_kv_cache_usage_perc") != 0
-                                      or server.metric("detent_num_requests_running") != 0):
+    while time.time() < deadline and (server.metric("detent:kv_cache_usage_perc") != 0
+                                      or server.metric("detent:num_requests_running") != 0):
         time.sleep(0.2)
-    assert server.metric("detent_kv_cache_usage_perc") == 0.0
-    assert server.metric("detent_num_requests_running") == 0
+    assert server.metric("detent:kv_cache_usage_perc") == 0.0
+    assert server.metric("detent:num_requests_running") == 0
     assert _count(server, "abort") - aborted0 == 50
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     print(f"200 requests (50 disconnecting) in {time.time() - t0:.1f}s")
@@ -71,15 +71,15 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
             pass
     deadline = time.time() + 30
     while time.time() < deadline and (_count(server, "abort") - aborted0 < 3
-                                      or server.metric("detent_kv_cache_usage_perc") != 0):
+                                      or server.metric("detent:kv_cache_usage_perc") != 0):
         time.sleep(0.2)
     assert _count(server, "abort") - aborted0 == 3
-    assert server.metric("detent_kv_cache_usage_perc") == 0.0
+    assert server.metric("detent:kv_cache_usage_perc") == 0.0
 
 
 def _count(server, outcome):
     return sum(v for k, v in server.metrics().items()
-               if k.startswith("detent_requests_total{") and f'outcome="{outcome}"' in k)
+               if k.startswith("detent:request_success_total{") and f'finished_reason="{outcome}"' in k)
 
 
 def test_embedded_default_model_overload_503_then_sigterm_clean():
@@ -161,3 +161,22 @@ def test_good_tuple_serves_and_reports_its_hash(tmp_path, tiny_model):
         assert h.startswith(printed) and r.json()["detent"]["tuple_hash"] == h
     finally:
         s.stop()
+
+
+def test_max_model_len_unlike_the_tuples_says_how_to_match(tmp_path, tiny_model):
+    t = tmp_path / "t.json"
+    p = subprocess.run([sys.executable, "-m", "detent.cli", "tuple", "default", "--model", tiny_model,
+                        "--max-model-len", "512", "--max-num-seqs", "32", "-o", str(t)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    s = Server(real_argv("--model", tiny_model, "--tuple", str(t), "--max-model-len", "1024", "--max-num-seqs", "32"))
+    try:
+        assert s.proc.wait(300) == 2
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    err = s.output()
+    assert "refusing to start" in err and "deployment fact 'max_context' differs" in err, err[-2000:]
+    assert re.search(rf"detent tuple default --model {re.escape(tiny_model)} .*--max-model-len 1024 .*-o t\.json",
+                     err), err[-2000:]
+    assert "or run with the tuple's value: --max-model-len 512" in err
