@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 
@@ -89,48 +88,35 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 
 def _tune(a: argparse.Namespace) -> int:
     from detent.engine import LLM
-    from detent.selection import default_tuple, programs
-    from detent.selection.compiler.tune_space import family_space
-    from detent.tune_cost import EngineCost, profile_summary, profile_workload
-    from detent.tune_engine import TupleInstaller, engine_facts
+    from detent.selection import programs
+    from detent.tune import tune
+    from detent.tune_cost import profile_summary
     from detent.tune_report import report_dict, write_plot, write_report
-    from detent.tune_search import Search
 
     t_start = time.perf_counter()
     say = lambda s: print(f"[tune {time.perf_counter() - t_start:7.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
-    if a.families:
-        unknown = [f for f in a.families.split(",") if f not in programs.FAMILIES]
-        if unknown:
-            raise ValueError(f"--families: unknown {unknown} (families: {', '.join(programs.FAMILIES)})")
+    families = a.families.split(",") if a.families else None
+    unknown = [f for f in families or () if f not in programs.FAMILIES]
+    if unknown:
+        raise ValueError(f"--families: unknown {unknown} (families: {', '.join(programs.FAMILIES)})")
+    from detent.workloads import NAMES
+    if a.workload not in NAMES and not os.path.isfile(a.workload):
+        raise ValueError(f"--workload {a.workload!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
     for path in (a.output, a.report, a.plot):  # fail before the work, not after it
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
     say(f"loading {a.model or 'the embedded model'}")
     llm = LLM(model=a.model, selection="pinned", **_engine_kwargs(a))
     try:
-        vocab = llm.llm_engine.limits().vocab_size
-        w = load_workload(a.workload, vocab=vocab, num_requests=a.num_requests,
+        w = load_workload(a.workload, vocab=llm.llm_engine.limits().vocab_size, num_requests=a.num_requests,
                           max_prompt_tokens=a.max_prompt_tokens, seed=a.seed)
-        facts = engine_facts(llm)
-        base = default_tuple(facts)
-        with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
-            inst = TupleInstaller(llm, tmp)
-            say(f"profiling {w.name} ({len(w.requests)} requests) under the default tuple")
-            prof = profile_workload(inst, base, w)
-            for fam, sites in sorted(prof.items()):
-                say(f"  {fam}: {sum(len(c) for c in sites.values())} distinct runtime inputs over {len(sites)} "
-                    f"site(s), {sum(sum(c.values()) for c in sites.values())} step-calls")
-            wanted = a.families.split(",") if a.families else list(prof)
-            spaces = [s for s in (family_space(facts, f) for f in wanted if f in prof) if s and len(s.legal) > 1]
-            say(f"searching {', '.join(s.family for s in spaces) or 'no family (nothing to choose)'}")
-            search = Search(base, EngineCost(inst, w, a.repeats), facts, max_candidates=a.max_candidates, eta=a.eta,
-                            min_fraction=a.min_fraction, refine=a.refine, interactions=a.interactions, seed=a.seed,
-                            progress=say)
-            res = search.run(spaces)
+        out = tune(llm, w, families=families, repeats=a.repeats, progress=say, max_candidates=a.max_candidates,
+                   eta=a.eta, min_fraction=a.min_fraction, refine=a.refine, interactions=a.interactions,
+                   seed=a.seed)
+        res, prof = out.result, out.profile
         res.chosen.save(a.output)
         meta = {"workload": w.name, "num_requests": len(w.requests), "model": a.model, "tp": a.tp,
-                "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "seconds": 0.0}
-        meta["seconds"] = time.perf_counter() - t_start
+                "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "seconds": time.perf_counter() - t_start}
         report = report_dict(res, meta=meta, profile=profile_summary(prof), unit="ms per output token")
         stem = a.output[:-5] if a.output.endswith(".json") else a.output
         write_report(a.report or stem + ".report.json", report)

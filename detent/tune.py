@@ -1,0 +1,49 @@
+"""`tune(llm, workload)`: the tuner as a function (docs/tune.md); `detent tune`
+(detent/tune_cli.py) wraps it. Profile the workload under the default tuple,
+search the families the workload calls that have a choice, and return the
+result with the profile.
+
+    from detent.tune import tune
+    out = tune(llm, make("W-A", num_requests=32), progress=print)
+    out.result.chosen.save("t.json")
+
+`cost` makes the cost model from the tuple installer (default: `EngineCost`,
+the workload's steps timed on this engine); tests pass a fake one.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from detent.selection import default_tuple
+from detent.selection.compiler.tune_space import family_space
+from detent.tune_cost import EngineCost, Profile, profile_workload
+from detent.tune_engine import TupleInstaller, engine_facts
+from detent.tune_search import Search, TuneResult
+
+
+@dataclass
+class Tuned:
+    result: TuneResult
+    profile: Profile
+    facts: dict[str, Any]
+
+
+def tune(llm, workload, *, cost: Callable[[TupleInstaller], Any] | None = None, families: list[str] | None = None,
+         repeats: int = 1, progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
+        inst = TupleInstaller(llm, tmp)
+        progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple")
+        prof = profile_workload(inst, base, workload)
+        for fam, sites in sorted(prof.items()):
+            progress(f"  {fam}: {sum(len(c) for c in sites.values())} distinct runtime inputs over {len(sites)} "
+                     f"site(s), {sum(sum(c.values()) for c in sites.values())} step-calls")
+        wanted = families if families is not None else list(prof)
+        spaces = [s for s in (family_space(facts, f) for f in wanted if f in prof) if s and len(s.legal) > 1]
+        progress(f"searching {', '.join(s.family for s in spaces) or 'no family (nothing to choose)'}")
+        model = cost(inst) if cost is not None else EngineCost(inst, workload, repeats)
+        res = Search(base, model, facts, progress=progress, **search).run(spaces)
+    return Tuned(res, prof, facts)
