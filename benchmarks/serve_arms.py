@@ -1,0 +1,172 @@
+"""The arms over the workloads (docs/performance.md, "Arms and workloads"):
+`detent-serve` under stock, conservative, pinned with the default tuple and
+pinned with the tuple `detent tune` picked for each workload (and `vllm
+serve` at --vllm-url, same client), over the loads of W-A, W-B and W-C
+(benchmarks/workloads/README.md). Every tuned tuple is served on every
+workload's loads too: the tuple-drift matrix.
+
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT [--vllm-url URL]
+    python3 benchmarks/serve_arms.py report OUT     # arms.md, fig7.png, fig8.png (benchmarks/arms_report.py)
+
+Order: tune each workload (`detent tune`, skipped when OUT/tuple-W.json
+exists), start stock and measure its maximum request throughput per
+workload (lambda_max: every request at once), then every arm serves every
+load — Poisson at the load's fraction of stock's lambda_max (the same rates
+for every arm, vLLM's too), or the closed loop. Results: OUT/arms.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from serve_load import _get, stop_server  # noqa: E402
+from workload_client import max_throughput, run_load, served_model  # noqa: E402
+
+ARMS = ("stock", "conservative", "pinned-default", "pinned-tuned")
+
+
+def engine_args(a) -> list[str]:
+    """The deployment: `detent tune` and every `detent-serve` get the same (the tuple's facts)."""
+    out = ["--device", a.device, "--dtype", a.dtype]
+    for flag, v in (("--max-model-len", a.max_model_len), ("--max-num-batched-tokens", a.max_num_batched_tokens),
+                    ("--max-num-seqs", a.max_num_seqs), ("--tp", a.tp), ("--load-format", a.load_format)):
+        if v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+def workload_args(a) -> list[str]:
+    out = []
+    if a.num_requests:
+        out += ["--num-requests", str(a.num_requests)]
+    if a.max_prompt_tokens:
+        out += ["--max-prompt-tokens", str(a.max_prompt_tokens)]
+    return out
+
+
+def tune_all(a, names: list[str]) -> dict[str, str]:
+    paths = {}
+    for w in names:
+        path = os.path.join(a.out, f"tuple-{w}.json")
+        if not os.path.exists(path):
+            cmd = [sys.executable, "-m", "detent.cli", "tune", "--model", a.model, "--workload", w, *workload_args(a),
+                   *engine_args(a), *shlex.split(a.tune_args), "-o", path]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+        paths[w] = path
+    return paths
+
+
+def start(a, arm: str, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "detent.server.cli", "--model", a.model, "--port", str(a.port),
+           "--served-model-name", "m", "--log-level", "warning", *engine_args(a), *extra, *shlex.split(a.server_args)]
+    log = open(os.path.join(a.out, f"server-{arm}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    while _get(f"http://127.0.0.1:{a.port}/health") != 200:
+        if proc.poll() is not None or time.time() - t0 > a.startup_timeout:
+            stop_server(proc)
+            raise SystemExit(f"detent-serve ({arm}) did not start; see server-{arm}.log")
+        time.sleep(0.5)
+    return proc
+
+
+def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str) -> dict:
+    model = served_model(url, a.api_key if url == a.vllm_url else None)
+    out = {}
+    for name, w in workloads.items():
+        for load in w.loads:
+            r = run_load(url, model, w, load, lambda_max.get(name), a.seed, prompt_format=a.prompt_format,
+                         api_key=a.api_key if url == a.vllm_url else None)
+            r["workload"] = name
+            out[load.name] = r
+            print(f"{label} {load.name}: TPOT p50 {r['tpot_p50_ms']:.2f} ms, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
+                  f"{r['errors']} errors", flush=True)
+    return out
+
+
+def run(a) -> None:
+    from detent.workloads import make
+    os.makedirs(a.out, exist_ok=True)
+    names = a.workloads.split(",")
+    workloads = {w: make(w, num_requests=a.num_requests, max_prompt_tokens=a.max_prompt_tokens, seed=a.seed,
+                         vocab=a.vocab) for w in names}
+    arms = a.arms.split(",")
+    unknown = [x for x in arms if x not in ARMS]
+    if unknown or "stock" not in arms:
+        raise SystemExit(f"--arms: {unknown or 'stock is required (loads are fractions of its throughput)'}; "
+                         f"arms: {', '.join(ARMS)}")
+    tuples = tune_all(a, names) if "pinned-tuned" in arms else {}
+    res_path = os.path.join(a.out, "arms.json")
+    res = {"workloads": names, "arms": {}, "lambda_max": {}, "deployment": engine_args(a), "model": a.model,
+           "tuples": tuples, "prefix_reuse": {w: workloads[w].prefix_reuse for w in names}}
+    url = f"http://127.0.0.1:{a.port}"
+    servers = [(x, {"stock": ["--selection", "stock"], "conservative": ["--selection", "conservative"],
+                    "pinned-default": []}[x]) for x in arms if x != "pinned-tuned"]
+    servers += [(f"tuned-{w}", ["--tuple", p]) for w, p in tuples.items()]
+    for arm, extra in servers:
+        proc = start(a, arm, extra)
+        try:
+            if arm == "stock":
+                model = served_model(url)
+                for w in names:
+                    res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
+                    print(f"stock lambda_max {w}: {res['lambda_max'][w]:.3f} req/s", flush=True)
+            res["arms"][arm] = serve_loads(url, workloads, res["lambda_max"], a, arm)
+        finally:
+            stop_server(proc)
+        with open(res_path, "w") as f:
+            json.dump(res, f, indent=1)
+    if a.vllm_url:
+        res["arms"]["vllm"] = serve_loads(a.vllm_url.rstrip("/"), workloads, res["lambda_max"], a, "vllm")
+    with open(res_path, "w") as f:
+        json.dump(res, f, indent=1)
+    from arms_report import report
+    report(a.out)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser("serve_arms")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--model", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--workloads", default="W-A,W-B,W-C")
+    r.add_argument("--arms", default=",".join(ARMS))
+    r.add_argument("--vllm-url", default=None, help="a running `vllm serve` of the same model: the vLLM arm")
+    r.add_argument("--api-key", default=None, help="the vLLM server's API key")
+    r.add_argument("--num-requests", type=int, default=None, help="smaller workloads (default: the full ones)")
+    r.add_argument("--max-prompt-tokens", type=int, default=None)
+    r.add_argument("--vocab", type=int, default=32000)
+    r.add_argument("--prompt-format", choices=("ids", "words"), default="ids")
+    r.add_argument("--device", default="auto")
+    r.add_argument("--dtype", default="auto")
+    r.add_argument("--load-format", default=None)
+    r.add_argument("--tp", type=int, default=None)
+    r.add_argument("--max-model-len", type=int, default=None)
+    r.add_argument("--max-num-batched-tokens", type=int, default=None)
+    r.add_argument("--max-num-seqs", type=int, default=None)
+    r.add_argument("--server-args", default="", help="more detent-serve arguments (not deployment facts)")
+    r.add_argument("--tune-args", default="", help="more `detent tune` arguments")
+    r.add_argument("--port", type=int, default=8100)
+    r.add_argument("--startup-timeout", type=float, default=900)
+    r.add_argument("--seed", type=int, default=0)
+    rep = sub.add_parser("report")
+    rep.add_argument("dir")
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        run(a)
+    else:
+        from arms_report import report
+        report(a.dir)
+
+
+if __name__ == "__main__":
+    main()
