@@ -46,8 +46,8 @@ def workload_args(a) -> list[str]:
     out = []
     if a.num_requests:
         out += ["--num-requests", str(a.num_requests)]
-    if a.max_prompt_tokens:
-        out += ["--max-prompt-tokens", str(a.max_prompt_tokens)]
+    if a.max_len:
+        out += ["--max-len", str(a.max_len)]
     return out
 
 
@@ -96,7 +96,7 @@ def run(a) -> None:
     from detent.workloads import make
     os.makedirs(a.out, exist_ok=True)
     names = a.workloads.split(",")
-    workloads = {w: make(w, num_requests=a.num_requests, max_prompt_tokens=a.max_prompt_tokens, seed=a.seed,
+    workloads = {w: make(w, num_requests=a.num_requests, max_len=a.max_len, seed=a.seed,
                          vocab=a.vocab) for w in names}
     arms = a.arms.split(",")
     unknown = [x for x in arms if x not in ARMS]
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     r.add_argument("--vllm-url", default=None, help="a running `vllm serve` of the same model: the vLLM arm")
     r.add_argument("--api-key", default=None, help="the vLLM server's API key")
     r.add_argument("--num-requests", type=int, default=None, help="smaller workloads (default: the full ones)")
-    r.add_argument("--max-prompt-tokens", type=int, default=None)
+    r.add_argument("--max-len", type=int, default=None, help="each request's prompt + output at most this")
     r.add_argument("--vocab", type=int, default=32000)
     r.add_argument("--prompt-format", choices=("ids", "words"), default="ids")
     r.add_argument("--device", default="auto")

@@ -152,12 +152,12 @@ def main(argv=None) -> None:
     p.add_argument("--lambda-max", type=float, default=None, help="stock's maximum request throughput (req/s)")
     p.add_argument("--measure-max", action="store_true", help="measure the maximum request throughput and print it")
     p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=None, help="prompt + output at most this many tokens")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--prompt-format", choices=("ids", "words"), default="ids")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    w = make(a.workload, num_requests=a.num_requests, max_prompt_tokens=a.max_prompt_tokens, seed=a.seed,
+    w = make(a.workload, num_requests=a.num_requests, max_len=a.max_len, seed=a.seed,
              vocab=a.vocab)
     model = served_model(a.url, a.api_key)
     kw = {"prompt_format": a.prompt_format, "api_key": a.api_key}

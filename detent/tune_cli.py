@@ -29,7 +29,7 @@ def add_subparsers(sub) -> None:
     p.add_argument("--report", default=None, help="the JSON report (default: OUTPUT with .report.json)")
     p.add_argument("--plot", default=None, help="the PNG of predicted vs measured (default: OUTPUT with .png)")
     p.add_argument("--num-requests", type=int, default=None, help="a smaller workload: this many requests")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="a smaller workload: prompts up to this")
+    p.add_argument("--max-len", type=int, default=None, help="a smaller workload: each request's prompt + output at most this many tokens")
     p.add_argument("--families", default=None, help="only these families, comma-separated (default: every family "
                    "with a choice that the workload calls)")
     p.add_argument("--max-candidates", type=int, default=32, help="per family, the grid's first rung (default 32)")
@@ -49,10 +49,10 @@ def add_subparsers(sub) -> None:
     p.set_defaults(func=_tune)
 
 
-def load_workload(spec: str, *, vocab: int, num_requests: int | None, max_prompt_tokens: int | None, seed: int):
+def load_workload(spec: str, *, vocab: int, num_requests: int | None, max_len: int | None, seed: int):
     from detent.workloads import NAMES, Load, Request, Workload, make
     if spec in NAMES:
-        return make(spec, num_requests=num_requests, max_prompt_tokens=max_prompt_tokens, seed=seed,
+        return make(spec, num_requests=num_requests, max_len=max_len, seed=seed,
                     vocab=min(vocab, 32000))
     if not os.path.isfile(spec):
         raise ValueError(f"--workload {spec!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
@@ -109,7 +109,7 @@ def _tune(a: argparse.Namespace) -> int:
     llm = LLM(model=a.model, selection="pinned", **_engine_kwargs(a))
     try:
         w = load_workload(a.workload, vocab=llm.llm_engine.limits().vocab_size, num_requests=a.num_requests,
-                          max_prompt_tokens=a.max_prompt_tokens, seed=a.seed)
+                          max_len=a.max_len, seed=a.seed)
         out = tune(llm, w, families=families, repeats=a.repeats, progress=say, max_candidates=a.max_candidates,
                    eta=a.eta, min_fraction=a.min_fraction, refine=a.refine, interactions=a.interactions,
                    seed=a.seed)

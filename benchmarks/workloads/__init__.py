@@ -89,71 +89,75 @@ def _ids(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
     return tuple(rng.randrange(FIRST_ID, vocab) for _ in range(n))
 
 
-def chat(num_requests: int = 600, seed: int = 0, vocab: int = VOCAB, max_prompt_tokens: int = 4096) -> Workload:
+def chat(num_requests: int = 600, seed: int = 0, vocab: int = VOCAB, max_len: int = 4096) -> Workload:
     """W-A: multi-turn chats replayed turn by turn. A conversation has
     1 + Poisson(2.75) turns (600 requests from about 160 conversations); turn
     k + 1's prompt is turn k's prompt, turn k's recorded answer and a new user
     message, so about 64% of the prompt tokens repeat the previous turn. User
     messages and answers have ShareGPT-like log-normal lengths (`sharegpt_like`,
     first message median ~200 tokens; later messages are shorter, median ~60).
-    A conversation ends early when its next prompt would pass `max_prompt_tokens`."""
+    A conversation ends early when its next turn (prompt + answer) could pass `max_len` tokens."""
     rng = random.Random(seed)
     reqs: list[Request] = []
     lens = iter(sharegpt_like(4 * num_requests + 8, seed))
     while len(reqs) < num_requests:
         turns = 1 + _poisson(rng, 2.75)
         p0, _ = next(lens)
-        prompt = _ids(rng, min(p0, max_prompt_tokens // 2), vocab)
+        prompt = _ids(rng, min(p0, max_len // 2), vocab)
         prev = None
         for _ in range(turns):
             if len(reqs) == num_requests:
                 break
             _, answer = next(lens)
-            answer = max(4, min(answer, 512, max_prompt_tokens // 4))
+            answer = max(4, min(answer, 512, max_len // 4))
             reqs.append(Request(prompt, answer, prev))
             prev = len(reqs) - 1
             user = int(min(1024, max(4, rng.lognormvariate(4.1, 1.0))))
             nxt = prompt + _ids(rng, answer + user, vocab)  # the recorded answer, then the user's message
-            if len(nxt) + 512 > max_prompt_tokens:
+            if len(nxt) + min(512, max_len // 4) > max_len:
                 break
             prompt = nxt
     loads = tuple(Load(f"A{i + 1}", fraction=f) for i, f in enumerate((0.25, 0.5, 0.75, 1.0)))
     return Workload("W-A", tuple(reqs), loads, seed)
 
 
-def documents(num_requests: int = 200, seed: int = 0, vocab: int = VOCAB, doc_tokens: int = 8192,
+def documents(num_requests: int = 200, seed: int = 0, vocab: int = VOCAB, max_len: int = 8192,
               name: str = "W-B") -> Workload:
-    """W-B: long documents (about `doc_tokens` tokens, +-10%) asking for short
-    outputs (32-128 tokens), with Poisson arrivals at 0.33, 0.67 and 1.0 of
-    stock's maximum throughput (B1-B3)."""
+    """W-B: long documents asking for short outputs, each request fitting
+    `max_len` tokens: 32-128 output tokens (at most a quarter of `max_len`)
+    after a document of 0.9-1.0 x (max_len - 128) tokens (7,258-8,064 at
+    8k), with Poisson arrivals at 0.33, 0.67 and 1.0 of stock's maximum
+    throughput (B1-B3)."""
     rng = random.Random(seed + 1)
+    reserve = min(128, max_len // 4)
     reqs = []
     for _ in range(num_requests):
-        n = max(16, int(doc_tokens * rng.uniform(0.9, 1.0)))
-        reqs.append(Request(_ids(rng, n, vocab), rng.randrange(32, 129)))
+        n = max(4, int((max_len - reserve) * rng.uniform(0.9, 1.0)))
+        reqs.append(Request(_ids(rng, n, vocab), min(rng.randrange(32, 129), reserve)))
     loads = tuple(Load(f"B{i + 1}", fraction=f) for i, f in enumerate((0.33, 0.67, 1.0)))
     return Workload(name, tuple(reqs), loads, seed)
 
 
-def closed_loop(num_requests: int = 64, seed: int = 0, vocab: int = VOCAB, doc_tokens: int = 8192) -> Workload:
+def closed_loop(num_requests: int = 64, seed: int = 0, vocab: int = VOCAB, max_len: int = 8192) -> Workload:
     """W-C: the first `num_requests` W-B documents in a closed loop, one and
     eight in flight (C1, C2): latency without queueing."""
-    w = documents(num_requests, seed, vocab, doc_tokens, name="W-C")
+    w = documents(num_requests, seed, vocab, max_len, name="W-C")
     return Workload("W-C", w.requests, (Load("C1", concurrency=1), Load("C2", concurrency=8)), seed)
 
 
-def make(name: str, *, num_requests: int | None = None, max_prompt_tokens: int | None = None, seed: int = 0,
+def make(name: str, *, num_requests: int | None = None, max_len: int | None = None, seed: int = 0,
          vocab: int = VOCAB) -> Workload:
     """A workload by name (W-A, W-B, W-C), optionally smaller: fewer requests,
-    shorter prompts (documents of `max_prompt_tokens`; chats that end there)."""
+    each request (prompt + output) at most `max_len` tokens (default 4,096
+    for W-A, 8,192 for W-B and W-C: serve them with that --max-model-len)."""
     kw = {"seed": seed, "vocab": vocab}
     if num_requests is not None:
         kw["num_requests"] = num_requests
+    if max_len:
+        kw["max_len"] = max_len
     if name == "W-A":
-        return chat(**kw, **({"max_prompt_tokens": max_prompt_tokens} if max_prompt_tokens else {}))
+        return chat(**kw)
     if name in ("W-B", "W-C"):
-        if max_prompt_tokens:
-            kw["doc_tokens"] = max_prompt_tokens
         return (documents if name == "W-B" else closed_loop)(**kw)
     raise ValueError(f"unknown workload {name!r} (workloads: {', '.join(NAMES)})")
 

@@ -23,7 +23,7 @@ def test_arms_in_miniature(tmp_path):
     out = tmp_path / "arms"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.join(BENCH, "serve_arms.py"), "run", "--model", model, "--out", str(out),
-           "--workloads", "W-A,W-C", "--num-requests", "2", "--max-prompt-tokens", "40", "--device", "cpu",
+           "--workloads", "W-A,W-C", "--num-requests", "2", "--max-len", "40", "--device", "cpu",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32", "--port", "8197",
            "--tune-args", "--families gemm --interactions 0 --refine 0"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

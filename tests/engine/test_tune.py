@@ -50,7 +50,7 @@ def llm():
 
 
 def workload():
-    return make("W-A", num_requests=5, max_prompt_tokens=96, vocab=160)
+    return make("W-A", num_requests=5, max_len=96, vocab=160)
 
 
 def _tune(llm, interaction=0.0, check=True, **search):
@@ -153,7 +153,7 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
     model = write_tiny_llama(str(tmp_path / "tiny"))
     args = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32"]
     out = tmp_path / "t" / "w.json"
-    assert main(["tune", "--model", model, "--workload", "W-C", "--num-requests", "2", "--max-prompt-tokens", "40",
+    assert main(["tune", "--model", model, "--workload", "W-C", "--num-requests", "2", "--max-len", "40",
                  "--families", "gemm", "--interactions", "0", *args, "-o", str(out)]) == 0
     rep = json.loads((tmp_path / "t" / "w.report.json").read_text())
     assert rep["format"] == "detent-tune-report/1" and rep["workload"] == "W-C"
