@@ -6,6 +6,9 @@ serve` at --vllm-url, same client), over the loads of W-A, W-B and W-C
 workload's loads too: the tuple-drift matrix.
 
     python3 benchmarks/serve_arms.py run --model DIR --out OUT [--vllm-url URL]
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --tune-only       # the tuples alone
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms stock      # one arm per call: results merge
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms '' --vllm-url URL   # only vLLM
     python3 benchmarks/serve_arms.py report OUT     # arms.md, fig7.png, fig8.png (benchmarks/arms_report.py)
 
 Order: tune each workload (`detent tune`, skipped when OUT/tuple-W.json
@@ -93,24 +96,41 @@ def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str) -> d
 
 
 def run(a) -> None:
+    """Tune (unless the tuples exist), then serve `--arms`; results merge into OUT/arms.json, so the
+    arms can run one device call each (stock first: the others' rates come from its lambda_max)."""
     from detent.workloads import make
     os.makedirs(a.out, exist_ok=True)
-    names = a.workloads.split(",")
-    workloads = {w: make(w, num_requests=a.num_requests, max_len=a.max_len, seed=a.seed,
-                         vocab=a.vocab) for w in names}
-    arms = a.arms.split(",")
-    unknown = [x for x in arms if x not in ARMS]
-    if unknown or "stock" not in arms:
-        raise SystemExit(f"--arms: {unknown or 'stock is required (loads are fractions of its throughput)'}; "
-                         f"arms: {', '.join(ARMS)}")
-    tuples = tune_all(a, names) if "pinned-tuned" in arms else {}
     res_path = os.path.join(a.out, "arms.json")
-    res = {"workloads": names, "arms": {}, "lambda_max": {}, "deployment": engine_args(a), "model": a.model,
-           "tuples": tuples, "prefix_reuse": {w: workloads[w].prefix_reuse for w in names}}
+    res = {"arms": {}, "lambda_max": {}, "tuples": {}}
+    if os.path.exists(res_path):
+        with open(res_path) as f:
+            res = json.load(f)
+    names = a.workloads.split(",")
+    wargs = {"num_requests": a.num_requests, "max_len": a.max_len, "seed": a.seed, "vocab": a.vocab}
+    if res.get("workload_args", wargs) != wargs or res.get("workloads", names) != names:
+        raise SystemExit(f"{res_path} holds other workloads ({res.get('workloads')}, {res.get('workload_args')}): "
+                         "use another --out")
+    workloads = {w: make(w, **wargs) for w in names}
+    if a.tune_only:  # one workload's tune after the other; finished tuples are kept if the call is cut short
+        res.update(workloads=names, workload_args=wargs, tuples=tune_all(a, names))
+        with open(res_path, "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    arms = [x for x in a.arms.split(",") if x]
+    unknown = [x for x in arms if x not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; arms: {', '.join(ARMS)}")
+    if "stock" not in arms and set(res["lambda_max"]) != set(names):
+        raise SystemExit("run the stock arm first: the loads are fractions of its maximum throughput")
+    if "pinned-tuned" in arms:
+        res["tuples"] = tune_all(a, names)
+    res.update(workloads=names, workload_args=wargs, deployment=engine_args(a), model=a.model,
+               prompt_format=a.prompt_format, prefix_reuse={w: workloads[w].prefix_reuse for w in names})
     url = f"http://127.0.0.1:{a.port}"
     servers = [(x, {"stock": ["--selection", "stock"], "conservative": ["--selection", "conservative"],
                     "pinned-default": []}[x]) for x in arms if x != "pinned-tuned"]
-    servers += [(f"tuned-{w}", ["--tuple", p]) for w, p in tuples.items()]
+    if "pinned-tuned" in arms:
+        servers += [(f"tuned-{w}", ["--tuple", p]) for w, p in res["tuples"].items()]
     for arm, extra in servers:
         proc = start(a, arm, extra)
         try:
@@ -128,8 +148,9 @@ def run(a) -> None:
         res["arms"]["vllm"] = serve_loads(a.vllm_url.rstrip("/"), workloads, res["lambda_max"], a, "vllm")
     with open(res_path, "w") as f:
         json.dump(res, f, indent=1)
-    from arms_report import report
-    report(a.out)
+    if "stock" in res["arms"]:
+        from arms_report import report
+        report(a.out)
 
 
 def main(argv=None) -> None:
@@ -155,6 +176,7 @@ def main(argv=None) -> None:
     r.add_argument("--max-num-seqs", type=int, default=None)
     r.add_argument("--server-args", default="", help="more detent-serve arguments (not deployment facts)")
     r.add_argument("--tune-args", default="", help="more `detent tune` arguments")
+    r.add_argument("--tune-only", action="store_true", help="only tune the workloads' tuples (OUT/tuple-W.json)")
     r.add_argument("--port", type=int, default=8100)
     r.add_argument("--startup-timeout", type=float, default=900)
     r.add_argument("--seed", type=int, default=0)

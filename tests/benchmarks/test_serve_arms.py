@@ -47,3 +47,6 @@ def test_arms_in_miniature(tmp_path):
     assert (out / "fig7.png").stat().st_size > 1000 and (out / "fig8.png").stat().st_size > 1000
     for w in ("W-A", "W-C"):
         assert json.loads((out / f"tuple-{w}.report.json").read_text())["workload"] == w
+    other = subprocess.run(cmd[:cmd.index("--workloads")] + ["--workloads", "W-B"] + cmd[cmd.index("--workloads") + 2:],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert other.returncode != 0 and "holds other workloads" in other.stderr  # results never mix
