@@ -39,8 +39,8 @@ async def one(client, url: str, b: dict) -> dict:
     """One streamed completion: TTFT, TPOT (time between the first and the last token over
     the tokens after the first), and the output token count from the usage chunk."""
     t0 = time.perf_counter()
-    times: list[float] = []
-    tokens = 0
+    times: list[float] = []  # when each chunk with text arrived
+    tokens = 0  # from the usage chunk; a server without one is counted by chunks
     try:
         async with client.stream("POST", url + "/v1/completions", json=b) as r:
             if r.status_code != 200:
@@ -57,6 +57,7 @@ async def one(client, url: str, b: dict) -> dict:
         return {"error": repr(e)}
     if not times:
         return {"error": "no tokens"}
+    tokens = tokens or len(times)
     return {"ttft": times[0] - t0, "tpot": (times[-1] - times[0]) / max(tokens - 1, 1), "tokens": tokens,
             "latency": times[-1] - t0}
 
