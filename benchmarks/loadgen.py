@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from detent.workloads import sharegpt_like  # noqa: F401  (serve_load.py imports it from here)
+from detent.workloads import sharegpt_like  # one recipe for both; serve_load.py imports it from here
 
 
 def workload(kind: str, n: int, input_len: int, output_len: int, seed: int, vocab: int = 128000):

@@ -7,8 +7,10 @@ result with the profile.
     out = tune(llm, make("W-A", num_requests=32), progress=print)
     out.result.chosen.save("t.json")
 
-`cost` makes the cost model from the tuple installer (default: `EngineCost`,
-the workload's steps timed on this engine); tests pass a fake one.
+`cost`: "engine" (default: `EngineCost`, the workload's steps timed on this
+engine), "kernels" (`KernelCost`, the profiled kernel calls timed one by
+one), or a function (installer, profiled calls) -> cost model; tests pass a
+fake one.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import Any, Callable
 
 from detent.selection import default_tuple
 from detent.selection.compiler.tune_space import family_space
-from detent.tune_cost import EngineCost, Profile, profile_workload
+from detent.tune_cost import Calls, EngineCost, Profile, group_calls, profile_workload
+from detent.tune_kernels import KernelCost
 from detent.tune_engine import TupleInstaller, engine_facts
 from detent.tune_search import Search, TuneResult
 
@@ -28,22 +31,34 @@ class Tuned:
     result: TuneResult
     profile: Profile
     facts: dict[str, Any]
+    calls: Calls
+    unit: str
 
 
-def tune(llm, workload, *, cost: Callable[[TupleInstaller], Any] | None = None, families: list[str] | None = None,
-         repeats: int = 1, progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
+def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
+         families: list[str] | None = None, repeats: int = 1, progress: Callable[[str], None] = lambda s: None,
+         **search: Any) -> Tuned:
     facts = engine_facts(llm)
     base = default_tuple(facts)
     with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
         inst = TupleInstaller(llm, tmp)
         progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple")
-        prof = profile_workload(inst, base, workload)
+        calls = profile_workload(inst, base, workload)
+        prof = group_calls(calls)
         for fam, sites in sorted(prof.items()):
             progress(f"  {fam}: {sum(len(c) for c in sites.values())} distinct runtime inputs over {len(sites)} "
                      f"site(s), {sum(sum(c.values()) for c in sites.values())} step-calls")
         wanted = families if families is not None else list(prof)
         spaces = [s for s in (family_space(facts, f) for f in wanted if f in prof) if s and len(s.legal) > 1]
         progress(f"searching {', '.join(s.family for s in spaces) or 'no family (nothing to choose)'}")
-        model = cost(inst) if cost is not None else EngineCost(inst, workload, repeats)
+        if cost == "engine":
+            model = EngineCost(inst, workload, repeats)
+        elif cost == "kernels":
+            model = KernelCost(calls, facts, tmp, families=[s.family for s in spaces], reps=max(3, repeats))
+            progress(f"timing {len(model.inputs)} bucketed kernel calls per candidate")
+        elif callable(cost):
+            model = cost(inst, calls)
+        else:
+            raise ValueError(f"cost model must be 'engine', 'kernels' or a function, got {cost!r}")
         res = Search(base, model, facts, progress=progress, **search).run(spaces)
-    return Tuned(res, prof, facts)
+    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"))

@@ -29,7 +29,8 @@ def add_subparsers(sub) -> None:
     p.add_argument("--report", default=None, help="the JSON report (default: OUTPUT with .report.json)")
     p.add_argument("--plot", default=None, help="the PNG of predicted vs measured (default: OUTPUT with .png)")
     p.add_argument("--num-requests", type=int, default=None, help="a smaller workload: this many requests")
-    p.add_argument("--max-len", type=int, default=None, help="a smaller workload: each request's prompt + output at most this many tokens")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="a smaller workload: each request's prompt + output at most this many tokens")
     p.add_argument("--families", default=None, help="only these families, comma-separated (default: every family "
                    "with a choice that the workload calls)")
     p.add_argument("--max-candidates", type=int, default=32, help="per family, the grid's first rung (default 32)")
@@ -37,6 +38,8 @@ def add_subparsers(sub) -> None:
     p.add_argument("--min-fraction", type=float, default=0.25, help="share of the workload of the first rung")
     p.add_argument("--refine", type=int, default=2, help="hill-climbing rounds around each family's winner")
     p.add_argument("--interactions", type=int, default=3, help="extra mixes measured for the additivity check")
+    p.add_argument("--cost", choices=("engine", "kernels"), default="engine", help="engine: time the workload's "
+                   "steps on the engine (default); kernels: time the profiled kernel calls one by one (faster)")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement (the median counts)")
     p.add_argument("--seed", type=int, default=0)
     for name, kw in (("--device", {"default": "auto"}), ("--dtype", {"default": "auto"}),
@@ -92,14 +95,17 @@ def _tune(a: argparse.Namespace) -> int:
     from detent.tune import tune
     from detent.tune_cost import profile_summary
     from detent.tune_report import report_dict, write_plot, write_report
+    from detent.workloads import NAMES
 
     t_start = time.perf_counter()
-    say = lambda s: print(f"[tune {time.perf_counter() - t_start:7.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(s: str) -> None:
+        print(f"[tune {time.perf_counter() - t_start:7.1f}s] {s}", file=sys.stderr, flush=True)
+
     families = a.families.split(",") if a.families else None
     unknown = [f for f in families or () if f not in programs.FAMILIES]
     if unknown:
         raise ValueError(f"--families: unknown {unknown} (families: {', '.join(programs.FAMILIES)})")
-    from detent.workloads import NAMES
     if a.workload not in NAMES and not os.path.isfile(a.workload):
         raise ValueError(f"--workload {a.workload!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
     for path in (a.output, a.report, a.plot):  # fail before the work, not after it
@@ -110,14 +116,15 @@ def _tune(a: argparse.Namespace) -> int:
     try:
         w = load_workload(a.workload, vocab=llm.llm_engine.limits().vocab_size, num_requests=a.num_requests,
                           max_len=a.max_len, seed=a.seed)
-        out = tune(llm, w, families=families, repeats=a.repeats, progress=say, max_candidates=a.max_candidates,
-                   eta=a.eta, min_fraction=a.min_fraction, refine=a.refine, interactions=a.interactions,
-                   seed=a.seed)
+        out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, progress=say,
+                   max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction, refine=a.refine,
+                   interactions=a.interactions, seed=a.seed)
         res, prof = out.result, out.profile
         res.chosen.save(a.output)
         meta = {"workload": w.name, "num_requests": len(w.requests), "model": a.model, "tp": a.tp,
-                "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "seconds": time.perf_counter() - t_start}
-        report = report_dict(res, meta=meta, profile=profile_summary(prof), unit="ms per output token")
+                "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "cost_model": a.cost,
+                "seconds": time.perf_counter() - t_start}
+        report = report_dict(res, meta=meta, profile=profile_summary(prof), unit=out.unit)
         stem = a.output[:-5] if a.output.endswith(".json") else a.output
         write_report(a.report or stem + ".report.json", report)
         plotted = write_plot(a.plot or stem + ".png", report)
@@ -125,7 +132,7 @@ def _tune(a: argparse.Namespace) -> int:
         llm.shutdown()
     say(f"wrote {a.output} (tuple hash {res.chosen.hash[:16]}), {a.report or stem + '.report.json'}"
         + (f", {a.plot or stem + '.png'}" if plotted else ""))
-    print(f"default {res.base_cost:.4g}, tuned {report['measured_cost']:.4g} ms per output token "
+    print(f"default {res.base_cost:.4g}, tuned {report['measured_cost']:.4g} {out.unit} "
           f"(predicted {report['predicted_cost']:.4g}; additivity delta {100 * res.delta:.2f}%)"
           + ("; kept the default tuple (the combined one measured slower)" if res.kept_default else ""))
     return 0

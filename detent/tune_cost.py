@@ -26,6 +26,8 @@ class EngineCost:
     """Milliseconds per output token of `workload.head(fraction)` replayed on the engine under `t`
     (median of `repeats`, after a short untimed warm-up that compiles the new kernels' shapes)."""
 
+    unit = "ms per output token"
+
     def __init__(self, installer: TupleInstaller, workload, repeats: int = 1):
         self.installer, self.workload, self.repeats = installer, workload, max(1, repeats)
 
@@ -40,16 +42,21 @@ class EngineCost:
         return statistics.median(costs)
 
 
+Calls = dict[tuple, int]  # (family, site items, runtime items) -> steps that made the call
 Profile = dict[str, dict[str, Counter]]  # family -> site key -> Counter(runtime inputs -> count)
 
 
-def profile_workload(installer: TupleInstaller, base: CommitmentTuple, workload) -> Profile:
-    """Serve the workload under `base` (the default tuple) and record, per family and call
-    site, every distinct runtime input the dispatcher saw and how many steps saw it."""
+def profile_workload(installer: TupleInstaller, base: CommitmentTuple, workload) -> Calls:
+    """Serve the workload under `base` (the default tuple) and return every distinct
+    (family, call site, runtime inputs) the dispatcher saw, with how many steps saw it."""
     installer.install(base, record=True)
     run_offline(installer.llm, workload)
     calls = installer.calls()
     installer.current = None  # the next install leaves recording
+    return calls
+
+
+def group_calls(calls: Calls) -> Profile:
     out: Profile = defaultdict(dict)
     for (family, site, runtime), n in calls.items():
         out[family].setdefault(site_key(dict(site)), Counter())[runtime] += n

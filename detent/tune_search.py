@@ -94,7 +94,7 @@ class Search:
     def _measure(self, t: CommitmentTuple, fraction: float, label: str) -> float:
         CommitmentTuple.from_json(t.to_json(), "candidate").validate(self.facts)  # TupleError if illegal
         c = float(self.cost.measure(t, fraction))
-        self.progress(f"  {label} @ {fraction:.2f} of the workload: {c:.4g}")
+        self.progress(f"  {label} on {fraction:.0%} of the workload: {c:.4g}")
         return c
 
     def family(self, space: FamilySpace, base_cost: float) -> FamilyResult:

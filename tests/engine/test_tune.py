@@ -59,7 +59,7 @@ def _tune(llm, interaction=0.0, check=True, **search):
     facts = engine_facts(llm)
     fake = FakeCost(facts, interaction, check)
     fake.default = {f: family_assignment(default_tuple(facts), f) for f in ("gemm", "attention")}
-    out = tune(llm, workload(), cost=lambda inst: fake, **search)
+    out = tune(llm, workload(), cost=lambda inst, calls: fake, **search)
     return out, fake
 
 
@@ -116,6 +116,23 @@ def test_an_illegal_candidate_is_refused_not_measured(llm, monkeypatch):
     monkeypatch.setattr("detent.tune.family_space", with_an_illegal_value)
     with pytest.raises(TupleError, match="split_tokens"):  # the tuner's own check, before measuring
         _tune(llm, check=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+
+
+def test_kernel_cost_times_the_profiled_calls(llm):
+    from detent.tune_kernels import _attention_meta, bucket
+    out = tune(llm, workload(), cost="kernels", max_candidates=4, min_fraction=0.5, refine=1, interactions=1)
+    assert out.unit == "ms of kernel time over the profiled calls"
+    res = out.result
+    assert res.base_cost > 0 and all(c > 0 for f in res.families.values() for t in f.tried for c in t["costs"].values())
+    for fam in ("gemm", "attention"):
+        assert res.families[fam].chosen in family_space(out.facts, fam).legal
+    rt = {"num_tokens": 19, "num_seqs": 4, "max_seqlen_q": 16, "max_seqlen_k": 40, "total_kv": 70}
+    meta, blocks = _attention_meta(rt, 16, "cpu")
+    assert (meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k) == (4, 16, 40)
+    assert meta.num_tokens == 19 and len(meta.slot_mapping) == 19 and int(meta.slot_mapping.max()) < blocks * 16
+    # rounded down to 1.25^k: 1.25^13 = 18.2, 1.25^12 = 14.6, 1.25^16 = 35.5, 1.25^19 = 69.4
+    assert dict(bucket(tuple(rt.items()))) == {"num_tokens": 18, "num_seqs": 4, "max_seqlen_q": 14,
+                                               "max_seqlen_k": 35, "total_kv": 69}
 
 
 def _cells(selection: str, tuple_path: str | None):
