@@ -192,3 +192,22 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
         llm.shutdown()
     assert main(["tune", "--model", model, "--workload", "W-Z", *args, "-o", str(out)]) == 2
     assert "neither a workload name" in capsys.readouterr().err
+
+
+def test_a_workload_file_of_requests(tmp_path):
+    import json
+
+    from detent.tune_cli import load_workload
+    f = tmp_path / "w.jsonl"
+    f.write_text(json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 3}) + "\n\n"
+                 + json.dumps({"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 2, "after": 0}) + "\n")
+    w = load_workload(str(f), vocab=160, num_requests=None, max_len=None, seed=0)
+    assert [(r.prompt_token_ids, r.max_tokens, r.after) for r in w.requests] == [((5, 6), 3, None),
+                                                                                 ((5, 6, 7, 8), 2, 0)]
+    assert w.rounds() == [[0], [1]]
+    f.write_text(json.dumps({"prompt_token_ids": [5], "max_tokens": 3, "after": 0}) + "\n")
+    with pytest.raises(ValueError, match="line 1: 'after' must name an earlier request"):
+        load_workload(str(f), vocab=160, num_requests=None, max_len=None, seed=0)
+    f.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="line 1: expected"):
+        load_workload(str(f), vocab=160, num_requests=None, max_len=None, seed=0)
