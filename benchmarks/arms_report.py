@@ -24,7 +24,7 @@ ORDER = ("stock", "conservative", "pinned-default", "pinned-tuned", "vllm")
 def arms_by_load(res: dict) -> tuple[list[str], dict[str, dict[str, dict]]]:
     """(the loads in order, arm -> load -> result), with pinned-tuned resolved per load."""
     stock = res["arms"].get("stock", {})
-    loads = list(stock)
+    loads = sorted(stock)  # A1..A4, B1..B3, C1, C2: workload, then load
     table: dict[str, dict[str, dict]] = {}
     for arm in ORDER:
         if arm == "pinned-tuned":
@@ -49,6 +49,8 @@ def drift(res: dict, loads: list[str]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for w in res.get("tuples", {}):
         row = res["arms"].get(f"tuned-{w}", {})
+        if not row:
+            continue
         out[w] = {}
         for ld in loads:
             own = res["arms"].get(f"tuned-{stock[ld]['workload']}", {}).get(ld)

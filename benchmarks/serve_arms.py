@@ -8,6 +8,7 @@ workload's loads too: the tuple-drift matrix.
     python3 benchmarks/serve_arms.py run --model DIR --out OUT [--vllm-url URL]
     python3 benchmarks/serve_arms.py run --model DIR --out OUT --tune-only       # the tuples alone
     python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms stock      # one arm per call: results merge
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms tuned-W-B --loads W-A  # one tuple, one workload
     python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms '' --vllm-url URL   # only vLLM
     python3 benchmarks/serve_arms.py report OUT     # arms.md, fig7.png, fig8.png (benchmarks/arms_report.py)
 
@@ -81,13 +82,15 @@ def start(a, arm: str, extra: list[str]) -> subprocess.Popen:
     return proc
 
 
-def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str) -> dict:
-    model = served_model(url, a.api_key if url == a.vllm_url else None)
+def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str, api_key: str | None = None) -> dict:
+    model = served_model(url, api_key)
     out = {}
     for name, w in workloads.items():
         for load in w.loads:
+            if a.loads and load.name not in a.loads and name not in a.loads:
+                continue
             r = run_load(url, model, w, load, lambda_max.get(name), a.seed, prompt_format=a.prompt_format,
-                         api_key=a.api_key if url == a.vllm_url else None)
+                         api_key=api_key)
             r["workload"] = name
             out[load.name] = r
             print(f"{label} {load.name}: TPOT p50 {r['tpot_p50_ms']:.2f} ms, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
@@ -95,62 +98,83 @@ def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str) -> d
     return out
 
 
+def servers(arms: list[str], tuples: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """(arm, detent-serve arguments) per server to start; pinned-tuned is one server per tuned tuple."""
+    fixed = {"stock": ["--selection", "stock"], "conservative": ["--selection", "conservative"],
+             "pinned-default": []}
+    out = []
+    for arm in arms:
+        if arm in fixed:
+            out.append((arm, fixed[arm]))
+        else:
+            out += [(f"tuned-{w}", ["--tuple", p]) for w, p in tuples.items() if arm in ("pinned-tuned", f"tuned-{w}")]
+    return out
+
+
+def load_results(a, names: list[str], wargs: dict) -> tuple[str, dict]:
+    path = os.path.join(a.out, "arms.json")
+    res = {"arms": {}, "lambda_max": {}, "tuples": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            res = json.load(f)
+    if res.get("workload_args", wargs) != wargs or res.get("workloads", names) != names:
+        raise SystemExit(f"{path} holds other workloads ({res.get('workloads')}, {res.get('workload_args')}): "
+                         "use another --out")
+    res.update(workloads=names, workload_args=wargs)
+    return path, res
+
+
 def run(a) -> None:
-    """Tune (unless the tuples exist), then serve `--arms`; results merge into OUT/arms.json, so the
-    arms can run one device call each (stock first: the others' rates come from its lambda_max)."""
+    """Tune (unless the tuples exist), then serve `--arms` on `--loads`; results merge into
+    OUT/arms.json, so an arm (or a workload of it) can run in one device call each (stock
+    first: the other arms' rates come from its lambda_max)."""
     from detent.workloads import make
     os.makedirs(a.out, exist_ok=True)
-    res_path = os.path.join(a.out, "arms.json")
-    res = {"arms": {}, "lambda_max": {}, "tuples": {}}
-    if os.path.exists(res_path):
-        with open(res_path) as f:
-            res = json.load(f)
     names = a.workloads.split(",")
     wargs = {"num_requests": a.num_requests, "max_len": a.max_len, "seed": a.seed, "vocab": a.vocab}
-    if res.get("workload_args", wargs) != wargs or res.get("workloads", names) != names:
-        raise SystemExit(f"{res_path} holds other workloads ({res.get('workloads')}, {res.get('workload_args')}): "
-                         "use another --out")
+    res_path, res = load_results(a, names, wargs)
     workloads = {w: make(w, **wargs) for w in names}
-    if a.tune_only:  # one workload's tune after the other; finished tuples are kept if the call is cut short
-        res.update(workloads=names, workload_args=wargs, tuples=tune_all(a, names))
-        with open(res_path, "w") as f:
-            json.dump(res, f, indent=1)
-        return
-    arms = [x for x in a.arms.split(",") if x]
-    unknown = [x for x in arms if x not in ARMS]
+    a.loads = [x for x in a.loads.split(",") if x]
+    arms = sorted((x for x in a.arms.split(",") if x), key=lambda x: x != "stock")  # stock first: lambda_max
+    unknown = [x for x in arms if x not in ARMS and x not in {f"tuned-{w}" for w in names}]
     if unknown:
-        raise SystemExit(f"--arms: unknown {unknown}; arms: {', '.join(ARMS)}")
-    if "stock" not in arms and set(res["lambda_max"]) != set(names):
-        raise SystemExit("run the stock arm first: the loads are fractions of its maximum throughput")
-    if "pinned-tuned" in arms:
-        res["tuples"] = tune_all(a, names)
-    res.update(workloads=names, workload_args=wargs, deployment=engine_args(a), model=a.model,
-               prompt_format=a.prompt_format, prefix_reuse={w: workloads[w].prefix_reuse for w in names})
+        raise SystemExit(f"--arms: unknown {unknown}; arms: {', '.join(ARMS)}, or tuned-W for one workload's tuple")
+    if a.tune_only or any(x == "pinned-tuned" or x.startswith("tuned-") for x in arms):
+        res["tuples"] = tune_all(a, names)  # kept and skipped once written: repeat a call cut short
+    if a.tune_only:
+        return save(res_path, res)
+    res.update(deployment=engine_args(a), model=a.model, prompt_format=a.prompt_format,
+               prefix_reuse={w: workloads[w].prefix_reuse for w in names})
+    wanted = [w for w in names if not a.loads or w in a.loads or any(ld.name in a.loads for ld in workloads[w].loads)]
+    missing = [w for w in wanted if w not in res["lambda_max"]]
+    if missing and "stock" not in arms and (arms or a.vllm_url):
+        raise SystemExit(f"no stock lambda_max for {missing} yet: run --arms stock on them first")
     url = f"http://127.0.0.1:{a.port}"
-    servers = [(x, {"stock": ["--selection", "stock"], "conservative": ["--selection", "conservative"],
-                    "pinned-default": []}[x]) for x in arms if x != "pinned-tuned"]
-    if "pinned-tuned" in arms:
-        servers += [(f"tuned-{w}", ["--tuple", p]) for w, p in res["tuples"].items()]
-    for arm, extra in servers:
+    for arm, extra in servers(arms, res["tuples"]):
         proc = start(a, arm, extra)
         try:
             if arm == "stock":
                 model = served_model(url)
-                for w in names:
-                    res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
-                    print(f"stock lambda_max {w}: {res['lambda_max'][w]:.3f} req/s", flush=True)
-            res["arms"][arm] = serve_loads(url, workloads, res["lambda_max"], a, arm)
+                for w in wanted:
+                    if w not in res["lambda_max"]:
+                        res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
+                        print(f"stock lambda_max {w}: {res['lambda_max'][w]:.3f} req/s", flush=True)
+            res["arms"].setdefault(arm, {}).update(serve_loads(url, workloads, res["lambda_max"], a, arm))
         finally:
             stop_server(proc)
-        with open(res_path, "w") as f:
-            json.dump(res, f, indent=1)
+        save(res_path, res)
     if a.vllm_url:
-        res["arms"]["vllm"] = serve_loads(a.vllm_url.rstrip("/"), workloads, res["lambda_max"], a, "vllm")
-    with open(res_path, "w") as f:
-        json.dump(res, f, indent=1)
+        res["arms"].setdefault("vllm", {}).update(
+            serve_loads(a.vllm_url.rstrip("/"), workloads, res["lambda_max"], a, "vllm", a.api_key))
+    save(res_path, res)
     if "stock" in res["arms"]:
         from arms_report import report
         report(a.out)
+
+
+def save(path: str, res: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 def main(argv=None) -> None:
@@ -160,7 +184,9 @@ def main(argv=None) -> None:
     r.add_argument("--model", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--workloads", default="W-A,W-B,W-C")
-    r.add_argument("--arms", default=",".join(ARMS))
+    r.add_argument("--arms", default=",".join(ARMS), help="stock, conservative, pinned-default, pinned-tuned "
+                   "(every workload's tuple), tuned-W (one); default all")
+    r.add_argument("--loads", default="", help="only these loads or workloads' loads (A1,B2 or W-B); default all")
     r.add_argument("--vllm-url", default=None, help="a running `vllm serve` of the same model: the vLLM arm")
     r.add_argument("--api-key", default=None, help="the vLLM server's API key")
     r.add_argument("--num-requests", type=int, default=None, help="smaller workloads (default: the full ones)")

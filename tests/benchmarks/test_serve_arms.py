@@ -26,8 +26,9 @@ def test_arms_in_miniature(tmp_path):
            "--workloads", "W-A,W-C", "--num-requests", "2", "--max-len", "40", "--device", "cpu",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32", "--port", "8197",
            "--tune-args", "--families gemm --interactions 0 --refine 0"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for arms in ("stock,conservative,pinned-default,tuned-W-A", "tuned-W-C"):  # two calls: results merge
+        p = subprocess.run(cmd + ["--arms", arms], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "arms.json").read_text())
     loads = ["A1", "A2", "A3", "A4", "C1", "C2"]
     assert set(res["arms"]) == {"stock", "conservative", "pinned-default", "tuned-W-A", "tuned-W-C"}
@@ -47,6 +48,9 @@ def test_arms_in_miniature(tmp_path):
     assert (out / "fig7.png").stat().st_size > 1000 and (out / "fig8.png").stat().st_size > 1000
     for w in ("W-A", "W-C"):
         assert json.loads((out / f"tuple-{w}.report.json").read_text())["workload"] == w
+    early = subprocess.run(cmd + ["--arms", "conservative", "--loads", "C1", "--out", str(tmp_path / "fresh")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert early.returncode != 0 and "run --arms stock on them first" in early.stderr
     other = subprocess.run(cmd[:cmd.index("--workloads")] + ["--workloads", "W-B"] + cmd[cmd.index("--workloads") + 2:],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert other.returncode != 0 and "holds other workloads" in other.stderr  # results never mix
