@@ -70,7 +70,7 @@ def spread(space: FamilySpace, max_candidates: int, default: dict[str, Any]) -> 
     elif default in keep:
         keep.remove(default)
         keep.insert(0, default)
-    return keep
+    return keep or list(space.legal[:max(1, max_candidates)])  # the thinned grid missed every legal point
 
 
 def _rungs(min_fraction: float, eta: int) -> list[float]:
@@ -140,8 +140,10 @@ class Search:
         self.progress("measuring the default tuple (after one untimed run)")
         self._measure(self.base, 1.0, "default tuple, warm-up")
         base_cost = self._measure(self.base, 1.0, "default tuple")
+        if not spaces:  # nothing to choose: the default tuple is the tuple
+            return TuneResult(base_cost, {}, [], self.base, False, (base_cost, base_cost))
         fams = {s.family: self.family(s, base_cost) for s in spaces}
-        again = self._measure(self.base, 1.0, "default tuple, again") if spaces else base_cost
+        again = self._measure(self.base, 1.0, "default tuple, again")
         self.base_costs = (base_cost, again)  # the spread says how noisy the machine is
         base_cost = (base_cost + again) / 2
         byname = {s.family: s for s in spaces}

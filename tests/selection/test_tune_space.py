@@ -69,3 +69,13 @@ def test_rungs():
     assert _rungs(0.25, 3) == [0.25, 0.75, 1.0]
     assert _rungs(1.0, 3) == [1.0]
     assert _rungs(0.1, 2) == [0.1, 0.2, 0.4, 0.8, 1.0]
+
+
+def test_search_with_nothing_to_choose_keeps_the_default_tuple(facts):
+    from detent.tune_search import Search
+
+    class Flat:
+        def measure(self, t, fraction):
+            return 1.0
+    res = Search(default_tuple(facts), Flat(), facts).run([])
+    assert res.chosen.hash == default_tuple(facts).hash and res.checks == [] and res.delta == 0.0
