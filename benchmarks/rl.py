@@ -128,7 +128,7 @@ def run_shapes(a) -> dict:
     hf_config = json.load(open(a.config_json)) if a.config_json else preset(a.model)["config"]
     cuda = a.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    llm, mc, info = build(a.model, max_model_len=8192, max_num_seqs=128, max_num_batched_tokens=8192,
+    llm, mc, info = build(a.model, max_model_len=8192, max_num_seqs=128, max_num_batched_tokens=a.max_num_batched_tokens,
                           gpu_memory_utilization=a.gpu_memory_utilization, hf_config=hf_config, device=a.device,
                           dtype=dtype)
     out = {"engine": info, "rollout_s_per_token": {}}
@@ -157,6 +157,7 @@ def run_shapes(a) -> dict:
         torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None]).sum().backward()
     out["transformers_fwd_bwd_s"] = _timed(hf_step)
     out["tokens"] = tokens = a.train_seqs * a.train_len
+    out["max_num_batched_tokens"] = a.max_num_batched_tokens
     out["trainer_s_per_token"] = out["trainer_fwd_bwd_s"] / tokens
     out["transformers_s_per_token"] = out["transformers_fwd_bwd_s"] / tokens
     out["trainer_over_transformers"] = out["trainer_fwd_bwd_s"] / out["transformers_fwd_bwd_s"]
@@ -206,6 +207,8 @@ def main(argv=None) -> None:
     s.add_argument("--gen-len", type=int, default=128)
     s.add_argument("--train-seqs", type=int, default=2)
     s.add_argument("--train-len", type=int, default=4096)
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="the engine's token budget; below --train-len the trainer scores each sequence in chunks")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     s.add_argument("--device", default="cuda")
     s.add_argument("--config-json", default=None, help="an HF config.json instead of the preset's (smoke runs)")

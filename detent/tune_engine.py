@@ -5,7 +5,8 @@ a workload offline.
 A tuple is installed by writing it to a file and building the engine's
 dispatcher from it with `make_dispatcher` — the same loader `detent-serve
 --tuple` runs, so an illegal tuple raises `TupleError` here too — then
-recapturing the CUDA graphs (they hold the old selections). Under tensor
+recapturing the CUDA graphs (they hold the old selections) and running the
+warm start (engine/warmup.py), as startup does. Under tensor
 parallelism every rank does the same (`collective_rpc`); rank 0's calls are
 the profile (all ranks select alike).
 """
@@ -34,7 +35,10 @@ def _install_local(runner, config, max_model_len: int, facts: dict, path: str | 
             runner._forward = eager
         return
     from detent.engine.cuda_graph import enable_graphs
+    from detent.engine.startup import warm_start
     enable_graphs(runner, config, max_model_len=max_model_len)
+    # the new selections' kernels compile here, not inside the measurement (on CUDA, as at startup)
+    warm_start(runner, config, facts, max_model_len, world=config.tensor_parallel_size, progress=False)
 
 
 def _rank_install(st, config, path: str | None, record: bool) -> None:

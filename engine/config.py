@@ -53,6 +53,9 @@ class EngineConfig:
     # again: that walk stalled one decode step by 0.11 s on the H200's host
     # (None: on for CUDA; it is process-wide, so off for CPU test processes)
     freeze_gc: bool | None = None
+    # before serving, run every kernel configuration SelIR finds reachable, so no
+    # request waits for a Triton compile (engine/warmup.py; None: on for CUDA)
+    warmup: bool | None = None
     # RL sampling contract: every request must carry a seed and sample (temperature > 0);
     # see engine/rl_contract.py
     rl: bool = False

@@ -10,10 +10,13 @@
 Every op goes through the `ops` façade with the engine's own dispatcher (same
 deployment, same tuple, same pins), wrapped by `GradDispatcher`: forwards
 are the engine's candidates, backwards are reference torch math in float32
-(`selection/autograd.py`). Sequences are packed varlen, whole sequences per
-step under the engine's token budget, and logprobs are computed in row
-chunks under activation checkpointing, so [tokens, vocab] float32 logits
-never exist for more than `logprob_chunk` rows at a time.
+(`selection/autograd.py`). Sequences are packed varlen into steps under the
+engine's token budget, cut the way chunked prefill cuts prompts: a
+sequence longer than the budget spans steps, its later chunks reading the
+earlier chunks' KV from a scratch cache (forward) and differentiating into
+the tensors it came from (`KVHistory`, backward). Logprobs are computed in
+row chunks under activation checkpointing, so [tokens, vocab] float32
+logits never exist for more than `logprob_chunk` rows at a time.
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches
 from detent.engine.model_runner import ModelRunner
-from detent.engine.trainer import check_sequences
+from detent.engine.trainer import check_sequences, plan_chunks, scratch_tables
 from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
-from detent.selection.autograd import GradDispatcher
+from detent.selection.autograd import GradDispatcher, KVHistory
 from detent.selection.context import ForwardContext, forward_context
 
 
@@ -64,82 +67,89 @@ class TrainerModel(nn.Module):
         """Per sequence x with P = num_prompt_tokens[j] (default 1), a float32
         tensor [len(x) - P] whose entry i is log p(x[P + i] | x[:P + i]),
         differentiable in the parameters."""
-        return [lp for lp, _ in self._score(sequences, num_prompt_tokens, entropy=False)]
+        return self._score(sequences, num_prompt_tokens, "logprob")
 
     def logprobs_and_entropy(self, sequences: Sequence[Sequence[int]],
                              num_prompt_tokens: Sequence[int] | None = None
                              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """As `forward`, plus each scored position's entropy of the raw next-token
         distribution (float32, differentiable: for an entropy bonus)."""
-        pairs = self._score(sequences, num_prompt_tokens, entropy=True)
-        return [lp for lp, _ in pairs], [h for _, h in pairs]
+        both = self._score(sequences, num_prompt_tokens, "entropy")  # [R, 2] each
+        return [x[:, 0] for x in both], [x[:, 1] for x in both]
 
-    def _score(self, sequences, num_prompt_tokens, entropy: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def hidden_states(self, sequences: Sequence[Sequence[int]],
+                      num_prompt_tokens: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """The final (normed) hidden state at each position `forward` scores, the
+        LM head's input: [len(x) - P, hidden] in the model's dtype, differentiable
+        (for a loss of one's own, e.g. a value head). Row i predicts x[P + i]."""
+        return self._score(sequences, num_prompt_tokens, "hidden")
+
+    def _score(self, sequences, num_prompt_tokens, what: str) -> list[torch.Tensor]:
         eng = self.engine
         seqs = [list(map(int, s)) for s in sequences]
         check_sequences(seqs, eng.state.max_model_len, eng.model_config.vocab_size)
         starts = [1] * len(seqs) if num_prompt_tokens is None else [int(p) for p in num_prompt_tokens]
         if len(starts) != len(seqs):
             raise ValueError(f"num_prompt_tokens has {len(starts)} entries for {len(seqs)} sequences")
-        budget = eng.config.max_num_batched_tokens
         for j, (s, p) in enumerate(zip(seqs, starts)):
             if not 1 <= p < len(s):
                 raise ValueError(f"num_prompt_tokens[{j}]={p}: must be in [1, {len(s) - 1}] for a "
                                  f"sequence of {len(s)} tokens")
-            if len(s) > budget:
-                raise ValueError(f"sequence {j} has {len(s)} tokens, more than max_num_batched_tokens="
-                                 f"{budget}: the trainer runs each sequence whole in one step")
         out: list = [None] * len(seqs)
-        for group in self._pack(seqs):
-            for j, pair in zip(group, self._step([seqs[j] for j in group], [starts[j] for j in group], entropy)):
-                out[j] = pair
+        g = eng.config.max_num_seqs
+        for i in range(0, len(seqs), g):  # a scratch KV cache per group of sequences
+            out[i:i + g] = self._score_group(seqs[i:i + g], starts[i:i + g], what)
         return out
 
-    def _pack(self, seqs: list[list[int]]) -> list[list[int]]:
-        """Consecutive sequences into steps under the engine's token and sequence limits."""
-        cfg = self.engine.config
-        groups, cur, n = [], [], 0
-        for j, s in enumerate(seqs):
-            if cur and (n + len(s) > cfg.max_num_batched_tokens or len(cur) == cfg.max_num_seqs):
-                groups.append(cur)
-                cur, n = [], 0
-            cur.append(j)
-            n += len(s)
-        return groups + [cur] if cur else groups
-
-    def _step(self, seqs: list[list[int]], starts: list[int], entropy: bool
-              ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _score_group(self, seqs: list[list[int]], starts: list[int], what: str) -> list[torch.Tensor]:
+        """The sequences prefilled in steps under the engine's token budget, cut the
+        way chunked prefill cuts prompts (`plan_chunks`): a sequence longer than
+        the budget spans steps, and its later chunks attend to the earlier ones' KV
+        through the scratch cache (forward) and the `KVHistory` (backward)."""
         eng = self.engine
         bs, mc, dev = eng.config.block_size, eng.model_config, eng.state.device
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.state.dtype, bs)
-        need = [-(-len(s) // bs) for s in seqs]
-        caches = allocate_kv_caches(spec, sum(need) + 1, dev)  # scratch; block 0: null
-        planned, first = [], 1
-        for i, s in enumerate(seqs):
-            planned.append(ScheduledSeq(str(i), tuple(s), 0, tuple(range(first, first + need[i])), None))
-            first += need[i]
-        batch = ModelRunner(self.model, caches, bs, eng.dispatcher, dev).prepare(
-            SchedulerOutput(tuple(planned), sum(map(len, seqs))))
-        ctx = ForwardContext(attn=batch.attn, kv_caches=caches, dispatcher=GradDispatcher(eng.dispatcher))
-        scope = _Scope(ctx)
-        rows, targets, qs = [], [], 0
-        for s, p in zip(seqs, starts):
-            rows += range(qs + p - 1, qs + len(s) - 1)  # row i scores token i + 1
-            targets += s[p:]
-            qs += len(s)
+        num_blocks, tables = scratch_tables([len(s) for s in seqs], bs)
+        caches = allocate_kv_caches(spec, num_blocks, dev)
+        runner = ModelRunner(self.model, caches, bs, eng.dispatcher, dev)
+        history = KVHistory()
+        parts: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for k, step in enumerate(plan_chunks([len(s) for s in seqs], eng.config.max_num_batched_tokens)):
+            planned = tuple(ScheduledSeq(str(i), tuple(seqs[i][lo:lo + n]), lo, tables[i], None)
+                            for i, lo, n in step)
+            batch = runner.prepare(SchedulerOutput(planned, sum(n for _, _, n in step)))
+            grad = GradDispatcher(eng.dispatcher, history.step(k, tuple(i for i, _, _ in step),
+                                                               tuple(lo + n < len(seqs[i]) for i, lo, n in step)))
+            scope = _Scope(ForwardContext(attn=batch.attn, kv_caches=caches, dispatcher=grad))
+            rows, targets, sizes, qs = [], [], [], 0
+            for i, lo, n in step:  # row at position t scores token t + 1, for t in [P - 1, len - 2]
+                s, first, last = seqs[i], max(lo, starts[i] - 1), min(lo + n, len(seqs[i]) - 1)
+                rows += range(qs + first - lo, qs + last - lo)
+                targets += s[first + 1:last + 1]
+                sizes.append(max(0, last - first))
+                qs += n
+            with scope():  # a step with no scored rows still writes the KV later chunks read
+                hidden = self._hidden(batch.input_ids, batch.positions, scope)  # [T, H]
+                if not rows:
+                    continue
+                if what == "hidden":
+                    got = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
+                else:
+                    got = self._score_rows(hidden, rows, targets, scope, what == "entropy")
+            for (i, _, _), piece in zip(step, got.split(sizes)):
+                parts[i].append(piece)
+        return [torch.cat(p) for p in parts]  # [R] logprobs, [R, 2] (logprob, entropy) or [R, H]
+
+    def _score_rows(self, hidden, rows, targets, scope: "_Scope", entropy: bool) -> torch.Tensor:
+        """Chosen-token logprobs (and entropies) of `rows` of hidden, `logprob_chunk`
+        rows at a time under checkpointing: [R] or [R, 2] float32."""
+        dev = hidden.device
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
         tgt_t = torch.tensor(targets, dtype=torch.long, device=dev)
-        with scope():
-            hidden = self._hidden(batch.input_ids, batch.positions, scope)  # [T, H]
-            score = scope.wrap(self._chosen_logprobs_entropy if entropy else self._chosen_logprobs)
-            parts = [checkpoint(score, hidden.index_select(0, rows_t[c:c + self.logprob_chunk]),
-                                tgt_t[c:c + self.logprob_chunk], use_reentrant=False)
-                     for c in range(0, len(rows), self.logprob_chunk)]
-        sizes = [len(s) - p for s, p in zip(seqs, starts)]
-        if not entropy:
-            return [(lp, None) for lp in torch.cat(parts).split(sizes)]  # [R] float32
-        both = torch.cat(parts)  # [R, 2]: logprob, entropy
-        return list(zip(both[:, 0].split(sizes), both[:, 1].split(sizes)))
+        score = scope.wrap(self._chosen_logprobs_entropy if entropy else self._chosen_logprobs)
+        return torch.cat([checkpoint(score, hidden.index_select(0, rows_t[c:c + self.logprob_chunk]),
+                                     tgt_t[c:c + self.logprob_chunk], use_reentrant=False)
+                          for c in range(0, len(rows), self.logprob_chunk)])
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, scope: "_Scope") -> torch.Tensor:
         if not self.checkpoint_layers:

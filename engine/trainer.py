@@ -34,6 +34,38 @@ def check_sequences(seqs: list[list[int]], max_model_len: int, vocab: int) -> No
             raise ValueError(f"sequence {j} has token ids outside the vocabulary [0, {vocab})")
 
 
+def plan_chunks(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Steps of a scoring pass over sequences of `lengths`, cut the way
+    chunked prefill cuts prompts: each step takes up to `budget` tokens, in
+    sequence order, as (sequence index, first position, number of tokens).
+    A sequence longer than the budget spans steps; a later chunk attends to
+    the KV its earlier chunks wrote. The cuts need not be the rollout's:
+    under pinned selection no bit depends on them."""
+    steps, done = [], [0] * len(lengths)
+    while any(d < n for d, n in zip(done, lengths)):
+        left, step = budget, []
+        for i, n in enumerate(lengths):
+            if done[i] == n or left == 0:
+                continue
+            take = min(n - done[i], left)
+            step.append((i, done[i], take))
+            done[i] += take
+            left -= take
+        steps.append(step)
+    return steps
+
+
+def scratch_tables(lengths: list[int], block_size: int) -> tuple[int, list[tuple[int, ...]]]:
+    """Block tables for a scratch KV cache holding every sequence whole
+    (block 0 is the null block): (number of blocks, tables)."""
+    tables, first = [], 1
+    for n in lengths:
+        nb = -(-n // block_size)
+        tables.append(tuple(range(first, first + nb)))
+        first += nb
+    return first, tables
+
+
 class TrainerForward:
     def __init__(self, llm_or_engine):
         eng = getattr(llm_or_engine, "llm_engine", llm_or_engine)
@@ -59,28 +91,18 @@ class TrainerForward:
         bs = eng.config.block_size
         mc = eng.model_config
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.state.dtype, bs)
-        need = [-(-len(s) // bs) for s in seqs]
-        caches = allocate_kv_caches(spec, sum(need) + 1, eng.state.device)  # block 0: null
+        num_blocks, tables = scratch_tables([len(s) for s in seqs], bs)
+        caches = allocate_kv_caches(spec, num_blocks, eng.state.device)
         runner = ModelRunner(eng.runner.model, caches, bs, eng.dispatcher, eng.state.device)
-        tables, first = [], 1
-        for n in need:
-            tables.append(tuple(range(first, first + n)))
-            first += n
-        done = [0] * len(seqs)
         rows: list[list[float]] = [[] for _ in seqs]
-        while any(d < len(s) for d, s in zip(done, seqs)):
-            budget, planned = self.max_tokens, []
-            for i, s in enumerate(seqs):
-                if done[i] == len(s) or budget == 0:
-                    continue
-                n = min(len(s) - done[i], budget)
-                lo, hi = done[i], min(done[i] + n, len(s) - 1)
+        for step in plan_chunks([len(s) for s in seqs], self.max_tokens):
+            planned = []
+            for i, lo, n in step:
+                s = seqs[i]
                 planned.append(ScheduledSeq(str(i), tuple(s[lo:lo + n]), lo, tables[i], None,
                                             prompt_logprobs_k=0, prompt_rows_start=lo,
-                                            prompt_targets=tuple(s[lo + 1:hi + 1])))
-                done[i] += n
-                budget -= n
-            res = runner.execute(SchedulerOutput(tuple(planned), self.max_tokens - budget))
+                                            prompt_targets=tuple(s[lo + 1:min(lo + n, len(s) - 1) + 1])))
+            res = runner.execute(SchedulerOutput(tuple(planned), sum(n for _, _, n in step)))
             for q in planned:
                 if q.prompt_targets:
                     rows[int(q.request_id)] += [r[0] for r in res.prompt_logprobs[q.request_id]]

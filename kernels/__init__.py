@@ -5,11 +5,12 @@ torch candidates always, the Triton ones when triton and a CUDA device (or
 TRITON_INTERPRET=1) are available. Only selection/ imports kernels/ (and every
 module here imports nothing of ours but kernels/registry.py and its siblings).
 """
-from detent.kernels import act, allreduce, attention, embedding, gemm, logsoftmax, moe, norm, rope  # noqa: F401
+from detent.kernels import act, allreduce, attention, embedding, gemm, gumbel, logsoftmax, moe, norm, rope  # noqa: F401
 
 try:  # Triton candidates: registered whenever triton imports (run on CUDA, or CPU under TRITON_INTERPRET=1)
     import triton as _triton  # noqa: F401
 except ImportError:
     _triton = None
 if _triton is not None:
-    from detent.kernels import attention_triton, gemm_triton, moe_triton, rowwise_triton  # noqa: F401
+    from detent.kernels import (attention_triton, gemm_triton, gumbel_triton, moe_triton,  # noqa: F401
+                                rowwise_triton)

@@ -8,8 +8,9 @@ Contract:
 - Every per-row result depends only on that row's logits and its
   SamplingRow — never on R or on the row's index.
 
-How: the random bits come from the keyed Philox RNG (rng.py), exact integer
-arithmetic. Everything else is an op whose per-row result does not depend on
+How: the random bits come from the keyed Philox RNG (kernels/philox.py, exact
+integer arithmetic), drawn through the `gumbel` kernel family
+(`ops.gumbel_argmax`: the torch reference, or one fused Triton kernel on GPU). Everything else is an op whose per-row result does not depend on
 the other rows: elementwise arithmetic, comparisons, where/gather/scatter,
 stable sorts, argmax (first maximum), and the last-dim softmax/log_softmax
 kernels; no cumsum (top-p uses a fixed-order scan) and no cross-row
@@ -30,7 +31,7 @@ import torch
 
 from detent.sampling import processors as P
 from detent.sampling.params import SamplingParams
-from detent.sampling.rng import ROLE_SAMPLE, gumbel_from_bits, random_bits, random_bits_at, to_device
+from detent.sampling.rng import ROLE_SAMPLE, to_device
 from detent.selection import ops
 
 
@@ -119,21 +120,19 @@ def _gumbel_max(z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """argmax(z + g) per row, g the keyed Gumbel noise; z = -inf marks excluded tokens.
 
     When truncation leaves few candidates, the noise is drawn at the candidates'
-    ids only (`random_bits_at`): each draw depends on (key, token id) alone, and
+    ids only (`ops.gumbel_argmax(..., ids=)`): each draw depends on (key, token id) alone, and
     the candidates keep ascending id order, so the token is the same as with
     noise over the whole vocabulary (first maximum, ties to the lower id).
     Without truncation (`dense`) every token is a candidate: no count, no sync."""
     B, V = z.shape
-    keys = ([r.seed for r in rows], [r.position for r in rows], [r.sample_index for r in rows])
-    role = rows[0].role
+    keys = ([r.seed for r in rows], [r.position for r in rows], [r.sample_index for r in rows], rows[0].role)
     truncated = any(_truncates(r.params, V) for r in rows) or any(r.grammar is not None for r in rows)
     if truncated:
         finite = torch.isfinite(z)
         counts = P.count(finite)[:, 0].tolist()
         C = max(max(counts), 1)
     if not truncated or C > V // 8:
-        g = gumbel_from_bits(random_bits(*keys, V, role=role, device=z.device))
-        return torch.argmax(z.double() + g, dim=-1)
+        return ops.gumbel_argmax(z, *keys)
     r_idx, ids = finite.nonzero(as_tuple=True)  # row-major: ascending ids within each row
     starts = torch.tensor([0] + counts[:-1], device=z.device).cumsum(0)  # [B] (B small ints: exact)
     slot = torch.arange(r_idx.numel(), device=z.device) - starts[r_idx]
@@ -141,9 +140,8 @@ def _gumbel_max(z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     cand[r_idx, slot] = ids
     valid = torch.zeros(B, C, dtype=torch.bool, device=z.device)
     valid[r_idx, slot] = True
-    g = gumbel_from_bits(random_bits_at(*keys, cand, role=role))
-    score = torch.where(valid, z.gather(1, cand).double() + g, float("-inf"))
-    return cand.gather(1, torch.argmax(score, dim=-1, keepdim=True))[:, 0]
+    zc = torch.where(valid, z.gather(1, cand), float("-inf"))  # [B, C]: -inf marks a padding slot
+    return cand.gather(1, ops.gumbel_argmax(zc, *keys, ids=cand)[:, None])[:, 0]
 
 
 def _truncates(p: SamplingParams, V: int) -> bool:

@@ -70,15 +70,23 @@ def _gemm(fn, x, w, bias, **kw):
     return _apply(lambda x, w, b: fn(x, w, b, **kw), R.linear, x, w, bias)
 
 
-def _attention(fn, q, k, v, kv_cache, meta, scale, **kw):
+def _attention(fn, q, k, v, kv_cache, meta, scale, history: "StepKV | None" = None, **kw):
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    prior: list[torch.Tensor] = []
+    counts: tuple[int, ...] = ()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        partial = [b for b in range(meta.num_seqs) if lens[b] != qsl[b + 1] - qsl[b]]
-        if partial:
-            raise ValueError(f"gradients through attention need every sequence whole in one step; sequences "
-                             f"{partial[:5]} attend to KV computed in an earlier step")
-    ref = functools.partial(R.attention, query_start_loc=meta.query_start_loc_cpu, scale=scale)
-    return _apply(lambda q, k, v: fn(q, k, v, kv_cache, meta, scale, **kw), ref, q, k, v)
+        before = [lens[b] - (qsl[b + 1] - qsl[b]) for b in range(meta.num_seqs)]
+        if any(before):  # chunked: the candidate reads earlier chunks' KV from the cache; the
+            if history is None:  # backward needs the tensors that KV came from
+                raise ValueError(f"gradients through attention over KV from an earlier step need the "
+                                 f"trainer's KV history; sequences {[b for b, n in enumerate(before) if n][:5]} "
+                                 f"attend to KV computed in an earlier step")
+            ks, vs, counts = history.prior(kv_cache, before)
+            prior = ks + vs
+        if history is not None:
+            history.record(kv_cache, k, v, qsl)
+    ref = functools.partial(R.attention, query_start_loc=qsl, scale=scale, prior_counts=counts)
+    return _apply(lambda q, k, v, *_: fn(q, k, v, kv_cache, meta, scale, **kw), ref, q, k, v, *prior)
 
 
 def _norm(fn, x, w, eps, residual, **kw):
@@ -111,13 +119,70 @@ WRAPPERS: dict[str, Callable] = {"gemm": _gemm, "attention": _attention, "norm":
                                  "act": _act, "embedding": _embedding, "logsoftmax": _log_softmax, "moe": _moe}
 
 
+class KVHistory:
+    """The autograd-tracked K and V each sequence wrote into the trainer's
+    scratch KV cache, per layer and step. A sequence longer than one step's
+    token budget is scored in chunks, as chunked prefill runs a long prompt:
+    a later chunk's candidate reads the earlier chunks' KV from the cache
+    (so its bits are the engine's), and its backward differentiates into the
+    tensors that KV came from, which live here. Only the K and V of
+    sequences a later step extends are kept (the size of their KV), until the
+    backward."""
+
+    def __init__(self):
+        # (layer's KV cache, sequence key) -> {step: (K, V) of that step's chunk}
+        self.chunks: dict[tuple[int, Any], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def step(self, step: int, seq_keys: tuple, continues: tuple[bool, ...] | None = None) -> "StepKV":
+        """The view one step's attention calls use: `seq_keys[b]` names the step's
+        b-th sequence, `continues[b]` says whether a later step extends it (only
+        those sequences' K and V are kept; default: all)."""
+        return StepKV(self, step, seq_keys, continues or (True,) * len(seq_keys))
+
+
+class StepKV:
+    def __init__(self, history: KVHistory, step: int, seq_keys: tuple, continues: tuple[bool, ...]):
+        self.history, self.step_index, self.seq_keys, self.continues = history, step, seq_keys, continues
+
+    def record(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: tuple[int, ...]) -> None:
+        for b, key in enumerate(self.seq_keys):
+            if not self.continues[b]:
+                continue
+            chunks = self.history.chunks.setdefault((kv_cache.data_ptr(), key), {})
+            # recorded once: a checkpointed layer recomputing in backward keeps the forward's
+            # entry, which later steps' graphs already point at. contiguous(): v is a view of
+            # the fused qkv projection, which a checkpointed layer would otherwise keep alive
+            if self.step_index not in chunks:
+                s, e = qsl[b], qsl[b + 1]
+                chunks[self.step_index] = (k[s:e].contiguous(), v[s:e].contiguous())
+
+    def prior(self, kv_cache: torch.Tensor, before: list[int]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[int, ...]]:
+        """Each sequence's K and V chunks from earlier steps (the first `before[b]`
+        positions of sequence b), and how many chunks each has."""
+        ks, vs, counts = [], [], []
+        for key, n in zip(self.seq_keys, before):
+            chunks = self.history.chunks.get((kv_cache.data_ptr(), key), {})
+            parts = [chunks[s] for s in sorted(chunks) if s < self.step_index]
+            got = sum(p[0].shape[0] for p in parts)
+            if got != n:
+                raise ValueError(f"sequence {key!r} attends to {n} earlier KV positions; the trainer's KV "
+                                 f"history holds {got}")
+            ks += [p[0] for p in parts]
+            vs += [p[1] for p in parts]
+            counts.append(len(parts))
+        return ks, vs, tuple(counts)
+
+
 class GradDispatcher:
     """The engine's dispatcher, with each selected candidate wrapped in its
     family's `KernelFunction`. A family without a backward (allreduce: the
-    trainer runs at tensor_parallel_size 1) raises, naming it."""
+    trainer runs at tensor_parallel_size 1) raises, naming it. `history`:
+    this step's view of the KV history (chunked sequences)."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, history: StepKV | None = None):
         self.inner = inner
+        self.history = history
 
     @property
     def mode(self) -> str:
@@ -132,4 +197,6 @@ class GradDispatcher:
         if wrap is None:
             raise NotImplementedError(f"kernel family {family!r} has no backward; the trainer supports "
                                       f"{sorted(WRAPPERS)}")
+        if family == "attention":
+            return functools.partial(wrap, fn, history=self.history), kw
         return functools.partial(wrap, fn), kw

@@ -17,20 +17,32 @@ def linear(x, w, bias):
     return F.linear(x, w, bias)  # [M, K] @ [N, K].T
 
 
-def attention(q, k, v, *, query_start_loc: tuple[int, ...], scale: float):
-    """Causal attention per sequence, each sequence's whole KV in this step.
-    q: [T, H, D]; k, v: [T, KVH, D] (grouped-query: H a multiple of KVH)."""
+def attention(q, k, v, *prior, query_start_loc: tuple[int, ...], scale: float,
+              prior_counts: tuple[int, ...] = ()):
+    """Causal attention per sequence. q: [T, H, D]; k, v: [T, KVH, D]
+    (grouped-query: H a multiple of KVH). A sequence scored in chunks also
+    attends to the K/V its earlier chunks wrote: `prior` is those K chunks
+    then the V chunks, `prior_counts[b]` of each for sequence b, in order."""
     out = []
     g = q.shape[1] // k.shape[1]
-    # KV heads repeated rather than enable_gqa, so that float32 SDPA can take its
-    # memory-efficient kernel on GPU instead of materializing [H, L, L] scores
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [T, H, D]
+    half = len(prior) // 2
+    pk, pv = iter(prior[:half]), iter(prior[half:])
     for b in range(len(query_start_loc) - 1):
         s, e = query_start_loc[b], query_start_loc[b + 1]
+        c = prior_counts[b] if prior_counts else 0
+        kb = torch.cat([next(pk) for _ in range(c)] + [k[s:e]])
+        vb = torch.cat([next(pv) for _ in range(c)] + [v[s:e]])
         if e == s:
             continue
-        qb, kb, vb = (t[s:e].transpose(0, 1) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)  # [H, L, D]
+        # KV heads repeated rather than enable_gqa, so that float32 SDPA can take its
+        # memory-efficient kernel on GPU instead of materializing [H, L, L] scores
+        kb, vb = (t.repeat_interleave(g, 1).transpose(0, 1) for t in (kb, vb))  # [H, P + L, D]
+        qb, n = q[s:e].transpose(0, 1), kb.shape[1] - (e - s)  # n: positions before the chunk
+        if n == 0:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)  # [H, L, D]
+        else:  # query i sits at absolute position n + i and sees keys 0 .. n + i
+            mask = torch.arange(kb.shape[1], device=q.device)[None, :] <= n + torch.arange(e - s, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
         out.append(o.transpose(0, 1))  # [L, H, D]
     return torch.cat(out) if out else q.new_zeros(q.shape)
 

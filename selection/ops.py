@@ -92,6 +92,15 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return fn(logits, **kw)
 
 
+def gumbel_argmax(z: torch.Tensor, seeds, positions, sample_indices, role: int,
+                  ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, the index of max(z + keyed Gumbel noise), first maximum (kernels/gumbel.py).
+    z: [B, C] float; ids: [B, C] token ids of z's columns (None: column j is token j)."""
+    site = (("dense", ids is None), ("dtype", _dt(z)))
+    fn, kw = _resolve("gumbel", site, z.shape[0])
+    return fn(z, seeds, positions, sample_indices, role, ids, **kw)
+
+
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         top_k: int, renormalize: bool) -> torch.Tensor:
     """Mixture of experts with softmax top-k routing.

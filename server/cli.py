@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan and launch the next step while the device runs the current one "
                         "(default: on for CUDA; same output bits either way)")
+    p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None,
+                   help="before serving, run every kernel configuration the tuple can select, so no request "
+                        "waits for a compile (default: on for CUDA; same output bits either way)")
     p.add_argument("--api-key", default=os.environ.get("DETENT_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $DETENT_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -110,7 +113,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, tensor_parallel_size=a.tp, tuple=a.tuple, selection=a.selection, dtype=a.dtype,
               device=a.device, enable_prefix_caching=a.enable_prefix_caching, load_format=a.load_format,
               seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl,
-              gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
+              gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+              warmup=a.warm_start)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)

@@ -9,11 +9,13 @@ import os
 from detent.selection.compiler.lang import Program, load_program
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAMILIES = ("gemm", "attention", "moe", "allreduce", "norm", "rope", "act", "embedding", "logsoftmax")
+FAMILIES = ("gemm", "attention", "moe", "allreduce", "norm", "rope", "act", "embedding", "logsoftmax", "gumbel")
 
 
-# families whose programs are the same text share one file
-SOURCES = {"norm": "rowwise", "rope": "rowwise", "act": "rowwise", "logsoftmax": "rowwise",
+# families whose programs are the same text share one file (rowwise.py's docstring
+# names four; gumbel, the sampler's draw, shares it too: its text is kept as it was so that
+# the program's digest, and so every tuple's, stay the same)
+SOURCES = {"norm": "rowwise", "rope": "rowwise", "act": "rowwise", "logsoftmax": "rowwise", "gumbel": "rowwise",
            "embedding": "rowwise_torch"}
 
 

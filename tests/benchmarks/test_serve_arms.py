@@ -35,6 +35,10 @@ def test_arms_in_miniature(tmp_path):
     for arm, by_load in res["arms"].items():
         assert list(by_load) == loads, arm
         assert all(r["errors"] == 0 and r["requests"] == 2 and r["tpot_p50_ms"] > 0 for r in by_load.values()), arm
+    from detent.workloads import make
+    want = {w: sum(r.max_tokens for r in make(w, num_requests=2, max_len=40).requests) for w in ("W-A", "W-C")}
+    for by_load in res["arms"].values():  # the client counted every streamed token (ignore_eos: exact lengths)
+        assert all(round(r["output_tok_s"] * r["wall_s"]) == want[r["workload"]] for r in by_load.values())
     assert res["lambda_max"]["W-A"] > 0 and res["arms"]["stock"]["A4"]["rate"] == res["lambda_max"]["W-A"]
     assert res["arms"]["stock"]["C2"]["concurrency"] == 8
     rep = json.loads((out / "report.json").read_text())

@@ -25,9 +25,9 @@ def _llm(selection="pinned", seed=0, **kw):
                           max_num_batched_tokens=256, kv_cache_memory_bytes=1 << 28, **kw)
 
 
-def _rollout(llm, n=12):
+def _rollout(llm, n=12, lens=(5, 120)):
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 4096, (int(l),), generator=g).tolist() for l in torch.randint(5, 120, (n,), generator=g)]
+    prompts = [torch.randint(3, 4096, (int(l),), generator=g).tolist() for l in torch.randint(*lens, (n,), generator=g)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(temperature=1.0, seed=i, max_tokens=24, logprobs=0, ignore_eos=True)
                          for i in range(n)], use_tqdm=False)
@@ -46,6 +46,17 @@ def test_gpu_trainer_equals_rollout_pinned_not_stock():
     assert all(_matches(_llm("pinned"), _rollout(_llm("pinned"))))
     stock = _llm("stock")
     assert not all(_matches(stock, _rollout(stock)))
+
+
+def test_gpu_trainer_scores_sequences_longer_than_the_budget():
+    """Prompts of 300-480 tokens against a 256-token budget: the rollout's
+    prefills and the trainer's scoring are both cut into chunks (differently)."""
+    llm = _llm("pinned")
+    cells = _rollout(llm, n=6, lens=(300, 480))
+    assert all(len(p) + len(c) > 256 for p, c, _ in cells)
+    assert all(_matches(llm, cells))
+    stock = _llm("stock")
+    assert not all(_matches(stock, _rollout(stock, n=6, lens=(300, 480))))
 
 
 def test_gpu_update_weights_keeps_cuda_graphs_valid():

@@ -1,5 +1,5 @@
 """Kernels changed since the last device run (the MoE glue of fuse_glue, the
-RMSNorm that reads heads in place) compiled for the H200 (sm_90) on this CPU
+RMSNorm that reads heads in place, the fused Gumbel-max sampler) compiled for the H200 (sm_90) on this CPU
 machine: Triton lowers them to PTX and ptxas assembles a cubin, no GPU
 needed. Catches what the interpreter cannot (a construct the compiler
 refuses), and checks one property of the code itself: the fp32 combine has
@@ -48,6 +48,10 @@ out = {
                                                "sx1": "i32", "sr": "i32", "sy": "i32", "sro": "i32"},
                          {"HAS_RES": False, "BLOCK": 128}, num_warps=4),
 }
+from detent.kernels import gumbel_triton as gt
+out["gumbel"] = compile_(gt._gumbel_argmax_kernel, {"z_ptr": "*fp32", "key_ptr": "*i64", "out_ptr": "*i64",
+                                                    "V": "i32", "sz": "i32"}, {"BLOCK": 1024}, num_warps=8,
+                         enable_fp_fusion=False)
 for dt in ("bf16", "fp32"):
     sig = {"y_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt, "H": "i32"}
     out["combine_" + dt] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=False)
@@ -68,7 +72,8 @@ def compiled():
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm"])
+@pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm",
+                                  "gumbel"])
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name]["cubin_bytes"] > 0
 

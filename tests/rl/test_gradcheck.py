@@ -29,18 +29,21 @@ def _t(*shape, grad=True, seed=0):
     return torch.randn(*shape, generator=g, **D64).requires_grad_(grad)
 
 
-def _meta(lens: list[int]) -> AttentionMetadata:
-    """Whole sequences back to back, each in its own blocks of 4 tokens."""
+def _meta(lens: list[int], before: list[int] | None = None) -> AttentionMetadata:
+    """Sequences back to back, each in its own blocks of 4 tokens; sequence b
+    computes positions before[b] .. before[b] + lens[b] - 1 (0: whole)."""
+    before = before or [0] * len(lens)
     bs, qsl, tables, slots, first = 4, [0], [], [], 1
-    for n in lens:
-        nb = -(-n // bs)
+    for n, p in zip(lens, before):
+        nb = -(-(p + n) // bs)
         tables.append(list(range(first, first + nb)) + [0] * (8 - nb))
-        slots += [(first + i // bs) * bs + i % bs for i in range(n)]
+        slots += [(first + i // bs) * bs + i % bs for i in range(p, p + n)]
         qsl.append(qsl[-1] + n)
         first += nb
-    return AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+    kv = [p + n for n, p in zip(lens, before)]
+    return AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32),
                              torch.tensor(tables, dtype=torch.int32), torch.tensor(slots), len(lens), qsl[-1],
-                             max(lens), max(lens), bs, tuple(qsl), tuple(lens))
+                             max(lens), max(kv), bs, tuple(qsl), tuple(kv))
 
 
 def _cand(family, impl):
@@ -83,6 +86,27 @@ def test_family_backward_passes_gradcheck(case):
             full[i] = x
         return fn(*full)
     assert torch.autograd.gradcheck(f, tuple(args[i] for i in tensors), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_attention_backward_passes_gradcheck():
+    """Two sequences scored in two steps through a paged cache, as the trainer
+    runs sequences longer than its budget: step 1's attention reads step 0's
+    K and V from the cache (the real `sdpa` candidate, exact in float64), and
+    its backward reaches the step-0 tensors through the KV history."""
+    from detent.selection.autograd import KVHistory
+    sdpa = functools.partial(WRAPPERS["attention"], _cand("attention", "sdpa"))
+    m0, m1 = _meta([5, 3]), _meta([3, 4], before=[5, 3])
+
+    def f(q0, k0, v0, q1, k1, v1):
+        cache, hist = torch.zeros(2, 8, 4, 2, 4, **D64), KVHistory()
+        o0 = sdpa(q0, k0, v0, cache, m0, 0.5, history=hist.step(0, ("a", "b")))
+        o1 = sdpa(q1, k1, v1, cache, m1, 0.5, history=hist.step(1, ("a", "b")))
+        return torch.cat([o0, o1])
+    args = (_t(8, 4, 4), _t(8, 2, 4, seed=1), _t(8, 2, 4, seed=2), _t(7, 4, 4, seed=3), _t(7, 2, 4, seed=4),
+            _t(7, 2, 4, seed=5))
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="KV history"):  # step 1 without the history cannot differentiate
+        sdpa(args[3], args[4], args[5], torch.zeros(2, 8, 4, 2, 4, **D64), m1, 0.5)
 
 
 def test_gradcheck_catches_a_wrong_backward(monkeypatch):

@@ -16,12 +16,12 @@ from engine_helpers import TINY_LLAMA
 CFG = GRPOConfig(steps=3, prompts_per_step=2, group_size=4, max_tokens=8, lr=1e-2, kl_coef=0.05, seed=3)
 
 
-def _llm(selection: str) -> LLM:
+def _llm(selection: str, budget: int = 48) -> LLM:
     """A fresh model: update_weights writes into it."""
     mc = ModelConfig.from_hf(TINY_LLAMA)
     model = load_model(mc, device="cpu", dtype="float32", load_format="dummy", seed=0)
     return LLM.from_model(model, mc, device="cpu", selection=selection, rl=True, max_model_len=64,
-                          num_gpu_blocks=40, max_num_batched_tokens=48)
+                          num_gpu_blocks=40, max_num_batched_tokens=budget)
 
 
 def test_three_grpo_steps_match_exactly_under_pinned():
@@ -43,6 +43,17 @@ def test_colocated_shared_weights_match_exactly():
     logs = train_grpo(llm, TargetTokenTask(TINY_LLAMA["vocab_size"]), replace(CFG, share_weights=True, kl_coef=0.0))
     assert all(log.match_rate == 1.0 and log.max_abs_diff == 0.0 for log in logs), logs
     assert not torch.equal(w.detach(), w0)
+
+
+def test_sequences_longer_than_the_budget_match_exactly():
+    """10-token prompts + 8 tokens against a 12-token budget: the rollouts'
+    prefills and the trainer's scoring both run in chunks."""
+    logs = train_grpo(_llm("pinned", budget=12), TargetTokenTask(TINY_LLAMA["vocab_size"], prompt_len=10), CFG)
+    assert all(log.match_rate == 1.0 and log.max_abs_diff == 0.0 for log in logs), logs
+    # 8 completions a step: more than 16 tokens means one ran past 2 tokens, over the budget
+    assert max(log.num_tokens for log in logs) > 16
+    stock = train_grpo(_llm("stock", budget=12), TargetTokenTask(TINY_LLAMA["vocab_size"], prompt_len=10), CFG)
+    assert min(log.match_rate for log in stock) < 1.0, stock  # measured 0.78, 0.83, 0.81
 
 
 def test_stock_selection_shows_a_mismatch():

@@ -1,8 +1,9 @@
 """The trainer's logprobs are the rollout's, bit for bit (torch.equal), under
 selection="pinned": seeded T=1 rollouts of tiny Llama, Qwen3 and Qwen3-MoE
 in a co-batched and chunked prefill, a prefix-cache hit and preemptions, all
-scored in one packed trainer call with gradients on. With selection="stock"
-some logprob differs, so the comparison can fail."""
+scored in one packed trainer call with gradients on, and rollouts longer
+than one step's token budget, which the trainer scores in chunks. With
+selection="stock" some logprob differs, so the comparison can fail."""
 from __future__ import annotations
 
 import pytest
@@ -67,12 +68,51 @@ def test_checkpointed_layers_give_the_same_bits_and_gradients():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
 
+LONG_BUDGET = 16  # every prompt, and every prompt + completion, is longer than one step
+
+
+def _long_cells(b, sel):
+    """Seeded T=1 rollouts whose prompt + completion (32 .. 46 tokens) exceed
+    the token budget, co-batched so the engine cuts their prefills."""
+    V = b.config.vocab_size
+    llm = make_llm(b, sel, max_num_batched_tokens=LONG_BUDGET)
+    prompts = [prompt(200 + i, 20 + 7 * i, V) for i in range(3)]
+    return llm, [(p, c, lp) for p, (c, lp) in zip(prompts, rollout(llm, prompts, [1, 2, 3], max_tokens=12))]
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3", "qwen3_moe"])
+def test_sequences_longer_than_the_budget_are_scored_in_chunks(model):
+    """The trainer runs each sequence in chunks over steps, each step under
+    the engine's budget, a later chunk attending to the earlier chunks' KV;
+    pinned, its logprobs are the rollout's bit for bit, with gradients."""
+    llm, cells = _long_cells(model_bundle(model), "pinned")
+    assert all(len(p) + len(c) > LONG_BUDGET for p, c, _ in cells)
+    assert all(_score(llm, cells))
+    with torch.no_grad():  # the scoring-only pass chunks the same way (TrainerForward)
+        from detent.engine.trainer import TrainerForward
+        plain = TrainerForward(llm).logprobs([p + c for p, c, _ in cells])
+    assert all(torch.equal(lp[len(p) - 1:], want) for lp, (p, _, want) in zip(plain, cells))
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3", "qwen3_moe"])
+def test_stock_selection_breaks_chunked_trainer_equality(model):
+    llm, cells = _long_cells(model_bundle(model), "stock")
+    assert not all(_score(llm, cells)), "stock matched every rollout: this comparison could not fail"
+
+
+def test_plan_chunks_fills_each_step_to_the_budget():
+    from detent.engine.trainer import plan_chunks
+    assert plan_chunks([9, 14], 5) == [[(0, 0, 5)], [(0, 5, 4), (1, 0, 1)], [(1, 1, 5)], [(1, 6, 5)], [(1, 11, 3)]]
+    assert plan_chunks([3, 4, 2], 16) == [[(0, 0, 3), (1, 0, 4), (2, 0, 2)]]
+    assert plan_chunks([40], 16) == [[(0, 0, 16)], [(0, 16, 16)], [(0, 32, 8)]]
+
+
 def test_trainer_refuses_bad_input():
     b = model_bundle("llama")
     llm = make_llm(b, "pinned", max_num_batched_tokens=BUDGET)
     tm = TrainerModel(llm)
-    with pytest.raises(ValueError, match="max_num_batched_tokens=48"):
-        tm([list(range(2, 60))])
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        tm([[3] * 300])
     with pytest.raises(ValueError, match=r"num_prompt_tokens\[0\]=5"):
         tm([[3, 4, 5]], [5])
     with pytest.raises(ValueError, match="vocabulary"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from detent.sampling.rng import philox4x32, random_bits, uniform_from_bits
+from detent.kernels.philox import philox4x32, random_bits, uniform_from_bits
 
 M32 = 0xFFFFFFFF
 
@@ -52,7 +52,7 @@ def test_random_bits_match_pure_python_reference():
 
 
 def test_bits_at_token_ids_equal_the_full_vocabulary_draw():
-    from detent.sampling.rng import random_bits_at
+    from detent.kernels.philox import random_bits_at
     seeds, pos, smp = [3, 2**40 + 1], [17, 900], [0, 2]
     full = random_bits(seeds, pos, smp, 1000, role=1)
     ids = torch.tensor([[0, 1, 2, 3, 4, 999, 517], [998, 5, 5, 6, 7, 0, 250]])

@@ -29,6 +29,8 @@ def test_engine_flags_reach_the_engine():
     assert (kw["gpu_memory_utilization"], kw["enforce_eager"], kw["tensor_parallel_size"]) == (0.5, True, 2)
     kw = engine_kwargs(parse_args([]))
     assert (kw["gpu_memory_utilization"], kw["enforce_eager"], kw["enable_prefix_caching"]) == (0.9, False, True)
+    assert kw["warmup"] is None  # warm start: on for CUDA (engine/warmup.py)
+    assert engine_kwargs(parse_args(["--no-warm-start"]))["warmup"] is False
     assert engine_kwargs(parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
     assert engine_kwargs(parse_args(["--enable-prefix-caching"]))["enable_prefix_caching"] is True
     for bad in (["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"]):

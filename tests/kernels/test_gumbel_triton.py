@@ -1,0 +1,62 @@
+"""The `gumbel` family's fused Triton kernel (kernels/gumbel_triton.py) under
+Triton's interpreter, against the torch reference (kernels/gumbel.py).
+
+Comparator: token indices with `torch.equal`. The reference's noise is itself
+checked against an independent pure-Python Philox and Random123's vectors
+(tests/sampling/test_rng.py)."""
+import pytest
+import torch
+
+from detent.kernels.gumbel import gumbel_argmax_torch
+from detent.kernels.gumbel_triton import gumbel_argmax_triton
+
+SEEDS = [0, 1, 2**63 + 7, 2**64 - 1, 123456789012345, 42, 2**32 + 5, 9]
+POSITIONS = [0, 7, 4095, 2**32 - 1, 31, 100, 5, 2048]
+
+
+def _z(b: int, v: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(b, v, generator=g) * 3
+    z[1, ::3] = float("-inf")  # excluded tokens
+    z[2, : v - 5] = float("-inf")  # only the last five may be drawn
+    return z
+
+
+@pytest.mark.parametrize("v", [7, 1000, 3000])
+@pytest.mark.parametrize("role", [0, 1])
+def test_equals_the_torch_reference(v, role):
+    z = _z(8, v)
+    args = (SEEDS, POSITIONS, [0, 1, 2, 3, 0, 5, 9, 2**31], role)
+    want = gumbel_argmax_torch(z, *args)
+    got = gumbel_argmax_triton(z, *args)
+    assert torch.equal(got, want)
+    assert bool((z.gather(1, got[:, None]) > float("-inf")).all())
+
+
+def test_every_row_masked_takes_the_first_token_as_argmax_does():
+    z = torch.full((2, 2500), float("-inf"))
+    args = ([1, 2], [3, 4], [0, 0], 0)
+    assert torch.equal(gumbel_argmax_triton(z, *args), gumbel_argmax_torch(z, *args))
+    assert gumbel_argmax_triton(z, *args).tolist() == [0, 0]
+
+
+def test_a_row_alone_equals_the_row_in_a_batch():
+    z = _z(8, 2100, seed=3)
+    keys = (SEEDS, POSITIONS, [0] * 8, 0)
+    batch = gumbel_argmax_triton(z, *keys)
+    for i in range(8):
+        alone = gumbel_argmax_triton(z[i:i + 1].clone(), [SEEDS[i]], [POSITIONS[i]], [0], 0)
+        assert torch.equal(alone, batch[i:i + 1])
+
+
+def test_candidates_path_is_the_reference():
+    z = _z(3, 50)
+    ids = torch.tensor([[0, 4, 9, 49], [1, 2, 3, 5], [10, 11, 12, 13]])
+    zc = z.gather(1, ids)
+    args = ([1, 2, 3], [4, 5, 6], [0, 0, 0], 0)
+    assert torch.equal(gumbel_argmax_triton(zc, *args, ids=ids), gumbel_argmax_torch(zc, *args, ids=ids))
+
+
+def test_position_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="position"):
+        gumbel_argmax_triton(torch.zeros(1, 8), [1], [2**32], [0], 0)
