@@ -211,3 +211,29 @@ def test_a_workload_file_of_requests(tmp_path):
     f.write_text('{"prompt": "hi"}\n')
     with pytest.raises(ValueError, match="line 1: expected"):
         load_workload(str(f), vocab=160, num_requests=None, max_len=None, seed=0)
+
+
+def test_tune_runs_from_a_plain_install_without_the_plot(tmp_path):
+    """Only the runtime dependencies importable (tests/server/plain_install.py): the tuple and
+    report are written, the PNG (matplotlib, the `bench` extra) is skipped with a message."""
+    import os
+    import subprocess
+    import sys
+
+    from detent.models.tiny import write_tiny_llama
+    model = write_tiny_llama(str(tmp_path / "tiny"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = (
+        "import sys; sys.path.insert(0, 'tests/server')\n"
+        "from plain_install import block, blocked_modules, project_requirements, runtime_closure\n"
+        "b = blocked_modules(runtime_closure(project_requirements())); assert 'matplotlib' in b; block(b)\n"
+        "from detent.cli import main\n"
+        f"sys.exit(main(['tune', '--model', {model!r}, '--workload', 'W-C', '--num-requests', '2', '--max-len', '40',"
+        " '--families', 'gemm', '--cost', 'kernels', '--device', 'cpu', '--dtype', 'float32',"
+        f" '--max-model-len', '256', '--max-num-batched-tokens', '32', '-o', {str(tmp_path / 't.json')!r}]))\n")
+    p = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "matplotlib is not installed, no plot written" in p.stderr
+    assert (tmp_path / "t.json").exists() and (tmp_path / "t.report.json").exists()
+    assert not (tmp_path / "t.png").exists()
