@@ -60,25 +60,37 @@ def build(model_name: str, *, max_model_len: int, max_num_seqs: int, max_num_bat
     return llm, mc, info
 
 
-def dispatcher_for(eng, mode: str):
-    """The project's dispatcher for `mode` (SelIR, selection/programs). Returns
-    (d, source); refuses to time anything but the Triton attention on CUDA."""
-    from detent.selection import make_dispatcher
+def dispatcher_for(eng, mode: str, knobs: dict[str, dict] | None = None):
+    """The project's dispatcher for `mode` (SelIR, selection/programs); with
+    `knobs` ({family: {knob: value}}, mode pinned) through the default tuple
+    with those knobs set (e.g. {"attention": {"impl": "fa4"}}). Returns
+    (d, source); refuses to time another attention than the tuple's on CUDA."""
+    import tempfile
+
+    from detent.selection import default_tuple, make_dispatcher
     f = eng.facts
-    d = make_dispatcher(f, mode, None)
+    tuple_path = None
+    if knobs:
+        if mode != "pinned":
+            raise ValueError(f"tuple knobs {knobs} apply in mode pinned, not {mode!r}")
+        tuple_path = tempfile.mkstemp(suffix=".json", prefix="detent-tuple-")[1]
+        default_tuple(f, knobs=knobs).save(tuple_path)
+    d = make_dispatcher(f, mode, tuple_path)
     site = (("num_heads", f["num_heads"]), ("num_kv_heads", f["num_kv_heads"]), ("head_dim", f["head_dim"]),
             ("block_size", f["page_size"]), ("dtype", f["dtype"]))
     sel = d.select("attention", site, dict(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1, total_kv=1))
-    if f["device"] == "cuda" and sel["impl"] != "triton_paged":
-        raise RuntimeError(f"SelIR selected {sel} for attention on CUDA: is triton importable? facts={f}")
-    return d, "selection (SelIR)"
+    want = (knobs or {}).get("attention", {}).get("impl", "triton_paged")
+    if f["device"] == "cuda" and sel["impl"] != want:
+        raise RuntimeError(f"SelIR selected {sel} for attention on CUDA, not {want}: is triton importable? facts={f}")
+    return d, "selection (SelIR)" + (f", tuple {tuple_path}" if tuple_path else "")
 
 
 def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = None) -> dict:
     """mode: "stock" | "pinned" | "conservative", optionally with environment
-    settings read by the kernels ("pinned+VAR=VAL") and candidate parameters
+    settings read by the kernels ("pinned+VAR=VAL"), candidate parameters
     added to one family's selection ("pinned+moe:fuse_glue=1",
-    `selection.provider.FamilyOverride`)."""
+    `selection.provider.FamilyOverride`) and tuple knobs
+    ("pinned+attention.impl=fa4": FlashAttention-4 for every step)."""
     import os
 
     from detent.engine.cuda_graph import enable_cuda_graphs
@@ -87,19 +99,23 @@ def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = 
     eng = llm.llm_engine
     base, *extras = mode.split("+")
     params: dict[str, dict] = {}
+    knobs: dict[str, dict] = {}
     for kv in extras:
         k, _, v = kv.partition("=")
-        if ":" in k:
+        if "." in k:
+            fam, _, name = k.partition(".")
+            knobs.setdefault(fam, {})[name] = int(v) if v.lstrip("-").isdigit() else v
+        elif ":" in k:
             fam, _, name = k.partition(":")
             params.setdefault(fam, {})[name] = int(v) if v.lstrip("-").isdigit() else v
         else:
             os.environ[k] = v
-    d, source = dispatcher_for(eng, base)
+    d, source = dispatcher_for(eng, base, knobs)
     for fam, extra in params.items():
         d = Dispatcher(FamilyOverride(d.provider, fam, extra=extra))
     eng.dispatcher = d
     eng.runner.dispatcher = d
-    out = {"mode": mode, "selection_source": source, "overrides": params,
+    out = {"mode": mode, "selection_source": source, "overrides": params, "knobs": knobs,
            "env": {k: v for k, v in os.environ.items() if k.startswith("DETENT_")}}
     if graphs:
         t0 = time.time()

@@ -3,6 +3,9 @@ engine step each at max_num_batched_tokens=8192; eager, no CUDA graphs),
 for the stock, pinned and conservative selections in one run.
 
     python benchmarks/prefill.py --model llama-3.1-8b --out prefill.json
+    python benchmarks/prefill.py --model llama-3.1-8b --modes pinned --attention fa4 --out fa4.json
+      (FlashAttention-4 for every step: mode "pinned+attention.impl=fa4", the
+      tuple's knob; needs the fa4 extra)
     (benchmarks/decode.py --prefill runs the same sweep next to decode)
 """
 from __future__ import annotations
@@ -81,11 +84,16 @@ def main():
     ap.add_argument("--modes", default="stock,pinned,conservative")
     ap.add_argument("--out", default="prefill.json")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also profile one prefill per length into DIR")
+    ap.add_argument("--attention", choices=("triton_paged", "fa4"), default="triton_paged",
+                    help="the attention implementation (tuple knob attention.impl); fa4 runs in mode pinned only")
     a = ap.parse_args()
     lens = [int(n) for n in a.lens.split(",")]
     llm, mc, info = build(a.model, max_model_len=max(lens) + 16, max_num_seqs=8)
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "info": info, "prefill": {}}
-    for mode in a.modes.split(","):
+    modes = a.modes.split(",")
+    if a.attention != "triton_paged":
+        modes = [f"{m}+attention.impl={a.attention}" for m in modes]
+    for mode in modes:
         res.setdefault("modes", {})[mode] = set_mode(llm, mode, graphs=False)
         res["prefill"][mode] = prefill_sweep(llm, lens, mc.vocab_size)
         if a.profile:

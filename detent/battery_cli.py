@@ -1,4 +1,4 @@
-"""`detent battery` and `detent verify` (docs/battery.md)."""
+"""`detent battery` (docs/battery.md) and `detent verify` (docs/verify.md)."""
 from __future__ import annotations
 
 import argparse
@@ -29,15 +29,30 @@ def add_subparsers(sub) -> None:
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=_battery)
 
-    v = sub.add_parser("verify", help="re-execute a logged request on a running server and compare bits",
-                       description="Send REQUEST again (with the seed RESPONSE reports) to the server at URL, "
-                       "after checking its tuple and deployment hashes are RESPONSE's; compare the choices "
-                       "with ==. Exit 0 if equal, 1 if they differ, 3 if the request cannot be re-executed here.")
-    v.add_argument("--url", required=True, help="the running detent-serve")
+    v = sub.add_parser("verify", help="re-execute logged requests and compare their bits",
+                       description="LOG: re-execute every request of a detent-serve --request-log in process, "
+                       "on an engine built as the log's deployment facts say, with --model and --tuple (with "
+                       "--url: by that server's POST /v1/verify); or --url with --request/--response: send one "
+                       "request again to a running server. Compare "
+                       "token ids, logprobs and top-k logprobs with ==. Exit 0 if equal, 1 if any differs, "
+                       "3 if a request cannot be re-executed here (another deployment or tuple), 2 on a usage "
+                       "error (docs/verify.md).")
+    v.add_argument("log", nargs="?", default=None, help="a request log written by detent-serve --request-log")
+    v.add_argument("--model", default=None, help="LOG: the model to re-execute on (default: the embedded SmolLM2)")
+    v.add_argument("--tuple", default=None, help="LOG: commitment tuple (t.json; default: the default tuple)")
+    v.add_argument("--selection", default=None, choices=SELECTION_MODES,
+                   help="LOG: selection mode (default: the one the log's requests ran under)")
+    v.add_argument("--load-format", default="auto")
+    v.add_argument("--batch", type=int, default=None, help="LOG: requests re-executed together (default 32; "
+                   "with --url, records per POST /v1/verify call, default 16)")
+    v.add_argument("--json", default=None, help="LOG: write the report to this file")
+    v.add_argument("--url", default=None, help="a running detent-serve: with LOG, its POST /v1/verify "
+                   "re-executes the log; with --request and --response, one request")
     v.add_argument("--api-key", default=None)
-    v.add_argument("--request", required=True, help="the request body (JSON) sent to /v1/completions or "
+    v.add_argument("--request", default=None, help="--url: the request body (JSON) sent to /v1/completions or "
                    "/v1/chat/completions")
-    v.add_argument("--response", required=True, help="the response body (JSON) received, with its detent field")
+    v.add_argument("--response", default=None, help="--url: the response body (JSON) received, with its detent "
+                   "field")
     v.set_defaults(func=_verify)
 
 
@@ -78,6 +93,14 @@ def _battery(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    if args.log is not None:
+        if args.request or args.response:
+            print("detent verify: error: give LOG, or --request and --response, not both", file=sys.stderr)
+            return 2
+        return _verify_log(args)
+    if not (args.url and args.request and args.response):
+        print("detent verify: error: give a request LOG, or --url with --request and --response", file=sys.stderr)
+        return 2
     from detent.verify import VerifyRefused, verify
 
     with open(args.request) as f:
@@ -101,3 +124,58 @@ def _verify(args: argparse.Namespace) -> int:
     for line in verdict.differences:
         print(f"  {line}")
     return 1
+
+
+def _verify_log(args: argparse.Namespace) -> int:
+    from detent.verify_log import engine_args, exit_code, read_log, table, verify_log, verify_report
+
+    try:
+        records, tuples, notes = read_log(args.log)
+    except OSError as e:
+        print(f"detent verify: error: cannot read {args.log}: {e.strerror}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"detent verify: {note}", file=sys.stderr)
+    if not records:
+        print(f"detent verify: error: {args.log} holds no request record", file=sys.stderr)
+        return 2
+    if args.url:
+        given = [f for f, v in (("--model", args.model), ("--tuple", args.tuple), ("--selection", args.selection))
+                 if v is not None]
+        if given:
+            print(f"detent verify: error: {', '.join(given)} choose the in-process engine; with --url the "
+                  "server re-executes the log under its own", file=sys.stderr)
+            return 2
+        from detent.verify_log import verify_remote
+        import httpx
+        try:
+            findings, rep = verify_remote(args.url, records, tuples, args.api_key, max(1, args.batch or 16))
+        except httpx.HTTPError as e:
+            print(f"detent verify: error: no detent-serve answers at {args.url}: {e}", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"detent verify: error: {e}", file=sys.stderr)
+            return 2
+    else:
+        from detent.engine import LLM
+        selection = args.selection or next((r.selection for r in records if hasattr(r, "selection")), "pinned")
+        try:
+            llm = LLM(model=args.model, tuple=args.tuple, selection=selection, load_format=args.load_format,
+                      **engine_args(records))
+        except (ValueError, OSError) as e:  # a tuple for other facts, a model that does not load
+            print(f"detent verify: error: cannot build the engine to re-execute on: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return 2
+        try:
+            findings = verify_log(llm, records, tuples, max(1, args.batch or 32))
+            rep = verify_report(findings, llm.llm_engine.fingerprint())
+        finally:
+            llm.shutdown()
+    print(table(findings))
+    c = rep["counts"]
+    print(f"{c['equal']} equal, {c['different']} different, {c['refused']} refused, {c['skipped']} skipped, "
+          f"{c['error']} failed, of {len(findings)} records")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    return exit_code(rep)

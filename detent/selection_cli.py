@@ -128,7 +128,7 @@ def cmd_tuple(args: argparse.Namespace) -> int:
     facts = _facts(args)
     try:
         if args.action == "default":
-            t = default_tuple(facts)
+            t = default_tuple(facts, knobs={"attention": {"impl": args.attention}} if args.attention else None)
             if args.output:
                 t.save(args.output)
                 print(f"wrote {args.output} (tuple hash {t.hash[:16]}, deployment hash "
@@ -160,6 +160,8 @@ def add_subparsers(subparsers) -> None:
     pt.add_argument("action", choices=("default", "check"))
     pt.add_argument("path", nargs="?", help="the tuple to check")
     pt.add_argument("-o", "--output", help="where `default` writes the tuple (stdout if omitted)")
+    pt.add_argument("--attention", choices=("triton_paged", "fa4"), default=None,
+                    help="`default`: the attention implementation (knob attention.impl) for every step, on CUDA")
     _common(pt)
     pt.set_defaults(func=cmd_tuple)
 

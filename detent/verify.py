@@ -1,6 +1,6 @@
 """`detent verify`: re-execute a request someone got an answer for, on a
 running `detent-serve`, and compare the answers' bits with `==`
-(docs/battery.md).
+(docs/verify.md; a whole request log: detent/verify_log.py).
 
 Input: the request body as sent to /v1/completions or /v1/chat/completions,
 and the response body received (its `detent` field carries the tuple hash,

@@ -29,6 +29,17 @@ _LAZY = {
     "build_engine": "detent.engine.core_process",
     "load_tokenizer": "detent.engine.loader",
     "update_weights_from_file": "detent.engine.weight_update",
+    # the request log and its re-execution (docs/verify.md)
+    "RecordError": "detent.engine.log_record",
+    "parse_record": "detent.engine.log_record",
+    "request_record": "detent.engine.log_record",
+    "server_record": "detent.engine.log_record",
+    "Finding": "detent.engine.replay",
+    "refusal_reason": "detent.engine.replay",
+    "skip_reason": "detent.engine.replay",
+    "compare_output": "detent.engine.replay",
+    "verify_report": "detent.engine.replay",
+    "describe_difference": "detent.engine.replay",
 }
 
 

@@ -6,6 +6,10 @@ looks the candidate up by name and calls it with the call's tensors plus the
 selection's parameters. Each kernels/ module registers its candidates on
 import, and importing this module imports the kernels/ package first, so a
 caller that holds the registry sees every candidate that runs here.
+
+A candidate that needs an optional package or device (FlashAttention-4)
+records why it is not registered here (`unavailable`), so asking for it by
+name says what is missing and how to install it instead of "no candidate".
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class Candidate:
 
 
 _REGISTRY: dict[str, dict[str, Candidate]] = {}
+_UNAVAILABLE: dict[tuple[str, str], str] = {}  # (family, name) -> why it is not registered here
 
 
 def register(family: str, name: str, *, params: tuple[str, ...] = (),
@@ -36,10 +41,22 @@ def register(family: str, name: str, *, params: tuple[str, ...] = (),
     return deco
 
 
+def unavailable(family: str, name: str, why: str) -> None:
+    """Record why candidate family/name is not registered in this process."""
+    _UNAVAILABLE[(family, name)] = why
+
+
+def why_unavailable(family: str, name: str) -> str | None:
+    return _UNAVAILABLE.get((family, name))
+
+
 def get(family: str, name: str) -> Candidate:
     try:
         return _REGISTRY[family][name]
     except KeyError:
+        why = _UNAVAILABLE.get((family, name))
+        if why is not None:
+            raise KeyError(f"kernel candidate {family}/{name} is not available here: {why}") from None
         known = sorted(_REGISTRY.get(family, {}))
         raise KeyError(f"no kernel candidate {name!r} in family {family!r}; registered: {known}") from None
 

@@ -20,8 +20,19 @@ CPU_NUM_SMS = 8  # a notional SM count for FA3's split heuristic on CPU (fixed: 
 # defaults for deployment facts a caller may leave out
 DEFAULTS: dict[str, Any] = {
     "device": "cpu", "arch": "cpu", "num_sms": CPU_NUM_SMS, "dtype": "float32", "tp": 1, "page_size": 16,
-    "max_context": 4096, "max_num_batched_tokens": 8192, "max_num_seqs": 256, "triton": False,
+    "max_context": 4096, "max_num_batched_tokens": 8192, "max_num_seqs": 256, "triton": False, "fa4": "",
 }
+
+
+def fa4_version() -> str:
+    """The installed flash-attn-4's version, "" without it (read from the
+    package metadata: nothing is imported). A fact, not a yes/no: FA4's
+    selection and bits are those of one version (kernels/attention_fa4.py)."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -35,9 +46,11 @@ def _get(cfg: Any, *names: str, default: Any = None) -> Any:
 def default_facts_for(model_config_like: Any, device: str = "cpu", dtype: str = "float32", tp: int = 1,
                       page_size: int = 16, max_context: int = 4096, *, max_num_batched_tokens: int | None = None,
                       max_num_seqs: int = 256, triton: bool | None = None, num_sms: int | None = None,
-                      arch: str | None = None) -> dict[str, Any]:
+                      arch: str | None = None, fa4: str | None = None) -> dict[str, Any]:
     """Deployment facts from an HF config dict (or a config object with the same
-    attribute names or ModelConfig-style ones: hidden_size/hidden, ...)."""
+    attribute names or ModelConfig-style ones: hidden_size/hidden, ...).
+    `fa4`: the flash-attn-4 version the deployment runs ("" for none; on CUDA
+    the installed one by default, on CPU always "")."""
     c = model_config_like or {}
     hidden = int(_get(c, "hidden_size", "hidden", default=0))
     heads = int(_get(c, "num_attention_heads", "num_heads", default=1))
@@ -62,11 +75,14 @@ def default_facts_for(model_config_like: Any, device: str = "cpu", dtype: str = 
                 triton = True
             except ImportError:
                 triton = False
+        if fa4 is None:
+            fa4 = fa4_version()
     facts = {
         "device": device, "arch": arch or "cpu", "num_sms": int(num_sms or CPU_NUM_SMS), "dtype": dtype, "tp": tp,
         "page_size": page_size, "max_context": max_context,
         "max_num_batched_tokens": int(max_num_batched_tokens or 8192),  # chunked prefill's token budget
         "max_num_seqs": max_num_seqs, "triton": bool(triton) if device == "cuda" else False,
+        "fa4": (fa4 or "") if device == "cuda" else "",
         "hidden": hidden, "num_heads": heads // tp, "num_kv_heads": max(1, kv_heads // tp), "head_dim": head_dim,
         "intermediate": int(_get(c, "intermediate_size", "intermediate", default=0)) // tp,
         "vocab": int(_get(c, "vocab_size", "vocab", default=0)),
@@ -81,7 +97,8 @@ def default_facts_for(model_config_like: Any, device: str = "cpu", dtype: str = 
 def complete(facts: dict[str, Any]) -> dict[str, Any]:
     """Facts with the documented defaults filled in for keys a caller left out
     (on CPU, num_sms <= 0 reads as the notional CPU_NUM_SMS; on CUDA a missing
-    `triton` fact is whether triton imports)."""
+    `triton` fact is whether triton imports, a missing `fa4` the installed
+    flash-attn-4's version)."""
     out = dict(DEFAULTS)
     out.update(facts)
     if out.get("device") == "cpu" and not out.get("num_sms", 0) > 0:
@@ -92,6 +109,8 @@ def complete(facts: dict[str, Any]) -> dict[str, Any]:
             out["triton"] = True
         except ImportError:
             out["triton"] = False
+    if out.get("device") == "cuda" and "fa4" not in facts:
+        out["fa4"] = fa4_version()
     return out
 
 

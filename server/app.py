@@ -16,6 +16,7 @@ from detent.server.errors import (APIError, http_exception_handler, request_vali
 from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
 from detent.server.serving import ServerState, read_body
+from detent.server.verify import add_verify_route
 from detent.server.weights import add_weight_routes
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -78,6 +79,8 @@ def build_app(state: ServerState) -> FastAPI:
             ticker.cancel()
         state.engine.shutdown()
         state.preprocess.shutdown()
+        if state.request_log is not None:
+            state.request_log.close()
 
     app = FastAPI(title="Detent", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.detent = state
@@ -157,6 +160,7 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"prompt": await state.preprocess.decode(req.tokens)})
 
     add_weight_routes(app, state)
+    add_verify_route(app, state)
     wrapped = DetentASGIMiddleware(app, state)
     wrapped.fastapi = app  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]

@@ -54,16 +54,17 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a checked JSON object (400 naming what is wrong, and where)."""
+def parse_json(raw: bytes, allow_list: bool = False) -> Any:
+    """The body as a checked JSON object (or, with `allow_list`, array): a 400 naming what is wrong, and where."""
     try:
         obj = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
         raise bad_request(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, 4,300+ digit integers, NaN
         raise bad_request(f"malformed JSON body: {e}") from None
-    if not isinstance(obj, dict):
-        raise bad_request(f"the body must be a JSON object, got {type(obj).__name__}")
+    if not isinstance(obj, (dict, list) if allow_list else dict):
+        raise bad_request(f"the body must be a JSON object{' or array' if allow_list else ''}, "
+                          f"got {type(obj).__name__}")
     check_json(obj)
     return obj
 

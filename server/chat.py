@@ -96,7 +96,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
                              structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults,
                              bad_words=await bad_words_ids(req, state.preprocess))
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    gen = await Generation(state, rid, [ids], [params]).start()
+    gen = await Generation(state, rid, [ids], [params], endpoint="/v1/chat/completions").start()
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
     ctx = dict(id=rid, created=int(time.time()), model=model, system_fingerprint=state.system_fingerprint)
     if req.stream:

@@ -57,11 +57,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allowed-weight-dir", action="append", default=[],
                    help="allow POST /v1/update_weights to read safetensors inside DIR (repeatable; "
                         "default: weight updates refused)")
+    p.add_argument("--request-log", default=None, metavar="PATH",
+                   help="append one JSON line per finished request to PATH (prompt ids, sampling parameters "
+                        "with the seed, hashes, tokens, logprobs), for `detent verify` (docs/verify.md)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     _limit_flags(p)
     add_vllm_flags(p)
     a = p.parse_args(argv)
     resolve_model(p, a)
+    if a.request_log is not None:
+        try:
+            open(a.request_log, "ab").close()
+        except OSError as e:
+            p.error(f"--request-log {a.request_log!r} cannot be opened for appending: {e.strerror}")
     for d in a.allowed_weight_dir:
         if not os.path.isdir(d):
             p.error(f"--allowed-weight-dir {d!r} is not a directory")
@@ -90,6 +98,7 @@ LIMIT_FLAGS = {
                               "a prompt over max-model-len x this many characters is refused before tokenizing"),
     "--chat-template-timeout": ("chat_template_timeout_s", float, "seconds to render one conversation"),
     "--preprocess-workers": ("preprocess_workers", int, "threads that tokenize and render chat templates"),
+    "--max-verify-records": ("max_verify_records", int, "request records in one POST /v1/verify body"),
 }
 
 
@@ -155,6 +164,14 @@ def build_state(a: argparse.Namespace):
         print(f"detent-serve: default sampling parameters from --generation-config {a.generation_config}: "
               f"{defaults} (a request's own values win)", file=sys.stderr, flush=True)
     names = a.served_model_name or [a.model or "smollm2-135m-instruct"]
+    request_log = None
+    if a.request_log is not None:
+        import time
+
+        from detent import __version__
+        from detent.engine import server_record
+        from detent.server.request_log import RequestLog
+        request_log = RequestLog(a.request_log, server_record(fp, names[0], time.time(), __version__))
     return ServerState(
         engine=engine, tokenizer=tok, served_model_names=names,
         model_root=a.model or "embedded:SmolLM2-135M-Instruct",
@@ -162,7 +179,7 @@ def build_state(a: argparse.Namespace):
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
         allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
-        log_stats=not a.disable_log_stats,
+        log_stats=not a.disable_log_stats, engine_fingerprint=fp, request_log=request_log,
         sampling_defaults=defaults)
 
 

@@ -73,7 +73,8 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
                               structured=structured, vocab_size=state.vocab_size,
                               defaults=state.sampling_defaults, bad_words=bad) for mt in mts]
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, rid, [ids for _, ids in prompts], params)
+    gen = Generation(state, rid, [ids for _, ids in prompts], params, endpoint="/v1/completions",
+                     texts=[t for t, _ in prompts])
     gen.reports_output = not _echo_only(req)
     await gen.start()
     tok = TokenText(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=False),

@@ -4,10 +4,15 @@ A completion with several prompts is several engine requests (ids
 `<id>-0`, `<id>-1`, ...); each may carry `n` samples. `Generation` runs them
 through the `AsyncEngine`, feeds the metrics, and records the outcome
 (`stop`, `length`, `error`, or `abort` when the consumer stops early).
+With `--request-log`, each engine request that finishes is handed to the
+request log (server/request_log.py), which builds and writes its record off
+the event loop.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from typing import Any, AsyncIterator
 
 from detent.server.errors import APIError
@@ -34,6 +39,12 @@ def seeds(finals: list[Any]) -> list[int | None]:
     """Per choice, the seed it sampled with (drawn at admission if the request gave none)."""
     return [getattr(c, "seed", None) for o in finals if o is not None
             for c in sorted(o.outputs, key=lambda c: c.index)]
+
+
+def _entries(prompt: list[int], params: Any, out: Any) -> int:
+    """About how many values a request's record holds: tokens x (top-k + 1), prompt and output."""
+    n = len(prompt) * ((params.prompt_logprobs or 0) + 1)
+    return n + sum(len(c.token_ids) for c in out.outputs) * ((params.logprobs or 0) + 1)
 
 
 def output_error(out: Any) -> APIError | None:
@@ -75,9 +86,13 @@ async def sse_events(chunks: AsyncIterator[dict], gen: "Generation", ctx: dict,
 
 
 class Generation:
-    def __init__(self, state: ServerState, base_id: str, prompts: list[list[int]], params: list[Any]):
+    def __init__(self, state: ServerState, base_id: str, prompts: list[list[int]], params: list[Any], *,
+                 endpoint: str = "", texts: list[str | None] | None = None, log_record: bool = True):
         self.state, self.base_id = state, base_id
         self.prompts, self.params = prompts, params
+        self.endpoint, self.texts = endpoint, texts or [None] * len(prompts)
+        self.log_record = log_record and state.request_log is not None  # POST /v1/verify's replays: not logged
+        self.arrival = time.time()
         self.timers = [RequestTimer(state.metrics) for _ in prompts]
         self._streams: list[AsyncIterator[Any]] = []
         self.final: list[Any] = [None] * len(prompts)
@@ -132,6 +147,8 @@ class Generation:
                 if out.finished:
                     self.final[i] = out
                     self.timers[i].finish(_outcome(out), len(self.prompts[i]))
+                    if self.log_record:
+                        self._log(i, out)
                 yield i, out
         except BaseException as e:
             outcome = "error" if isinstance(e, (APIError, Exception)) else "abort"
@@ -142,6 +159,15 @@ class Generation:
             await it.aclose()
             for i, t in enumerate(self.timers):
                 t.finish("abort", len(self.prompts[i]))
+
+    def _log(self, i: int, out: Any) -> None:
+        from detent.engine import request_record
+        st = self.state
+        st.request_log.submit(functools.partial(
+            request_record, request_id=self.rid(i), endpoint=self.endpoint, model=st.model_name,
+            fp=st.engine_fingerprint, prompt=self.texts[i], prompt_token_ids=self.prompts[i],
+            params=self.params[i], output=out, arrival=self.arrival, finished=time.time()),
+            entries=_entries(self.prompts[i], self.params[i], out))
 
     async def run(self) -> list[Any]:
         """Until every engine request finished: the final cumulative outputs."""

@@ -30,6 +30,7 @@ class ServerLimits:
     chat_template_timeout_s: float = 5.0   # --chat-template-timeout: rendering time of one conversation
     trust_request_chat_template: bool = False  # --trust-request-chat-template: allow client templates
     preprocess_workers: int = 4            # --preprocess-workers: threads that tokenize and render
+    max_verify_records: int = 16           # --max-verify-records: request records in one POST /v1/verify body
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -250,10 +250,25 @@ def _complete_and_typed(sol, family: str, given: dict[str, Any], t: CommitmentTu
                                     f"{_fmt(legal)} (the values the program reaches that pass its checks)")
 
 
-def default_tuple(facts: dict[str, Any], families: tuple[str, ...] | None = None) -> CommitmentTuple:
+def default_tuple(facts: dict[str, Any], families: tuple[str, ...] | None = None,
+                  knobs: dict[str, dict[str, Any]] | None = None) -> CommitmentTuple:
     """Each pin at the legal value the unpinned program takes most often on the
     default profile, knobs at default; per family, with per-site overrides only
-    where a site's default differs from the family's most common one."""
+    where a site's default differs from the family's most common one.
+    `knobs` ({family: {knob: value}}) sets knobs for the whole family, e.g.
+    {"attention": {"impl": "fa4"}}, checked at every site (TupleError)."""
+    t = _default_tuple(facts, families)
+    for fam, kv in (knobs or {}).items():
+        ent = t.families.setdefault(fam, {"pins": {}, "knobs": {}, "sites": {}})
+        ent["knobs"].update(kv)
+        for site in ent["sites"].values():
+            site["knobs"].update({k: v for k, v in kv.items() if k in site["knobs"]})
+        for s in sites_for(facts, fam):
+            resolve(fam, facts, s, t)
+    return t
+
+
+def _default_tuple(facts: dict[str, Any], families: tuple[str, ...] | None) -> CommitmentTuple:
     t = CommitmentTuple(dict(facts), {}, "default tuple")
     for fam in families or programs.FAMILIES:
         per_site = []

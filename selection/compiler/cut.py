@@ -8,7 +8,12 @@ found by max-flow (Edmonds–Karp, networkx). Inputs, and values computed
 from an Unpinnable input by data edges, get infinite weight. A node's weight
 is BIG + (its distance to the nearest selection point), with BIG larger than
 any sum of distances: the fewest pins first, then pins nearest the selection
-points.
+points. A phi with an ABSENT arm whose condition the batch does not reach
+(a knob or fact decides whether the selection point is set, as when a knob
+chooses between candidates with different parameters) is never a pin: its
+pinned value would reach the paths that leave the key out, so the cut goes
+inside the paths that set it. (Where the batch decides, ABSENT is one of
+the pin's values.)
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import networkx as nx
 from networkx.algorithms.flow import edmonds_karp
 
 from detent.selection.compiler import lang
-from detent.selection.compiler.ir import Graph
+from detent.selection.compiler.ir import ABSENT, Graph
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,11 @@ class Cut:
     weight: int
 
 
+def _absent_arm(g: Graph, n: int) -> bool:
+    """A phi one of whose arms is the constant ABSENT (the key left out)."""
+    return g.ops[n] == "phi" and any(g.is_const(a) and g.value(a) is ABSENT for a in g.args[n][1:])
+
+
 def min_vertex_cut(g: Graph, outputs: dict[str, int], program: str = "?") -> Cut:
     sinks = []
     order = g.reachable(list(outputs.values()))
@@ -111,7 +121,7 @@ def min_vertex_cut(g: Graph, outputs: dict[str, int], program: str = "?") -> Cut
     for n in order:
         if n not in tainted:
             continue
-        if g.ops[n] == "input" or n in unpin:
+        if g.ops[n] == "input" or n in unpin or (_absent_arm(g, n) and g.args[n][0] not in tainted):
             G.add_edge(("in", n), ("out", n))  # no capacity attribute: infinite
         else:
             G.add_edge(("in", n), ("out", n), capacity=big + dist.get(n, maxd))

@@ -137,9 +137,11 @@ class Solution:
         for j, p in enumerate(self.pins):
             ok = [c for c in self.candidates.get(p, ())
                   if self.vra.check(pv[:j] + (c,) + pv[j + 1:], kv) is None]
-            if pv[j] not in ok:
+            if pv[j] not in ok and ok:  # no legal value at all: not this pin's doing (a knob's, a fact's)
                 parts.append(f"pin {p!r} = {pv[j]!r} is not legal here; its legal values: {_fmt(ok)}")
-        head = "; ".join(parts) or f"assignment {assignment} is not legal"
+        knobs = dict(zip(self.lowered.knobs, kv))
+        head = "; ".join(parts) or (f"no pin values are legal with knobs {knobs}" if knobs
+                                    else f"assignment {assignment} is not legal")
         return (f"program {self.program.name!r}: {head} ({ck.kind} `{ck.text}` fails at {at}"
                 f"{': ' + ck.msg if ck.msg else ''}; {ck.where})")
 
@@ -370,11 +372,12 @@ def solve(prog: lang.Program, facts: dict[str, Any], level: str = "full", cut: b
     pins: dict[str, int] = {}
     for n in nodes:
         name = out_names.get(n) or (g.names[n][0] if g.names[n] else None)
-        if name is None:  # an unnamed value (e.g. a condition): name it after the value it feeds
-            u, hops = users.get(n), 0
+        if name is None:  # an unnamed value: name it after the value it feeds (".cond" if as a condition)
+            prev, u, hops = n, users.get(n), 0
             while u is not None and not (out_names.get(u) or g.names[u]) and hops < 50:
-                u, hops = users.get(u), hops + 1
-            name = f"{out_names.get(u) or g.names[u][0]}.cond" if u is not None else f"v{n}"
+                prev, u, hops = u, users.get(u), hops + 1
+            cond = u is not None and g.ops[u] == "phi" and g.args[u][0] == prev
+            name = f"{out_names.get(u) or g.names[u][0]}{'.cond' if cond else ''}" if u is not None else f"v{n}"
         base, i = name, 2
         while name in pins:
             name, i = f"{base}_{i}", i + 1

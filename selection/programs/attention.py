@@ -8,6 +8,15 @@ tokens is then cdiv(max_seqlen_k, num_splits) rounded up to a page. Detent's
 kernels take that split size in KV tokens, so a row reduces over the same
 KV segments in the same order however the batch looks once it is pinned.
 On stock kernels a single split is FA3's unsplit kernel (`sdpa` on CPU).
+
+On CUDA the deployment's tuple chooses the implementation, knob `impl`:
+`triton_paged` (split-KV decode, the Triton prefill) or `fa4`
+(FlashAttention-4: FA-class prefill, unsplit decode). One implementation
+serves every step, prefill and decode, so a row's bits never depend on
+what else is in its step (docs/selir.md, "Attention: one implementation
+per deployment"). The `fa4` branch transcribes flash-attn-4 4.0.0b36's own
+selection (flash_attn/cute/interface.py: `_get_fwd_config`,
+`_tile_size_fwd_sm90`, `num_splits_heuristic`).
 """
 from detent.selection.compiler.lang import Fact, Runtime, assume, cdiv, knob, neutral, require, round_up  # noqa: F401
 
@@ -15,6 +24,9 @@ L2_BYTES = 50 * 1024 * 1024
 MAX_SPLITS = 128
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KV_BLOCK_GPU = 64  # the Triton kernel's KV block (BLOCK_N)
+FA4_VERSION = "4.0.0b36"  # the flash-attn-4 whose selection fa4_select transcribes
+FA4_MAX_SPLITS = 128
+FA4_THREADS_SM90 = 384  # one producer and two MMA warpgroups (FA4's default outside SM80/SM120)
 
 
 def tile_size(device):
@@ -53,8 +65,52 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, num_m_blocks, siz
     return 1
 
 
-def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num_sms: Fact[int],
-           dtype: Fact[str], num_heads: Fact[int], num_kv_heads: Fact[int], head_dim: Fact[int],
+def fa4_tile_sm90(head_dim):
+    """FA4's SM90 forward tile for causal attention (not local, no block
+    sparsity, head_dim_v == head_dim): (tile_m, tile_n, mma_pv_is_rs,
+    intra_wg_overlap). Read from head dim and causality only."""
+    if head_dim <= 64:
+        return (192, 128, True, True)
+    if head_dim <= 96:
+        return (192, 128, False, True)  # causal; 192 x 144 without a mask
+    if head_dim <= 128:
+        return (128, 128, True, True)
+    if head_dim <= 192:
+        return (128, 112, True, True)  # tile_n 128 only when head_dim_v <= 128
+    return (128, 80, True, True)
+
+
+def fa4_select(fa4, arch, dtype, stock_kernels, num_sms, num_heads, num_kv_heads, head_dim, block_size, num_seqs,
+               max_seqlen_q, max_seqlen_k):
+    require(fa4 == FA4_VERSION, 'attention impl "fa4" needs flash-attn-4 4.0.0b36: pip install "detent[fa4]"')
+    require(arch == "sm90", "the fa4 selection is transcribed (and its invariance measured) for SM90 only")
+    require(dtype == "bfloat16" or dtype == "float16", "FlashAttention-4 runs bf16 or fp16")
+    require(8 <= head_dim <= 256 and head_dim % 8 == 0, "FA4 on SM90 takes head dims 8..256, multiples of 8")
+    gqa = num_heads // num_kv_heads
+    tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap = fa4_tile_sm90(head_dim)
+    pack_gqa = gqa > 1  # FA4's default: the query heads of one KV head share a tile
+    # the split count FA4 derives from the batch when asked to (num_splits=0); q_stage is 1 on SM90
+    num_m_blocks = cdiv(max_seqlen_q * gqa if pack_gqa else max_seqlen_q, tile_m)
+    total_mblocks = num_seqs * num_kv_heads * (1 if pack_gqa else gqa) * num_m_blocks
+    num_n_blocks = cdiv(max_seqlen_k, tile_n)
+    num_splits = 1  # FA4's num_splits_heuristic: no split for short KV, else as many as idle SMs allow
+    if num_n_blocks > 4 and total_mblocks > 0:
+        num_splits = max(1, min(num_sms // total_mblocks, FA4_MAX_SPLITS, num_n_blocks))
+    if stock_kernels:
+        num_splits = 1  # a stock caller on SM90 passes the API's default, 1: more asserts there
+    # FA4 asserts "SplitKV not supported on SM 9.0"; and its splits follow each sequence's own
+    # KV length, so a decode row and the same row inside a prefill would reduce differently
+    require(num_splits == 1, "FA4 4.0.0b36 has no split-KV on SM90, and its splits would follow the KV length")
+    # not parameters: FA4 picks its tile scheduler from the batch inside the call (static
+    # persistent when every sequence's rows fit one tile, a block-to-batch lookup above 256
+    # sequences); that moves tiles between CTAs, not a tile's arithmetic (tests/gpu/test_gpu_fa4.py)
+    return {"impl": "fa4", "tile_m": tile_m, "tile_n": tile_n, "num_threads": FA4_THREADS_SM90,
+            "pack_gqa": pack_gqa, "num_splits": num_splits, "mma_pv_is_rs": mma_pv_is_rs,
+            "intra_wg_overlap": intra_wg_overlap, "page_size": block_size}
+
+
+def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str], stock_kernels: Fact[bool],
+           num_sms: Fact[int], dtype: Fact[str], num_heads: Fact[int], num_kv_heads: Fact[int], head_dim: Fact[int],
            block_size: Fact[int], max_context: Fact[int], max_num_batched_tokens: Fact[int],
            max_num_seqs: Fact[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
            max_seqlen_k: Runtime[int]):
@@ -63,6 +119,12 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], num
     assume(1 <= max_seqlen_k <= max_context, "a sequence longer than max_context")
     assume(max_seqlen_q <= max_seqlen_k, "more new queries than KV tokens")
     gpu = device == "cuda" and triton
+    if gpu:
+        # one implementation for every step of the deployment: chosen by the tuple, never by the batch
+        impl = knob("impl", ("triton_paged", "fa4"), "triton_paged")
+        if impl == "fa4":
+            return fa4_select(fa4, arch, dtype, stock_kernels, num_sms, num_heads, num_kv_heads, head_dim,
+                              block_size, num_seqs, max_seqlen_q, max_seqlen_k)
     gqa = num_heads // num_kv_heads
     block_m, block_n = tile_size(device)
     num_m_blocks = cdiv(max_seqlen_q * gqa, block_m)          # PackGQA

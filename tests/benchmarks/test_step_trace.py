@@ -56,3 +56,26 @@ def test_set_mode_adds_a_parameter_to_one_family():
     assert d.select("gemm", site, rt) == {**want, "chunk": 8}
     norm = (("hidden", 64), ("dtype", "float32"), ("fused_residual", False))
     assert d.select("norm", norm, rt) == {"impl": "torch_rowwise"}
+
+
+def test_set_mode_sets_a_tuple_knob():
+    # MODE+FAMILY.KNOB=VALUE runs the default tuple with that knob (on CUDA "pinned+attention.impl=fa4")
+    import pytest
+    from compare_vllm import TINY
+    from gpu_engine import build, set_mode
+
+    from detent.selection import TupleError
+    llm, _, _ = build("tiny", hf_config=TINY, device="cpu", dtype=torch.float32, max_model_len=64,
+                      max_num_seqs=2, max_num_batched_tokens=64)
+    info = set_mode(llm, "pinned+attention.split_stride=64", graphs=False)
+    assert info["knobs"] == {"attention": {"split_stride": 64}} and "tuple" in info["selection_source"]
+    d, f = llm.llm_engine.dispatcher, llm.llm_engine.facts
+    site = (("num_heads", f["num_heads"]), ("num_kv_heads", f["num_kv_heads"]), ("head_dim", f["head_dim"]),
+            ("block_size", f["page_size"]), ("dtype", f["dtype"]))
+    assert d.tuple.families["attention"]["knobs"] == {"split_stride": 64}
+    assert d.select("attention", site, dict(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=40,
+                                            total_kv=40))["impl"] == "paged_split"
+    with pytest.raises(TupleError, match="unknown pin or knob 'impl'"):  # CPU attention has one implementation
+        set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
+    with pytest.raises(ValueError, match="apply in mode pinned"):
+        set_mode(llm, "stock+attention.split_stride=64", graphs=False)

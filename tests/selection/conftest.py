@@ -9,7 +9,7 @@ def _selir_cache(tmp_path_factory, monkeypatch):
     yield
 
 
-CPU = dict(device="cpu", triton=False, arch="cpu", num_sms=8, dtype="float32", tp=1, page_size=16,
+CPU = dict(device="cpu", triton=False, fa4="", arch="cpu", num_sms=8, dtype="float32", tp=1, page_size=16,
            max_context=4096, max_num_batched_tokens=8192, max_num_seqs=256, hidden=576, num_heads=9,
            num_kv_heads=3, head_dim=64)
 GPU = dict(CPU, device="cuda", triton=True, arch="sm90", num_sms=132, dtype="bfloat16", num_heads=32,

@@ -89,7 +89,8 @@ def test_allreduce_and_rowwise():
 
 def test_gpu_programs():
     a = sol("attention", GPU, dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"))
-    assert a.pins == ("split_tokens",)  # the query tile is declared neutral (MMA row sum)
+    # the query tile is declared neutral (MMA row sum); num_splits is the fa4 branch's (knob `impl`)
+    assert a.pins == ("num_splits", "split_tokens")
     stock = a.compile(mode="stock")
     assert stock(**rt(num_seqs=1, max_seqlen_q=1, max_seqlen_k=8192)) == {
         "impl": "triton_paged", "split_tokens": 576, "block_m": 16, "block_n": 64, "num_warps": 4, "rowsum": "sum"}
@@ -155,7 +156,7 @@ def test_gpu_selections_match_the_registered_triton_candidates():
 #                      batch-dependent selection points = pins without the cut)
 ABLATIONS = {
     ("gemm", "cpu"): (0, 0, 0), ("gemm", "gpu"): (0, 0, 0),  # CPU: the chunk is a knob
-    ("attention", "cpu"): (1, 1, 1), ("attention", "gpu"): (1, 1, 1),
+    ("attention", "cpu"): (1, 1, 1), ("attention", "gpu"): (2, 2, 2),  # GPU: split_tokens; fa4's num_splits
     ("moe", "cpu"): (1, 1, 1), ("moe", "gpu"): (0, 0, 0),
     ("allreduce", "cpu"): (0, 0, 0), ("allreduce", "gpu-small"): (1, 0, 0),
 }

@@ -1,0 +1,117 @@
+"""`POST /v1/verify`: re-execute logged requests on this server and compare bits.
+
+Body: one request record of a `--request-log` (docs/verify.md), or an array
+of up to `--max-verify-records` of them; "server" records in the array name
+the commitment tuples, so a refusal can name the pins that differ. Each
+record is checked whole before anything runs (a malformed one is a 400
+naming the record and field; n, logprobs, context and logprob volume have
+the bounds of /v1/completions); then the records this deployment can
+re-execute run through the engine as ordinary requests, queued and batched
+with the others, never logged. The answer (200) is the report `detent
+verify` writes: per record equal, different (with the first differing
+token), refused (another selection, deployment or tuple, naming which
+fact), or skipped (aborted or failed requests).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from detent.engine import (Finding, RecordError, compare_output, parse_record, refusal_reason, skip_reason,
+                           verify_report)
+from detent.server.body import parse_json, receive_body
+from detent.server.errors import APIError, bad_request
+from detent.server.generation import Generation
+from detent.server.params import MAX_LOGPROBS, check_logprob_entries, check_prompt_ids, resolve_max_tokens
+from detent.server.serving import ClientGone, ServerState, unless_disconnected
+
+
+def _records(body: Any, limit: int) -> tuple[list[Any], dict[str, dict]]:
+    """(request records, tuple hash -> tuple) of a body: a record or an array of records."""
+    items = body if isinstance(body, list) else [body]
+    requests, tuples = [], {}
+    for i, item in enumerate(items):
+        where = f"[{i}]" if isinstance(body, list) else "body"
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "server":
+            if isinstance(item.get("tuple"), dict) and isinstance(item.get("tuple_hash"), str):
+                tuples[item["tuple_hash"]] = item["tuple"]
+            continue
+        try:
+            requests.append(parse_record(item))
+        except RecordError as e:
+            raise bad_request(f"{where}: not a request record of the request log: {e}",
+                              f"{where}.{e.field}" if isinstance(body, list) else e.field) from None
+    if not requests:
+        raise bad_request("the body holds no request record to re-execute")
+    if len(requests) > limit:
+        raise bad_request(f"{len(requests)} request records in one body, over the limit of {limit} "
+                          "(--max-verify-records)")
+    return requests, tuples
+
+
+def _check_bounds(state: ServerState, records: list[Any]) -> None:
+    """The bounds /v1/completions puts on a request, per record (a 400 naming the record and field)."""
+    lim = state.limits
+    for i, r in enumerate(records):
+        try:
+            _check_record(state, r)
+        except APIError as e:
+            e.message = f"record {i} ({r.request_id}): {e.message}"
+            raise
+    if sum(r.params.n for r in records) > lim.max_sequences:
+        raise bad_request(f"the records ask for {sum(r.params.n for r in records)} sequences, over the limit of "
+                          f"{lim.max_sequences} (--max-sequences-per-request)", "params.n")
+
+
+def _check_record(state: ServerState, r: Any) -> None:
+    p, lim = r.params, state.limits
+    if p.n > lim.max_n:
+        raise bad_request(f"params.n={p.n} is over the limit of {lim.max_n} (--max-n)", "params.n")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(p, name) or 0) > MAX_LOGPROBS:
+            raise bad_request(f"params.{name} must be at most {MAX_LOGPROBS}", f"params.{name}")
+    if p.max_tokens is None:
+        raise bad_request("params.max_tokens must be a number (the server logs the one it ran)", "params.max_tokens")
+    check_prompt_ids(r.prompt_token_ids, state.vocab_size, "prompt_token_ids")
+    resolve_max_tokens(p.max_tokens, len(r.prompt_token_ids), state.max_model_len, "params.max_tokens")
+    check_logprob_entries(lim, [len(r.prompt_token_ids)], [p.max_tokens], p.n, p.logprobs, p.prompt_logprobs, 1)
+
+
+async def verify_records(request: Request, state: ServerState) -> Response:
+    if state.engine_fingerprint is None:  # a test server over a fake engine
+        raise APIError(501, "this server's engine reports no fingerprint: it cannot verify records")
+    body = parse_json(await receive_body(request, state.limits), allow_list=True)
+    records, tuples = _records(body, state.limits.max_verify_records)
+    _check_bounds(state, records)
+    findings: list[Finding | None] = []
+    runnable = []
+    for r in records:
+        why = refusal_reason(r, state.engine_fingerprint, tuples)
+        skip = None if why else skip_reason(r)
+        findings.append(Finding(r.request_id, "refused", why) if why else
+                        Finding(r.request_id, "skipped", skip) if skip else None)
+        if why is None and skip is None:
+            runnable.append(len(findings) - 1)
+    if runnable:
+        gen = Generation(state, f"verify-{uuid.uuid4().hex}", [records[i].prompt_token_ids for i in runnable],
+                         [records[i].params for i in runnable], endpoint="/v1/verify", log_record=False)
+        await gen.start()
+        try:
+            finals = await unless_disconnected(request, gen.run())
+        except ClientGone:
+            return Response(status_code=499)
+        for i, out in zip(runnable, finals):
+            errors = [c for c in out.outputs if c.finish_reason == "error"]
+            findings[i] = (Finding(records[i].request_id, "error", f"the re-execution failed in the engine: "
+                                   f"{out.error or 'unknown error'}") if errors else compare_output(records[i], out))
+    return JSONResponse(verify_report(findings, state.engine_fingerprint))
+
+
+def add_verify_route(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/verify")
+    async def verify(request: Request) -> Response:
+        return await verify_records(request, state)
