@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from detent.selection import default_tuple
-from detent.selection.compiler.tune_space import family_space
+from detent.selection.compiler.tune_space import family_space, signature
 from detent.tune_cost import Calls, EngineCost, Profile, group_calls, profile_workload
 from detent.tune_kernels import KernelCost
 from detent.tune_engine import TupleInstaller, engine_facts
@@ -35,9 +35,15 @@ class Tuned:
     unit: str
 
 
+SIGNATURE_INPUTS = 512  # per call site: the most called runtime inputs a repin's selections are compared on
+
+
 def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
-         families: list[str] | None = None, repeats: int = 1, progress: Callable[[str], None] = lambda s: None,
-         **search: Any) -> Tuned:
+         families: list[str] | None = None, repeats: int = 1, dedupe: bool = True,
+         progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
+    """dedupe: measure once for every set of assignments that select the same kernels and
+    parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
+    nothing at the default's value."""
     facts = engine_facts(llm)
     base = default_tuple(facts)
     with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
@@ -60,5 +66,16 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
             model = cost(inst, calls)
         else:
             raise ValueError(f"cost model must be 'engine', 'kernels' or a function, got {cost!r}")
-        res = Search(base, model, facts, progress=progress, **search).run(spaces)
+        sigs = {s.family: _signature_fn(s, facts, calls) for s in spaces} if dedupe else None
+        res = Search(base, model, facts, signatures=sigs, progress=progress, **search).run(spaces)
     return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"))
+
+
+def _signature_fn(space, facts: dict[str, Any], calls: Calls) -> Callable[[dict], Any]:
+    per_site: dict[tuple, list[tuple[int, tuple]]] = {}
+    for (family, site, runtime), n in calls.items():
+        if family == space.family:
+            per_site.setdefault(site, []).append((n, runtime))
+    inputs = {site: [dict(rt) for _, rt in sorted(v, key=lambda x: (-x[0], x[1]))[:SIGNATURE_INPUTS]]
+              for site, v in per_site.items()}
+    return lambda a: signature(space, facts, a, inputs)

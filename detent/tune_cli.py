@@ -40,6 +40,8 @@ def add_subparsers(sub) -> None:
     p.add_argument("--interactions", type=int, default=3, help="extra mixes measured for the additivity check")
     p.add_argument("--cost", choices=("engine", "kernels"), default="engine", help="engine: time the workload's "
                    "steps on the engine (default); kernels: time the profiled kernel calls one by one (faster)")
+    p.add_argument("--no-dedupe", dest="dedupe", action="store_false", help="measure every candidate, also "
+                   "those that select the same kernels and parameters on the profiled calls as one measured before")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement (the median counts)")
     p.add_argument("--seed", type=int, default=0)
     for name, kw in (("--device", {"default": "auto"}), ("--dtype", {"default": "auto"}),
@@ -116,7 +118,7 @@ def _tune(a: argparse.Namespace) -> int:
     try:
         w = load_workload(a.workload, vocab=llm.llm_engine.limits().vocab_size, num_requests=a.num_requests,
                           max_len=a.max_len, seed=a.seed)
-        out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, progress=say,
+        out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, dedupe=a.dedupe, progress=say,
                    max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction, refine=a.refine,
                    interactions=a.interactions, seed=a.seed)
         res, prof = out.result, out.profile

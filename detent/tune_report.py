@@ -17,12 +17,13 @@ def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any
     for name, r in res.families.items():
         fams[name] = {
             "legal_assignments": r.legal,
-            "measured_assignments": len(r.tried),
+            "measured_assignments": sum("same_as" not in t for t in r.tried),
             "default": r.default,
             "chosen": r.chosen,
             "chosen_cost": r.cost(r.chosen),
-            "tried": [{"assignment": t["assignment"], "costs": {f"{f:g}": c for f, c in sorted(t["costs"].items())}}
-                      for t in r.tried],
+            "inert_axes": r.inert,
+            "tried": [{"assignment": t["assignment"], "costs": {f"{f:g}": c for f, c in sorted(t["costs"].items())},
+                       **({"same_as": t["same_as"]} if "same_as" in t else {})} for t in r.tried],
         }
     combined = res.checks[0] if res.checks else None
     return {

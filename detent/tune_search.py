@@ -33,7 +33,10 @@ class FamilyResult:
     legal: int  # size of the family's legal grid
     default: dict[str, Any]
     chosen: dict[str, Any] | None = None
-    tried: list[dict[str, Any]] = field(default_factory=list)  # {"assignment", "costs": {fraction: cost}}
+    # {"assignment", "costs": {fraction: cost}, "same_as": an assignment with the same selections, whose
+    # measurement it shares (absent when it was measured itself)}
+    tried: list[dict[str, Any]] = field(default_factory=list)
+    inert: list[str] = field(default_factory=list)  # axes that change no selection on the profiled calls
 
     def cost(self, assignment: dict[str, Any], fraction: float = 1.0) -> float | None:
         for t in self.tried:
@@ -56,9 +59,11 @@ class TuneResult:
         return max((abs(c["predicted"] - c["measured"]) / c["measured"] for c in self.checks), default=0.0)
 
 
-def spread(space: FamilySpace, max_candidates: int, default: dict[str, Any]) -> list[dict[str, Any]]:
-    """The legal assignments on an evenly thinned grid (at most about `max_candidates`), default first."""
-    axes = {n: list(v) for n, v in space.axes.items()}
+def spread(space: FamilySpace, max_candidates: int, default: dict[str, Any],
+           fixed: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The legal assignments on an evenly thinned grid (at most about `max_candidates`), default first;
+    the `fixed` axes at the default's value."""
+    axes = {n: [default[n]] if n in fixed else list(v) for n, v in space.axes.items()}
     while math.prod(len(v) for v in axes.values()) > max_candidates:
         name = max(axes, key=lambda n: len(axes[n]))
         vals = axes[name]
@@ -85,8 +90,10 @@ def _rungs(min_fraction: float, eta: int) -> list[float]:
 class Search:
     def __init__(self, base: CommitmentTuple, cost, facts: dict[str, Any], *, max_candidates: int = 32,
                  eta: int = 3, min_fraction: float = 0.25, refine: int = 2, interactions: int = 3, seed: int = 0,
+                 signatures: dict[str, Callable[[dict], Any]] | None = None,
                  progress: Callable[[str], None] = lambda s: None):
         self.base, self.cost, self.facts = base, cost, facts
+        self.signatures = signatures or {}  # family -> assignment -> what it selects on the profile
         self.max_candidates, self.eta, self.min_fraction = max_candidates, max(2, eta), min_fraction
         self.refine, self.interactions, self.rng = refine, interactions, random.Random(seed)
         self.progress = progress
@@ -100,10 +107,21 @@ class Search:
     def family(self, space: FamilySpace, base_cost: float) -> FamilyResult:
         default = family_assignment(self.base, space.family)
         res = FamilyResult(space.family, len(space.legal), default)
-        cands = spread(space, self.max_candidates, default)
+        sig_fn, sigs = self.signatures.get(space.family, space.key), {}
+
+        def sig(a):
+            k = space.key(a)
+            if k not in sigs:
+                sigs[k] = sig_fn(a)
+            return sigs[k]
+        if space.family in self.signatures and default in space.legal:  # axes that select nothing here
+            res.inert = [n for n in space.axes
+                         if len({sig(a) for a in space.legal if all(a[m] == default[m] for m in a if m != n)}) == 1]
+        cands = spread(space, self.max_candidates, default, tuple(res.inert))
         self.progress(f"family {space.family}: {len(space.legal)} legal assignments, measuring {len(cands)} "
-                      f"(successive halving, eta {self.eta})")
-        entries = {}
+                      f"(successive halving, eta {self.eta})"
+                      + (f"; {', '.join(res.inert)} select nothing on this workload" if res.inert else ""))
+        entries, by_sig = {}, {}
 
         def entry(a):
             k = space.key(a)
@@ -115,8 +133,14 @@ class Search:
         def run(a, fraction):
             e = entry(a)
             if fraction not in e["costs"]:
-                e["costs"][fraction] = self._measure(with_family(self.base, space, a), fraction,
-                                                     f"{space.family} {a}")
+                s = (sig(a), fraction)
+                if s in by_sig:  # the same kernels with the same parameters: no new measurement
+                    e["costs"][fraction], e["same_as"] = by_sig[s]
+                    self.progress(f"  {space.family} {a}: the same selections as {e['same_as']}, not measured")
+                else:
+                    e["costs"][fraction] = self._measure(with_family(self.base, space, a), fraction,
+                                                         f"{space.family} {a}")
+                    by_sig[s] = (e["costs"][fraction], a)
             return e["costs"][fraction]
 
         alive = cands
@@ -125,7 +149,8 @@ class Search:
             alive = ranked if fraction == 1.0 else ranked[:max(1, math.ceil(len(ranked) / self.eta))]
         best = alive[0]
         for _ in range(self.refine):
-            nb = [a for a in space.neighbours(best) if entry(a)["costs"].get(1.0) is None]
+            nb = [a for a in space.neighbours(best) if entry(a)["costs"].get(1.0) is None
+                  and not any(a[n] != default[n] for n in res.inert)]
             if not nb:
                 break
             cand = min(nb, key=lambda a: run(a, 1.0))

@@ -92,6 +92,20 @@ def family_space(facts: dict[str, Any], family: str) -> FamilySpace | None:
     return FamilySpace(family, pins, knobs, axes, tuple(legal), tuple(site_key(s) for s in sites))
 
 
+def signature(space: FamilySpace, facts: dict[str, Any], assignment: dict[str, Any],
+              inputs: dict[tuple, list[dict[str, Any]]]) -> tuple:
+    """What the family selects under `assignment` on `inputs` (call site items -> runtime inputs):
+    two assignments with one signature run the same kernels with the same parameters there, so
+    one measurement stands for both (a pin or knob that only shapes the legal values, e.g.
+    attention's `split_stride`, changes nothing here). Legality is `space.legal`'s, not re-judged."""
+    prog = programs.load(space.family)
+    out = []
+    for site, runtimes in sorted(inputs.items()):
+        sel = solve(prog, {**facts, **dict(site)}).compile(assignment, check_legal=False)
+        out.append(tuple(canonical(sel(**rt)) for rt in runtimes))
+    return tuple(out)
+
+
 def with_family(t: CommitmentTuple, space: FamilySpace, assignment: dict[str, Any]) -> CommitmentTuple:
     """`t` with `space.family` repinned to `assignment` at every site (its site overrides dropped)."""
     families = copy.deepcopy(t.families)

@@ -75,7 +75,7 @@ def test_profile_records_each_familys_runtime_inputs(llm):
 
 
 def test_fake_cost_exhaustive_picks_the_cheapest_legal_assignment(llm):
-    out, fake = _tune(llm, max_candidates=10_000, min_fraction=1.0, refine=0)
+    out, fake = _tune(llm, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
     res = out.result
     for fam in ("gemm", "attention"):
         space = family_space(out.facts, fam)
@@ -87,7 +87,7 @@ def test_fake_cost_exhaustive_picks_the_cheapest_legal_assignment(llm):
 
 
 def test_halving_and_hill_climbing_reach_the_optimum_measuring_a_part_of_the_grid(llm):
-    out, fake = _tune(llm, max_candidates=8, eta=3, min_fraction=0.25, refine=30)
+    out, fake = _tune(llm, dedupe=False, max_candidates=8, eta=3, min_fraction=0.25, refine=30)
     att = out.result.families["attention"]
     assert att.chosen == BEST["attention"]
     assert len(att.tried) < att.legal / 2
@@ -95,10 +95,26 @@ def test_halving_and_hill_climbing_reach_the_optimum_measuring_a_part_of_the_gri
 
 
 def test_additivity_check_reports_an_interaction(llm):
-    out, _ = _tune(llm, interaction=3.0, max_candidates=10_000, min_fraction=1.0, refine=0)
+    out, _ = _tune(llm, interaction=3.0, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
     c = out.result.checks[0]
     assert c["label"] == "combined best" and c["measured"] - c["predicted"] == pytest.approx(3.0)
     assert out.result.delta == pytest.approx(3.0 / c["measured"])
+
+
+def test_dedupe_measures_each_set_of_selections_once(llm):
+    """Attention's split_stride only shapes the legal split sizes: repins that differ in it
+    select the same kernels with the same parameters, so it is held at the default and a
+    repeated selection is not measured again."""
+    out, fake = _tune(llm, max_candidates=10_000, min_fraction=1.0, refine=0)
+    att = out.result.families["attention"]
+    assert att.inert == ["split_stride"]
+    assert all(t["assignment"]["split_stride"] == 256 for t in att.tried)
+    assert att.chosen == {"split_tokens": 32, "split_stride": 256}  # the cheapest selection the fake can see
+    measured = [t for t in att.tried if "same_as" not in t]
+    assert len(fake.seen) < len(family_space(out.facts, "attention").legal)
+    for t in att.tried:
+        if "same_as" in t:  # it shares a measured assignment's cost, which selects what it selects
+            assert t["costs"] == next(m["costs"] for m in measured if m["assignment"] == t["same_as"])
 
 
 def test_an_illegal_candidate_is_refused_not_measured(llm, monkeypatch):
@@ -115,7 +131,7 @@ def test_an_illegal_candidate_is_refused_not_measured(llm, monkeypatch):
         return tune_space.FamilySpace(s.family, s.pins, s.knobs, axes, (bad,) + s.legal[:3], s.sites)
     monkeypatch.setattr("detent.tune.family_space", with_an_illegal_value)
     with pytest.raises(TupleError, match="split_tokens"):  # the tuner's own check, before measuring
-        _tune(llm, check=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+        _tune(llm, check=False, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
 
 
 def test_kernel_cost_times_the_profiled_calls(llm):

@@ -79,3 +79,39 @@ def test_search_with_nothing_to_choose_keeps_the_default_tuple(facts):
             return 1.0
     res = Search(default_tuple(facts), Flat(), facts).run([])
     assert res.chosen.hash == default_tuple(facts).hash and res.checks == [] and res.delta == 0.0
+
+
+def test_signature_equal_only_when_the_selections_are(facts):
+    from detent.selection.compiler.tune_space import signature
+    space = family_space(facts, "attention")
+    (site,) = sites_for(facts, "attention")
+    inputs = {tuple(sorted(site.items())): [dict(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=40, total_kv=40),
+                                            dict(num_tokens=20, num_seqs=1, max_seqlen_q=20, max_seqlen_k=20,
+                                                 total_kv=20)]}
+    sig = lambda a: signature(space, facts, a, inputs)  # noqa: E731
+    assert sig({"split_tokens": 32, "split_stride": 16}) == sig({"split_tokens": 32, "split_stride": 1024})
+    assert sig({"split_tokens": 32, "split_stride": 16}) != sig({"split_tokens": 48, "split_stride": 16})
+
+
+def test_search_measures_one_assignment_per_signature(facts):
+    from detent.tune_search import Search
+    space = family_space(facts, "attention")
+
+    class Count:
+        seen = 0
+
+        def measure(self, t, fraction):
+            self.seen += 1
+            return float(family_assignment(t, "attention")["split_tokens"] // 128)  # 0 below 128, ...
+    cost = Count()
+    sig = lambda a: a["split_tokens"] // 128  # noqa: E731  (a stand-in: selections alike in blocks of 128)
+    res = Search(default_tuple(facts), cost, facts, max_candidates=10_000, min_fraction=1.0, refine=0,
+                 interactions=0, signatures={"attention": sig}).run([space])
+    att = res.families["attention"]
+    assert att.inert == ["split_stride"]
+    classes = {sig(a) for a in space.legal}
+    # the default three times (warm-up, first, last), one per class, and the combined tuple (additivity)
+    assert cost.seen == 3 + len(classes) + 1
+    assert [t for t in att.tried if "same_as" in t] and all(sig(t["same_as"]) == sig(t["assignment"])
+                                                            for t in att.tried if "same_as" in t)
+    assert att.chosen["split_tokens"] < 128
