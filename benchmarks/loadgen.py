@@ -20,18 +20,7 @@ import statistics
 import sys
 import time
 
-
-def sharegpt_like(n: int, seed: int) -> list[tuple[int, int]]:
-    """(prompt, output) lengths with ShareGPT's shape: log-normal prompts
-    (median ~200, long tail to 4k) and outputs (median ~180), clipped so
-    prompt + output fits 4,096 tokens. Synthetic and seeded."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        p = int(min(3500, max(8, rng.lognormvariate(5.3, 1.0))))
-        o = int(min(4096 - p, max(4, rng.lognormvariate(5.2, 0.9))))
-        out.append((p, o))
-    return out
+from detent.workloads import sharegpt_like  # one recipe for both; serve_load.py imports it from here
 
 
 def workload(kind: str, n: int, input_len: int, output_len: int, seed: int, vocab: int = 128000):

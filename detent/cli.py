@@ -4,14 +4,15 @@
     detent generate --model DIR --raw --max-tokens 32 "Once upon a time"
 
 The SelIR subcommands (`solve`, `tuple`) live in detent/selection_cli.py;
-`battery` and `verify` (docs/battery.md) in detent/battery_cli.py.
+`battery` and `verify` (docs/battery.md) in detent/battery_cli.py; `tune`
+(docs/tune.md) in detent/tune_cli.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from detent import __version__, battery_cli, selection_cli
+from detent import __version__, battery_cli, selection_cli, tune_cli
 from detent.engine.config import SELECTION_MODES
 
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     selection_cli.add_subparsers(sub)  # `solve`, `tuple`
     battery_cli.add_subparsers(sub)  # `battery`, `verify`
+    tune_cli.add_subparsers(sub)  # `tune`
     return parser
 
 

@@ -141,14 +141,22 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, mc: Any, device: 
                          dispatcher, device)
     from detent.engine.cuda_graph import enable_graphs
     enable_graphs(runner, config, max_model_len=max_len)
-    if device.type == "cuda" if config.warmup is None else config.warmup:
-        from detent.engine.warmup import Limits, warm_up
-        rank0 = world == 1 or torch.distributed.get_rank(group) == 0
-        lim = Limits(config.max_num_batched_tokens, config.max_num_seqs, max_len)
-        try:
-            warm_up(runner, facts, lim, progress=rank0)
-        except Exception as e:  # noqa: BLE001  (as a failed graph capture: serve, compile on demand, say why)
-            if world > 1:
-                raise  # the ranks must not disagree on what ran
-            log.warning("warm start failed (%s: %s); kernels compile at first use", type(e).__name__, e)
+    warm_start(runner, config, facts, max_len, world=world, group=group)
     return RankRuntime(runner, state, facts, dispatcher)
+
+
+def warm_start(runner, config: EngineConfig, facts: dict, max_len: int, *, world: int = 1, group=None,
+               progress: bool = True) -> None:
+    """Run every kernel configuration the runner's dispatcher can select (engine/warmup.py), where
+    `config.warmup` asks for it (default: on CUDA). Also after a tool installs another tuple."""
+    if not (runner.device.type == "cuda" if config.warmup is None else config.warmup):
+        return
+    from detent.engine.warmup import Limits, warm_up
+    rank0 = world == 1 or torch.distributed.get_rank(group) == 0
+    lim = Limits(config.max_num_batched_tokens, config.max_num_seqs, max_len)
+    try:
+        warm_up(runner, facts, lim, progress=progress and rank0)
+    except Exception as e:  # noqa: BLE001  (as a failed graph capture: serve, compile on demand, say why)
+        if world > 1:
+            raise  # the ranks must not disagree on what ran
+        log.warning("warm start failed (%s: %s); kernels compile at first use", type(e).__name__, e)

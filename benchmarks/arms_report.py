@@ -1,0 +1,153 @@
+"""The report of benchmarks/serve_arms.py: from OUT/arms.json, a markdown
+table (arms.md: p50/p90/p99 TPOT and TTFT per load and arm, geometric-mean
+ratios to stock, the tuple-drift matrix), the same numbers as JSON
+(report.json), and two figures like the paper's:
+
+- fig7.png: (a) each arm's p50 TPOT over stock's, per load; (b) the tuned
+  arm's p50, p90 and p99 TPOT over stock's.
+- fig8.png: the tuple-drift matrix. Rows: the tuple tuned on each workload;
+  columns: the loads; cells: the row's p50 TPOT over the p50 TPOT of the
+  column's own workload tuple. Outlined: a tuple on its own workload.
+
+"pinned-tuned" at a load is the tuple tuned on that load's workload.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+METRICS = [f"{m}_p{p}_ms" for m in ("tpot", "ttft") for p in (50, 90, 99)]
+ORDER = ("stock", "conservative", "pinned-default", "pinned-tuned", "vllm")
+
+
+def arms_by_load(res: dict) -> tuple[list[str], dict[str, dict[str, dict]]]:
+    """(the loads in order, arm -> load -> result), with pinned-tuned resolved per load."""
+    stock = res["arms"].get("stock", {})
+    loads = sorted(stock)  # A1..A4, B1..B3, C1, C2: workload, then load
+    table: dict[str, dict[str, dict]] = {}
+    for arm in ORDER:
+        if arm == "pinned-tuned":
+            row = {ld: res["arms"].get(f"tuned-{stock[ld]['workload']}", {}).get(ld) for ld in loads}
+        else:
+            row = {ld: res["arms"].get(arm, {}).get(ld) for ld in loads}
+        row = {ld: r for ld, r in row.items() if r}
+        if row:
+            table[arm] = row
+    return loads, table
+
+
+def geomean_ratio(table: dict, arm: str, metric: str) -> float | None:
+    logs = [math.log(r[metric] / table["stock"][ld][metric]) for ld, r in table[arm].items()
+            if ld in table.get("stock", {}) and r.get(metric) and table["stock"][ld].get(metric)
+            and r[metric] > 0 and table["stock"][ld][metric] > 0]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+def drift(res: dict, loads: list[str]) -> dict[str, dict[str, float]]:
+    stock = res["arms"].get("stock", {})
+    out: dict[str, dict[str, float]] = {}
+    for w in res.get("tuples", {}):
+        row = res["arms"].get(f"tuned-{w}", {})
+        if not row:
+            continue
+        out[w] = {}
+        for ld in loads:
+            own = res["arms"].get(f"tuned-{stock[ld]['workload']}", {}).get(ld)
+            if ld in row and own and own["tpot_p50_ms"] > 0:
+                out[w][ld] = row[ld]["tpot_p50_ms"] / own["tpot_p50_ms"]
+    return out
+
+
+def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict) -> str:
+    lines = ["| load | arm | " + " | ".join(m.replace("_ms", "") for m in METRICS) + " | errors |",
+             "|---|---|" + "---:|" * (len(METRICS) + 1)]
+    for ld in loads:
+        for arm, row in table.items():
+            if ld in row:
+                r = row[ld]
+                lines.append(f"| {ld} | {arm} | " + " | ".join(f"{r[m]:.2f}" for m in METRICS) + f" | {r['errors']} |")
+    lines += ["", "Geometric mean over the loads, ratio to stock:", "",
+              "| arm | " + " | ".join(m.replace("_ms", "") for m in METRICS) + " |", "|---|" + "---:|" * len(METRICS)]
+    for arm, row in ratios.items():
+        lines.append(f"| {arm} | " + " | ".join("" if row[m] is None else f"{row[m]:.3f}" for m in METRICS) + " |")
+    if mat:
+        lines += ["", "Tuple drift (p50 TPOT over the column's own workload tuple):", "",
+                  "| tuple of | " + " | ".join(loads) + " |", "|---|" + "---:|" * len(loads)]
+        for w, row in mat.items():
+            lines.append(f"| {w} | " + " | ".join(f"{row[ld]:.3f}" if ld in row else "" for ld in loads) + " |")
+    lines += ["", f"stock lambda_max (req/s): {json.dumps({k: round(v, 3) for k, v in res['lambda_max'].items()})}"]
+    return "\n".join(lines) + "\n"
+
+
+def figures(out_dir: str, res: dict, loads: list[str], table: dict, mat: dict) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("arms_report: matplotlib is not installed: no figures (pip install 'detent[bench]')")
+        return []
+    arms = [a for a in table if a != "stock"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4))
+    width = 0.8 / max(len(arms), 1)
+    for i, arm in enumerate(arms):
+        ys = [table[arm][ld]["tpot_p50_ms"] / table["stock"][ld]["tpot_p50_ms"] if ld in table[arm] else 0
+              for ld in loads]
+        ax.bar([x + i * width for x in range(len(loads))], ys, width, label=arm)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(loads))], loads)
+    ax.set_ylabel("p50 TPOT / stock")
+    ax.set_title("(a) p50 latency per output token over stock")
+    ax.legend(fontsize=8)
+    if "pinned-tuned" in table:
+        for j, p in enumerate((50, 90, 99)):
+            m = f"tpot_p{p}_ms"
+            ys = [table["pinned-tuned"][ld][m] / table["stock"][ld][m] if ld in table["pinned-tuned"] else 0
+                  for ld in loads]
+            bx.bar([x + j * 0.27 for x in range(len(loads))], ys, 0.27, label=f"p{p}")
+        bx.axhline(1.0, color="k", lw=0.8)
+        bx.set_xticks([x + 0.27 for x in range(len(loads))], loads)
+        bx.legend(fontsize=8)
+    bx.set_title("(b) tuned: TPOT over stock at p50, p90, p99")
+    fig.tight_layout()
+    paths = [os.path.join(out_dir, "fig7.png")]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    if mat:
+        rows = list(mat)
+        grid = [[mat[w].get(ld, float("nan")) for ld in loads] for w in rows]
+        fig, ax = plt.subplots(figsize=(1.1 * len(loads) + 2, 0.8 * len(rows) + 1.5))
+        im = ax.imshow(grid, cmap="Reds", vmin=1.0)
+        stock = res["arms"]["stock"]
+        for i, w in enumerate(rows):
+            for j, ld in enumerate(loads):
+                ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
+                if stock[ld]["workload"] == w:
+                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2))
+        ax.set_xticks(range(len(loads)), loads)
+        ax.set_yticks(range(len(rows)), [f"tuple of {w}" for w in rows])
+        ax.set_title("p50 TPOT over the column's own workload tuple")
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "fig8.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def report(out_dir: str) -> dict:
+    with open(os.path.join(out_dir, "arms.json")) as f:
+        res = json.load(f)
+    loads, table = arms_by_load(res)
+    ratios = {arm: {m: geomean_ratio(table, arm, m) for m in METRICS} for arm in table if arm != "stock"}
+    mat = drift(res, loads)
+    text = markdown(res, loads, table, ratios, mat)
+    with open(os.path.join(out_dir, "arms.md"), "w") as f:
+        f.write(text)
+    summary = {"loads": loads, "geomean_ratio_to_stock": ratios, "drift": mat, "lambda_max": res["lambda_max"]}
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(text)
+    summary["figures"] = figures(out_dir, res, loads, table, mat)
+    return summary

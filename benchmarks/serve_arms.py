@@ -1,0 +1,220 @@
+"""The arms over the workloads (docs/performance.md, "Arms and workloads"):
+`detent-serve` under stock, conservative, pinned with the default tuple and
+pinned with the tuple `detent tune` picked for each workload (and `vllm
+serve` at --vllm-url, same client), over the loads of W-A, W-B and W-C
+(benchmarks/workloads/README.md). Every tuned tuple is served on every
+workload's loads too: the tuple-drift matrix.
+
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT [--vllm-url URL]
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --tune-only       # the tuples alone
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms stock      # one arm per call: results merge
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms tuned-W-B --loads W-A  # one tuple, one workload
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms '' --vllm-url URL   # only vLLM
+    python3 benchmarks/serve_arms.py report OUT     # arms.md, fig7.png, fig8.png (benchmarks/arms_report.py)
+
+Order: tune each workload (`detent tune`, skipped when OUT/tuple-W.json
+exists), start stock and measure its maximum request throughput per
+workload (lambda_max: every request at once), then every arm serves every
+load — Poisson at the load's fraction of stock's lambda_max (the same rates
+for every arm, vLLM's too), or the closed loop. Results: OUT/arms.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from serve_load import _get, stop_server  # noqa: E402
+from workload_client import max_throughput, run_load, served_model  # noqa: E402
+
+ARMS = ("stock", "conservative", "pinned-default", "pinned-tuned")
+
+
+def engine_args(a) -> list[str]:
+    """The deployment: `detent tune` and every `detent-serve` get the same (the tuple's facts)."""
+    out = ["--device", a.device, "--dtype", a.dtype]
+    for flag, v in (("--max-model-len", a.max_model_len), ("--max-num-batched-tokens", a.max_num_batched_tokens),
+                    ("--max-num-seqs", a.max_num_seqs), ("--tp", a.tp), ("--load-format", a.load_format)):
+        if v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+def workload_args(a) -> list[str]:
+    out = []
+    if a.num_requests:
+        out += ["--num-requests", str(a.num_requests)]
+    if a.max_len:
+        out += ["--max-len", str(a.max_len)]
+    return out
+
+
+def tune_all(a, names: list[str]) -> dict[str, str]:
+    paths = {}
+    for w in names:
+        path = os.path.join(a.out, f"tuple-{w}.json")
+        if not os.path.exists(path):
+            cmd = [sys.executable, "-m", "detent.cli", "tune", "--model", a.model, "--workload", w, *workload_args(a),
+                   *engine_args(a), *shlex.split(a.tune_args), "-o", path]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+        paths[w] = path
+    return paths
+
+
+def start(a, arm: str, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "detent.server.cli", "--model", a.model, "--port", str(a.port),
+           "--served-model-name", "m", "--log-level", "warning", *engine_args(a), *extra, *shlex.split(a.server_args)]
+    log = open(os.path.join(a.out, f"server-{arm}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    while _get(f"http://127.0.0.1:{a.port}/health") != 200:
+        if proc.poll() is not None or time.time() - t0 > a.startup_timeout:
+            stop_server(proc)
+            raise SystemExit(f"detent-serve ({arm}) did not start; see server-{arm}.log")
+        time.sleep(0.5)
+    return proc
+
+
+def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str, api_key: str | None = None) -> dict:
+    model = served_model(url, api_key)
+    out = {}
+    for name, w in workloads.items():
+        for load in w.loads:
+            if a.loads and load.name not in a.loads and name not in a.loads:
+                continue
+            r = run_load(url, model, w, load, lambda_max.get(name), a.seed, prompt_format=a.prompt_format,
+                         api_key=api_key)
+            r["workload"] = name
+            out[load.name] = r
+            print(f"{label} {load.name}: TPOT p50 {r['tpot_p50_ms']:.2f} ms, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
+                  f"{r['errors']} errors", flush=True)
+    return out
+
+
+def servers(arms: list[str], tuples: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """(arm, detent-serve arguments) per server to start; pinned-tuned is one server per tuned tuple."""
+    fixed = {"stock": ["--selection", "stock"], "conservative": ["--selection", "conservative"],
+             "pinned-default": []}
+    out = []
+    for arm in arms:
+        if arm in fixed:
+            out.append((arm, fixed[arm]))
+        else:
+            out += [(f"tuned-{w}", ["--tuple", p]) for w, p in tuples.items() if arm in ("pinned-tuned", f"tuned-{w}")]
+    return out
+
+
+def load_results(a, names: list[str], wargs: dict) -> tuple[str, dict]:
+    path = os.path.join(a.out, "arms.json")
+    res = {"arms": {}, "lambda_max": {}, "tuples": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            res = json.load(f)
+    if res.get("workload_args", wargs) != wargs or res.get("workloads", names) != names:
+        raise SystemExit(f"{path} holds other workloads ({res.get('workloads')}, {res.get('workload_args')}): "
+                         "use another --out")
+    res.update(workloads=names, workload_args=wargs)
+    return path, res
+
+
+def run(a) -> None:
+    """Tune (unless the tuples exist), then serve `--arms` on `--loads`; results merge into
+    OUT/arms.json, so an arm (or a workload of it) can run in one device call each (stock
+    first: the other arms' rates come from its lambda_max)."""
+    from detent.workloads import make
+    os.makedirs(a.out, exist_ok=True)
+    names = a.workloads.split(",")
+    wargs = {"num_requests": a.num_requests, "max_len": a.max_len, "seed": a.seed, "vocab": a.vocab}
+    res_path, res = load_results(a, names, wargs)
+    workloads = {w: make(w, **wargs) for w in names}
+    a.loads = [x for x in a.loads.split(",") if x]
+    arms = sorted((x for x in a.arms.split(",") if x), key=lambda x: x != "stock")  # stock first: lambda_max
+    unknown = [x for x in arms if x not in ARMS and x not in {f"tuned-{w}" for w in names}]
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; arms: {', '.join(ARMS)}, or tuned-W for one workload's tuple")
+    if a.tune_only or any(x == "pinned-tuned" or x.startswith("tuned-") for x in arms):
+        res["tuples"] = tune_all(a, names)  # kept and skipped once written: repeat a call cut short
+    if a.tune_only:
+        return save(res_path, res)
+    res.update(deployment=engine_args(a), model=a.model, prompt_format=a.prompt_format,
+               prefix_reuse={w: workloads[w].prefix_reuse for w in names})
+    wanted = [w for w in names if not a.loads or w in a.loads or any(ld.name in a.loads for ld in workloads[w].loads)]
+    missing = [w for w in wanted if w not in res["lambda_max"]]
+    if missing and "stock" not in arms and (arms or a.vllm_url):
+        raise SystemExit(f"no stock lambda_max for {missing} yet: run --arms stock on them first")
+    url = f"http://127.0.0.1:{a.port}"
+    for arm, extra in servers(arms, res["tuples"]):
+        proc = start(a, arm, extra)
+        try:
+            if arm == "stock":
+                model = served_model(url)
+                for w in wanted:
+                    if w not in res["lambda_max"]:
+                        res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
+                        print(f"stock lambda_max {w}: {res['lambda_max'][w]:.3f} req/s", flush=True)
+            res["arms"].setdefault(arm, {}).update(serve_loads(url, workloads, res["lambda_max"], a, arm))
+        finally:
+            stop_server(proc)
+        save(res_path, res)
+    if a.vllm_url:
+        res["arms"].setdefault("vllm", {}).update(
+            serve_loads(a.vllm_url.rstrip("/"), workloads, res["lambda_max"], a, "vllm", a.api_key))
+    save(res_path, res)
+    if "stock" in res["arms"]:
+        from arms_report import report
+        report(a.out)
+
+
+def save(path: str, res: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser("serve_arms")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--model", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--workloads", default="W-A,W-B,W-C")
+    r.add_argument("--arms", default=",".join(ARMS), help="stock, conservative, pinned-default, pinned-tuned "
+                   "(every workload's tuple), tuned-W (one); default all")
+    r.add_argument("--loads", default="", help="only these loads or workloads' loads (A1,B2 or W-B); default all")
+    r.add_argument("--vllm-url", default=None, help="a running `vllm serve` of the same model: the vLLM arm")
+    r.add_argument("--api-key", default=None, help="the vLLM server's API key")
+    r.add_argument("--num-requests", type=int, default=None, help="smaller workloads (default: the full ones)")
+    r.add_argument("--max-len", type=int, default=None, help="each request's prompt + output at most this")
+    r.add_argument("--vocab", type=int, default=32000)
+    r.add_argument("--prompt-format", choices=("ids", "words"), default="ids")
+    r.add_argument("--device", default="auto")
+    r.add_argument("--dtype", default="auto")
+    r.add_argument("--load-format", default=None)
+    r.add_argument("--tp", type=int, default=None)
+    r.add_argument("--max-model-len", type=int, default=None)
+    r.add_argument("--max-num-batched-tokens", type=int, default=None)
+    r.add_argument("--max-num-seqs", type=int, default=None)
+    r.add_argument("--server-args", default="", help="more detent-serve arguments (not deployment facts)")
+    r.add_argument("--tune-args", default="", help="more `detent tune` arguments")
+    r.add_argument("--tune-only", action="store_true", help="only tune the workloads' tuples (OUT/tuple-W.json)")
+    r.add_argument("--port", type=int, default=8100)
+    r.add_argument("--startup-timeout", type=float, default=900)
+    r.add_argument("--seed", type=int, default=0)
+    rep = sub.add_parser("report")
+    rep.add_argument("dir")
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        run(a)
+    else:
+        from arms_report import report
+        report(a.dir)
+
+
+if __name__ == "__main__":
+    main()

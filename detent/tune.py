@@ -1,0 +1,81 @@
+"""`tune(llm, workload)`: the tuner as a function (docs/tune.md); `detent tune`
+(detent/tune_cli.py) wraps it. Profile the workload under the default tuple,
+search the families the workload calls that have a choice, and return the
+result with the profile.
+
+    from detent.tune import tune
+    out = tune(llm, make("W-A", num_requests=32), progress=print)
+    out.result.chosen.save("t.json")
+
+`cost`: "engine" (default: `EngineCost`, the workload's steps timed on this
+engine), "kernels" (`KernelCost`, the profiled kernel calls timed one by
+one), or a function (installer, profiled calls) -> cost model; tests pass a
+fake one.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from detent.selection import default_tuple
+from detent.selection.compiler.tune_space import family_space, signature
+from detent.tune_cost import Calls, EngineCost, Profile, group_calls, profile_workload
+from detent.tune_kernels import KernelCost
+from detent.tune_engine import TupleInstaller, engine_facts
+from detent.tune_search import Search, TuneResult
+
+
+@dataclass
+class Tuned:
+    result: TuneResult
+    profile: Profile
+    facts: dict[str, Any]
+    calls: Calls
+    unit: str
+
+
+SIGNATURE_INPUTS = 512  # per call site: the most called runtime inputs a repin's selections are compared on
+
+
+def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
+         families: list[str] | None = None, repeats: int = 1, dedupe: bool = True,
+         progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
+    """dedupe: measure once for every set of assignments that select the same kernels and
+    parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
+    nothing at the default's value."""
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
+        inst = TupleInstaller(llm, tmp)
+        progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple")
+        calls = profile_workload(inst, base, workload)
+        prof = group_calls(calls)
+        for fam, sites in sorted(prof.items()):
+            progress(f"  {fam}: {sum(len(c) for c in sites.values())} distinct runtime inputs over {len(sites)} "
+                     f"site(s), {sum(sum(c.values()) for c in sites.values())} step-calls")
+        wanted = families if families is not None else list(prof)
+        spaces = [s for s in (family_space(facts, f) for f in wanted if f in prof) if s and len(s.legal) > 1]
+        progress(f"searching {', '.join(s.family for s in spaces) or 'no family (nothing to choose)'}")
+        if cost == "engine":
+            model = EngineCost(inst, workload, repeats)
+        elif cost == "kernels":
+            model = KernelCost(calls, facts, tmp, families=[s.family for s in spaces], reps=max(3, repeats))
+            progress(f"timing {len(model.inputs)} bucketed kernel calls per candidate")
+        elif callable(cost):
+            model = cost(inst, calls)
+        else:
+            raise ValueError(f"cost model must be 'engine', 'kernels' or a function, got {cost!r}")
+        sigs = {s.family: _signature_fn(s, facts, calls) for s in spaces} if dedupe else None
+        res = Search(base, model, facts, signatures=sigs, progress=progress, **search).run(spaces)
+    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"))
+
+
+def _signature_fn(space, facts: dict[str, Any], calls: Calls) -> Callable[[dict], Any]:
+    per_site: dict[tuple, list[tuple[int, tuple]]] = {}
+    for (family, site, runtime), n in calls.items():
+        if family == space.family:
+            per_site.setdefault(site, []).append((n, runtime))
+    inputs = {site: [dict(rt) for _, rt in sorted(v, key=lambda x: (-x[0], x[1]))[:SIGNATURE_INPUTS]]
+              for site, v in per_site.items()}
+    return lambda a: signature(space, facts, a, inputs)

@@ -1,0 +1,140 @@
+"""`detent tune` (docs/tune.md): pick the commitment tuple for a workload.
+
+    detent tune --model DIR --workload W-A -o t.json            # writes t.json, t.report.json, t.png
+    detent tune --model llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16 --workload W-B -o b.json
+    detent tune --model DIR --workload my_requests.jsonl -o t.json  # {"prompt_token_ids": [...], "max_tokens": n}
+
+The engine arguments must be the ones `detent-serve` will run with: the
+tuple is made for those deployment facts (budget, max context, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_subparsers(sub) -> None:
+    p = sub.add_parser("tune", help="tune the commitment tuple for a workload",
+                       description="Profile WORKLOAD under the default tuple, search each kernel family's legal "
+                       "assignments (successive halving on the workload's own steps), check that the families' "
+                       "gains add up, and write the tuple and a report.")
+    p.add_argument("--model", default=None, help="model directory, preset or HF name (default: embedded SmolLM2)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--workload", required=True, help="W-A, W-B, W-C (benchmarks/workloads/README.md) or a JSONL "
+                   "file of requests ({\"prompt_token_ids\": [...], \"max_tokens\": n, \"after\": i})")
+    p.add_argument("-o", "--output", required=True, help="where to write the tuned tuple")
+    p.add_argument("--report", default=None, help="the JSON report (default: OUTPUT with .report.json)")
+    p.add_argument("--plot", default=None, help="the PNG of predicted vs measured (default: OUTPUT with .png)")
+    p.add_argument("--num-requests", type=int, default=None, help="a smaller workload: this many requests")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="a smaller workload: each request's prompt + output at most this many tokens")
+    p.add_argument("--families", default=None, help="only these families, comma-separated (default: every family "
+                   "with a choice that the workload calls)")
+    p.add_argument("--max-candidates", type=int, default=32, help="per family, the grid's first rung (default 32)")
+    p.add_argument("--eta", type=int, default=3, help="successive halving keeps 1/eta per rung (default 3)")
+    p.add_argument("--min-fraction", type=float, default=0.25, help="share of the workload of the first rung")
+    p.add_argument("--refine", type=int, default=2, help="hill-climbing rounds around each family's winner")
+    p.add_argument("--interactions", type=int, default=3, help="extra mixes measured for the additivity check")
+    p.add_argument("--cost", choices=("engine", "kernels"), default="engine", help="engine: time the workload's "
+                   "steps on the engine (default); kernels: time the profiled kernel calls one by one (faster)")
+    p.add_argument("--no-dedupe", dest="dedupe", action="store_false", help="measure every candidate, also "
+                   "those that select the same kernels and parameters on the profiled calls as one measured before")
+    p.add_argument("--repeats", type=int, default=1, help="runs per measurement (the median counts)")
+    p.add_argument("--seed", type=int, default=0)
+    for name, kw in (("--device", {"default": "auto"}), ("--dtype", {"default": "auto"}),
+                     ("--load-format", {"default": "auto"}), ("--max-model-len", {"type": int}),
+                     ("--max-num-seqs", {"type": int}), ("--max-num-batched-tokens", {"type": int}),
+                     ("--max-mixed-batched-tokens", {"type": int})):
+        p.add_argument(name, **kw)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    p.set_defaults(func=_tune)
+
+
+def load_workload(spec: str, *, vocab: int, num_requests: int | None, max_len: int | None, seed: int):
+    from detent.workloads import NAMES, Load, Request, Workload, make
+    if spec in NAMES:
+        return make(spec, num_requests=num_requests, max_len=max_len, seed=seed,
+                    vocab=min(vocab, 32000))
+    if not os.path.isfile(spec):
+        raise ValueError(f"--workload {spec!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
+    reqs = []
+    with open(spec) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                reqs.append(Request(tuple(int(x) for x in d["prompt_token_ids"]), int(d["max_tokens"]), d.get("after")))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--workload {spec} line {n}: expected {{\"prompt_token_ids\": [...], "
+                                 f"\"max_tokens\": n}} ({e})") from None
+            if reqs[-1].after is not None and not 0 <= reqs[-1].after < len(reqs) - 1:
+                raise ValueError(f"--workload {spec} line {n}: 'after' must name an earlier request")
+    if not reqs:
+        raise ValueError(f"--workload {spec}: no requests")
+    w = Workload(os.path.basename(spec), tuple(reqs), (Load("all", concurrency=len(reqs)),), seed)
+    return w.head(min(1.0, num_requests / len(reqs))) if num_requests else w
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    kw = {"tensor_parallel_size": a.tp, "dtype": a.dtype, "device": a.device, "load_format": a.load_format,
+          "max_model_len": a.max_model_len, "enable_prefix_caching": a.prefix_caching, "seed": a.seed}
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens"):
+        if getattr(a, name) is not None:
+            kw[name] = getattr(a, name)
+    if a.enforce_eager:
+        kw["enforce_eager"] = True
+    return kw
+
+
+def _tune(a: argparse.Namespace) -> int:
+    from detent.engine import LLM
+    from detent.selection import programs
+    from detent.tune import tune
+    from detent.tune_cost import profile_summary
+    from detent.tune_report import report_dict, write_plot, write_report
+    from detent.workloads import NAMES
+
+    t_start = time.perf_counter()
+
+    def say(s: str) -> None:
+        print(f"[tune {time.perf_counter() - t_start:7.1f}s] {s}", file=sys.stderr, flush=True)
+
+    families = a.families.split(",") if a.families else None
+    unknown = [f for f in families or () if f not in programs.FAMILIES]
+    if unknown:
+        raise ValueError(f"--families: unknown {unknown} (families: {', '.join(programs.FAMILIES)})")
+    if a.workload not in NAMES and not os.path.isfile(a.workload):
+        raise ValueError(f"--workload {a.workload!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
+    for path in (a.output, a.report, a.plot):  # fail before the work, not after it
+        if path and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+    say(f"loading {a.model or 'the embedded model'}")
+    llm = LLM(model=a.model, selection="pinned", **_engine_kwargs(a))
+    try:
+        w = load_workload(a.workload, vocab=llm.llm_engine.limits().vocab_size, num_requests=a.num_requests,
+                          max_len=a.max_len, seed=a.seed)
+        out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, dedupe=a.dedupe, progress=say,
+                   max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction, refine=a.refine,
+                   interactions=a.interactions, seed=a.seed)
+        res, prof = out.result, out.profile
+        res.chosen.save(a.output)
+        meta = {"workload": w.name, "num_requests": len(w.requests), "model": a.model, "tp": a.tp,
+                "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "cost_model": a.cost,
+                "seconds": time.perf_counter() - t_start}
+        report = report_dict(res, meta=meta, profile=profile_summary(prof), unit=out.unit)
+        stem = a.output[:-5] if a.output.endswith(".json") else a.output
+        write_report(a.report or stem + ".report.json", report)
+        plotted = write_plot(a.plot or stem + ".png", report)
+    finally:
+        llm.shutdown()
+    say(f"wrote {a.output} (tuple hash {res.chosen.hash[:16]}), {a.report or stem + '.report.json'}"
+        + (f", {a.plot or stem + '.png'}" if plotted else ""))
+    print(f"default {res.base_cost:.4g}, tuned {report['measured_cost']:.4g} {out.unit} "
+          f"(predicted {report['predicted_cost']:.4g}; additivity delta {100 * res.delta:.2f}%)"
+          + ("; kept the default tuple (the combined one measured slower)" if res.kept_default else ""))
+    return 0

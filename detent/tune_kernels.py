@@ -1,0 +1,128 @@
+"""`KernelCost` (docs/tune.md, "Cost models"): a candidate tuple's cost as the
+time of the kernel calls the profile recorded, without replaying the
+workload or capturing graphs.
+
+For each searched family, the profile's (call site, runtime inputs) are
+grouped into buckets (every input rounded down to a power of 1.25, so a
+decode step at 1,000 or 1,010 KV tokens is one bucket) and the `max_inputs` most
+called buckets are kept. Each is run as one kernel call on synthetic inputs
+of its shape — the candidate the tuple's dispatcher selects for it, with the
+parameters it selects — timed (median of `reps`, after a warm-up call), and
+weighted by its count. The cost is the sum, in milliseconds: the time the
+searched families' kernels would take over the profiled steps. gemm,
+attention and moe calls are timed; other families have no choice to make.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from detent.selection import CommitmentTuple, make_dispatcher
+from detent.selection.context import AttentionMetadata
+
+TIMED = ("gemm", "attention", "moe")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _down(x: int, base: float = 1.25) -> int:
+    return x if x <= 4 else max(4, int(base ** math.floor(math.log(x, base) + 1e-9)))
+
+
+def bucket(runtime: tuple) -> tuple:
+    """Runtime inputs rounded down to a power of 1.25: still inside the selector's domain, and the
+    order between them (q <= k, sequences <= tokens) is kept because rounding down is monotone."""
+    return tuple((k, _down(v) if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in runtime)
+
+
+def _attention_meta(rt: dict[str, int], block_size: int, device) -> tuple[AttentionMetadata, int]:
+    """A batch with these runtime inputs: one sequence at (max q, max k), the rest sharing what is left."""
+    n, t, mq, mk, tkv = rt["num_seqs"], rt["num_tokens"], rt["max_seqlen_q"], rt["max_seqlen_k"], rt["total_kv"]
+    qs, ks = [mq], [mk]
+    rest_q, rest_k = max(t - mq, n - 1), max(tkv - mk, n - 1)
+    for i in range(n - 1):
+        q = max(1, rest_q // (n - 1) + (i < rest_q % (n - 1)))
+        qs.append(min(q, mq))
+        ks.append(min(mk, max(qs[-1], rest_k // (n - 1))))
+    qsl, slots, tables, nb = [0], [], [], 0
+    max_blocks = -(-max(ks) // block_size)
+    for q, k in zip(qs, ks):
+        blocks = list(range(nb + 1, nb + 1 + -(-k // block_size)))  # block 0 stays unused, as the engine's
+        nb += len(blocks)
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(k - q, k)]
+        qsl.append(qsl[-1] + q)
+    i32 = dict(dtype=torch.int32, device=device)
+    meta = AttentionMetadata(torch.tensor(qsl, **i32), torch.tensor(ks, **i32), torch.tensor(tables, **i32),
+                             torch.tensor(slots, dtype=torch.int64, device=device), n, qsl[-1], max(qs), max(ks),
+                             block_size, tuple(qsl), tuple(ks))
+    return meta, nb + 1
+
+
+def _call(family: str, site: dict, rt: dict, fn, kw: dict, device):
+    """A closure making one call of `fn` on synthetic inputs of this shape."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dt = _DTYPES.get(site.get("dtype", "float32"), torch.float32)
+    rand = lambda *s: (0.02 * torch.randn(*s, generator=g)).to(dt).to(device)  # noqa: E731
+    m = rt["num_tokens"]
+    if family == "gemm":
+        x, w = rand(m, site["k"]), rand(site["n"], site["k"])
+        return lambda: fn(x, w, None, **kw)
+    if family == "attention":
+        h, kvh, d = site["num_heads"], site["num_kv_heads"], site["head_dim"]
+        meta, blocks = _attention_meta(rt, site["block_size"], device)
+        q, k, v = rand(meta.num_tokens, h, d), rand(meta.num_tokens, kvh, d), rand(meta.num_tokens, kvh, d)
+        cache = torch.zeros(2, blocks, site["block_size"], kvh, d, dtype=dt, device=device)
+        return lambda: fn(q, k, v, cache, meta, d ** -0.5, **kw)
+    e, hid, inter = site["num_experts"], site["hidden"], site["intermediate"]
+    x, logits = rand(m, hid), torch.randn(m, e, generator=g).to(device)
+    w13, w2 = rand(e, 2 * inter, hid), rand(e, hid, inter)
+    return lambda: fn(x, logits, w13, w2, site["top_k"], True, **kw)
+
+
+class KernelCost:
+    unit = "ms of kernel time over the profiled calls"
+
+    def __init__(self, calls: dict, facts: dict[str, Any], workdir: str, *, families=TIMED, max_inputs: int = 64,
+                 reps: int = 3):
+        self.facts, self.workdir, self.reps = facts, workdir, max(1, reps)
+        self.device = torch.device("cuda" if facts.get("device") == "cuda" else "cpu")
+        weights: Counter = Counter()
+        for (family, site, runtime), n in calls.items():
+            if family in families and family in TIMED:
+                weights[(family, site, bucket(runtime))] += n
+        self.inputs = sorted(weights.items(), key=lambda kv: (-kv[1], repr(kv[0])))[:max_inputs]
+        self._n = 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _time(self, call) -> float:
+        call()  # warm-up: compiles a Triton config the first time
+        out = []
+        for _ in range(self.reps):
+            self._sync()
+            t0 = time.perf_counter()
+            call()
+            self._sync()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    @torch.inference_mode()
+    def measure(self, t: CommitmentTuple, fraction: float) -> float:
+        self._n += 1
+        path = os.path.join(self.workdir, f"kernels-{self._n}.json")
+        t.save(path)
+        d = make_dispatcher(self.facts, "pinned", path)  # the loader's checks, as the engine's
+        keep = self.inputs[:max(1, math.ceil(fraction * len(self.inputs)))]
+        total = 0.0
+        for (family, site, runtime), n in keep:
+            fn, kw = d.resolve(family, site, dict(runtime))
+            total += n * self._time(_call(family, dict(site), dict(runtime), fn, kw, self.device))
+        return 1e3 * total

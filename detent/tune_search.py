@@ -1,0 +1,203 @@
+"""The tuner's search (docs/tune.md): one family at a time, over the family's
+legal assignments only, with successive halving, then a check that the
+families' gains add up.
+
+Per family: a spread of the legal grid (every axis thinned evenly until the
+product fits `max_candidates`, plus the default) is measured on a small
+share of the workload; the best 1/eta go on to a share eta times larger,
+until the whole workload; then the winner's neighbours along each axis are
+tried (`refine` rounds of hill climbing). Every candidate is the default
+tuple with that one family repinned, checked by the tuple loader before it
+is measured (`TupleError` on an illegal one: a bug, never skipped).
+
+Additivity: with T(default) the base and g_f = T(best_f) - T(default) each
+family's gain, the combined tuple's predicted cost is T(default) + sum g_f.
+It is measured, with `interactions` other mixes of the families' finalists;
+delta = max |predicted - measured| / measured is reported. If the combined
+tuple measures slower than the default, the default is kept.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from detent.selection import CommitmentTuple
+from detent.selection.compiler.tune_space import FamilySpace, family_assignment, with_family
+
+
+@dataclass
+class FamilyResult:
+    family: str
+    legal: int  # size of the family's legal grid
+    default: dict[str, Any]
+    chosen: dict[str, Any] | None = None
+    # {"assignment", "costs": {fraction: cost}, "same_as": an assignment with the same selections, whose
+    # measurement it shares (absent when it was measured itself)}
+    tried: list[dict[str, Any]] = field(default_factory=list)
+    inert: list[str] = field(default_factory=list)  # axes that change no selection on the profiled calls
+
+    def cost(self, assignment: dict[str, Any], fraction: float = 1.0) -> float | None:
+        for t in self.tried:
+            if t["assignment"] == assignment:
+                return t["costs"].get(fraction)
+        return None
+
+
+@dataclass
+class TuneResult:
+    base_cost: float
+    families: dict[str, FamilyResult]
+    checks: list[dict[str, Any]]  # {"label", "assignments", "predicted", "measured"}
+    chosen: CommitmentTuple
+    kept_default: bool
+    base_costs: tuple[float, float] = ()  # the default tuple measured first and last
+
+    @property
+    def delta(self) -> float:
+        return max((abs(c["predicted"] - c["measured"]) / c["measured"] for c in self.checks), default=0.0)
+
+
+def spread(space: FamilySpace, max_candidates: int, default: dict[str, Any],
+           fixed: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The legal assignments on an evenly thinned grid (at most about `max_candidates`), default first;
+    the `fixed` axes at the default's value."""
+    axes = {n: [default[n]] if n in fixed else list(v) for n, v in space.axes.items()}
+    while math.prod(len(v) for v in axes.values()) > max_candidates:
+        name = max(axes, key=lambda n: len(axes[n]))
+        vals = axes[name]
+        k = max(1, (len(vals) + 1) // 2)
+        axes[name] = [vals[round(i * (len(vals) - 1) / max(k - 1, 1))] for i in range(k)] if k > 1 else [vals[0]]
+    keep = [a for a in space.legal if all(a[n] in axes[n] for n in axes)]
+    if default in space.legal and default not in keep:
+        keep.insert(0, default)
+    elif default in keep:
+        keep.remove(default)
+        keep.insert(0, default)
+    return keep or list(space.legal[:max(1, max_candidates)])  # the thinned grid missed every legal point
+
+
+def _rungs(min_fraction: float, eta: int) -> list[float]:
+    """The shares of the workload successive halving measures at: min_fraction * eta^i, then the whole."""
+    out, f = [], min(max(min_fraction, 1e-6), 1.0)
+    while f < 1.0:
+        out.append(f)
+        f *= eta
+    return out + [1.0]
+
+
+class Search:
+    def __init__(self, base: CommitmentTuple, cost, facts: dict[str, Any], *, max_candidates: int = 32,
+                 eta: int = 3, min_fraction: float = 0.25, refine: int = 2, interactions: int = 3, seed: int = 0,
+                 signatures: dict[str, Callable[[dict], Any]] | None = None,
+                 progress: Callable[[str], None] = lambda s: None):
+        self.base, self.cost, self.facts = base, cost, facts
+        self.signatures = signatures or {}  # family -> assignment -> what it selects on the profile
+        self.max_candidates, self.eta, self.min_fraction = max_candidates, max(2, eta), min_fraction
+        self.refine, self.interactions, self.rng = refine, interactions, random.Random(seed)
+        self.progress = progress
+
+    def _measure(self, t: CommitmentTuple, fraction: float, label: str) -> float:
+        CommitmentTuple.from_json(t.to_json(), "candidate").validate(self.facts)  # TupleError if illegal
+        c = float(self.cost.measure(t, fraction))
+        self.progress(f"  {label} on {fraction:.0%} of the workload: {c:.4g}")
+        return c
+
+    def family(self, space: FamilySpace, base_cost: float) -> FamilyResult:
+        default = family_assignment(self.base, space.family)
+        res = FamilyResult(space.family, len(space.legal), default)
+        sig_fn, sigs = self.signatures.get(space.family, space.key), {}
+
+        def sig(a):
+            k = space.key(a)
+            if k not in sigs:
+                sigs[k] = sig_fn(a)
+            return sigs[k]
+        if space.family in self.signatures and default in space.legal:  # axes that select nothing here
+            res.inert = [n for n in space.axes
+                         if len({sig(a) for a in space.legal if all(a[m] == default[m] for m in a if m != n)}) == 1]
+        cands = spread(space, self.max_candidates, default, tuple(res.inert))
+        self.progress(f"family {space.family}: {len(space.legal)} legal assignments, measuring {len(cands)} "
+                      f"(successive halving, eta {self.eta})"
+                      + (f"; {', '.join(res.inert)} select nothing on this workload" if res.inert else ""))
+        entries, by_sig = {}, {}
+
+        def entry(a):
+            k = space.key(a)
+            if k not in entries:
+                entries[k] = {"assignment": a, "costs": {}}
+                res.tried.append(entries[k])
+            return entries[k]
+
+        def run(a, fraction):
+            e = entry(a)
+            if fraction not in e["costs"]:
+                s = (sig(a), fraction)
+                if s in by_sig:  # the same kernels with the same parameters: no new measurement
+                    e["costs"][fraction], e["same_as"] = by_sig[s]
+                    self.progress(f"  {space.family} {a}: the same selections as {e['same_as']}, not measured")
+                else:
+                    e["costs"][fraction] = self._measure(with_family(self.base, space, a), fraction,
+                                                         f"{space.family} {a}")
+                    by_sig[s] = (e["costs"][fraction], a)
+            return e["costs"][fraction]
+
+        alive = cands
+        for fraction in _rungs(self.min_fraction, self.eta):
+            ranked = sorted(alive, key=lambda a: run(a, fraction))
+            alive = ranked if fraction == 1.0 else ranked[:max(1, math.ceil(len(ranked) / self.eta))]
+        best = alive[0]
+        for _ in range(self.refine):
+            nb = [a for a in space.neighbours(best) if entry(a)["costs"].get(1.0) is None
+                  and not any(a[n] != default[n] for n in res.inert)]
+            if not nb:
+                break
+            cand = min(nb, key=lambda a: run(a, 1.0))
+            if run(cand, 1.0) >= run(best, 1.0):
+                break
+            best = cand
+        res.chosen = best
+        self.progress(f"family {space.family}: chose {best} ({run(best, 1.0):.4g}; default {base_cost:.4g})")
+        return res
+
+    def run(self, spaces: list[FamilySpace]) -> TuneResult:
+        self.progress("measuring the default tuple (after one untimed run)")
+        self._measure(self.base, 1.0, "default tuple, warm-up")
+        base_cost = self._measure(self.base, 1.0, "default tuple")
+        if not spaces:  # nothing to choose: the default tuple is the tuple
+            return TuneResult(base_cost, {}, [], self.base, False, (base_cost, base_cost))
+        fams = {s.family: self.family(s, base_cost) for s in spaces}
+        again = self._measure(self.base, 1.0, "default tuple, again")
+        self.base_costs = (base_cost, again)  # the spread says how noisy the machine is
+        base_cost = (base_cost + again) / 2
+        byname = {s.family: s for s in spaces}
+
+        def tuple_of(assign: dict[str, dict]) -> CommitmentTuple:
+            t = self.base
+            for f, a in assign.items():
+                if a != fams[f].default:
+                    t = with_family(t, byname[f], a)
+            return t
+
+        def predicted(assign: dict[str, dict]) -> float:
+            return base_cost + sum(fams[f].cost(a) - base_cost for f, a in assign.items() if a != fams[f].default)
+
+        combos = [("combined best", {f: r.chosen for f, r in fams.items()})]
+        finalists = {f: [t["assignment"] for t in r.tried if 1.0 in t["costs"]] for f, r in fams.items()}
+        seen = {repr(combos[0][1])}
+        for _ in range(self.interactions * 4):
+            if len(combos) > self.interactions or len(fams) < 2:
+                break
+            mix = {f: self.rng.choice(v) for f, v in finalists.items()}
+            if repr(mix) not in seen and sum(mix[f] != fams[f].default for f in mix) >= 2:
+                seen.add(repr(mix))
+                combos.append((f"mix {len(combos)}", mix))
+        checks = []
+        self.progress("checking additivity")
+        for label, mix in combos:
+            m = self._measure(tuple_of(mix), 1.0, label)
+            checks.append({"label": label, "assignments": mix, "predicted": predicted(mix), "measured": m})
+        combined = tuple_of(combos[0][1])
+        kept = checks[0]["measured"] > base_cost
+        return TuneResult(base_cost, fams, checks, self.base if kept else combined, kept, self.base_costs)

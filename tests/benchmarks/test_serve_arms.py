@@ -1,0 +1,60 @@
+"""benchmarks/serve_arms.py end to end on CPU, in miniature: the tiny random
+Llama, two workloads of two requests, every arm served by a real
+`detent-serve` and driven over HTTP by benchmarks/workload_client.py, a
+tuple tuned per workload by `detent tune` and served on every workload (the
+drift matrix), and the report's tables and figures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+@pytest.mark.slow
+def test_arms_in_miniature(tmp_path):
+    from detent.models.tiny import write_tiny_llama
+    model = write_tiny_llama(str(tmp_path / "tiny"))
+    out = tmp_path / "arms"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(BENCH, "serve_arms.py"), "run", "--model", model, "--out", str(out),
+           "--workloads", "W-A,W-C", "--num-requests", "2", "--max-len", "40", "--device", "cpu",
+           "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32", "--port", "8197",
+           "--tune-args", "--families gemm --interactions 0 --refine 0"]
+    for arms in ("stock,conservative,pinned-default,tuned-W-A", "tuned-W-C"):  # two calls: results merge
+        p = subprocess.run(cmd + ["--arms", arms], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "arms.json").read_text())
+    loads = ["A1", "A2", "A3", "A4", "C1", "C2"]
+    assert set(res["arms"]) == {"stock", "conservative", "pinned-default", "tuned-W-A", "tuned-W-C"}
+    for arm, by_load in res["arms"].items():
+        assert list(by_load) == loads, arm
+        assert all(r["errors"] == 0 and r["requests"] == 2 and r["tpot_p50_ms"] > 0 for r in by_load.values()), arm
+    from detent.workloads import make
+    want = {w: sum(r.max_tokens for r in make(w, num_requests=2, max_len=40).requests) for w in ("W-A", "W-C")}
+    for by_load in res["arms"].values():  # the client counted every streamed token (ignore_eos: exact lengths)
+        assert all(round(r["output_tok_s"] * r["wall_s"]) == want[r["workload"]] for r in by_load.values())
+    assert res["lambda_max"]["W-A"] > 0 and res["arms"]["stock"]["A4"]["rate"] == res["lambda_max"]["W-A"]
+    assert res["arms"]["stock"]["C2"]["concurrency"] == 8
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["geomean_ratio_to_stock"]) == {"conservative", "pinned-default", "pinned-tuned"}
+    assert all(v > 0 for v in rep["geomean_ratio_to_stock"]["pinned-tuned"].values())
+    drift = rep["drift"]
+    assert [drift["W-A"][ld] for ld in loads[:4]] == [1.0] * 4 and [drift["W-C"][ld] for ld in loads[4:]] == [1.0] * 2
+    assert all(v > 0 for row in drift.values() for v in row.values()) and len(drift["W-A"]) == 6
+    md = (out / "arms.md").read_text()
+    assert "| A1 | pinned-tuned |" in md and "Tuple drift" in md
+    assert (out / "fig7.png").stat().st_size > 1000 and (out / "fig8.png").stat().st_size > 1000
+    for w in ("W-A", "W-C"):
+        assert json.loads((out / f"tuple-{w}.report.json").read_text())["workload"] == w
+    early = subprocess.run(cmd + ["--arms", "conservative", "--loads", "C1", "--out", str(tmp_path / "fresh")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert early.returncode != 0 and "run --arms stock on them first" in early.stderr
+    other = subprocess.run(cmd[:cmd.index("--workloads")] + ["--workloads", "W-B"] + cmd[cmd.index("--workloads") + 2:],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert other.returncode != 0 and "holds other workloads" in other.stderr  # results never mix

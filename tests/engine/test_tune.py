@@ -1,0 +1,255 @@
+"""The tuner (detent/tune.py, docs/tune.md) on the tiny Llama (fp32, CPU).
+
+With a fake cost model whose optimum is known, the tuner picks the cheapest
+legal assignment and never measures an illegal tuple; its additivity check
+is exact for an additive cost and reports an interaction. The tuned tuple
+loads, serves, and keeps the battery's cells bit-identical (compared with
+`==`), which the same cells under selection="stock" do not."""
+from __future__ import annotations
+
+import pytest
+
+from detent.battery import OfflineBackend, run_battery
+from detent.battery_cells import select
+from detent.selection import CommitmentTuple
+from detent.selection.compiler.tune_space import family_assignment, family_space
+from detent.tune import tune
+from detent.workloads import make
+from engine_helpers import bundle, make_llm
+
+CONFIG = dict(max_num_batched_tokens=32, max_model_len=512)  # the battery's deployment: tune for the same facts
+BEST = {"attention": {"split_tokens": 32, "split_stride": 64}, "gemm": {"chunk": 1}}
+
+
+class FakeCost:
+    """Cost = per-family bowls around BEST (plus `interaction` when both families move);
+    it checks every tuple it is given with the tuple loader and keeps them."""
+
+    def __init__(self, facts, interaction: float = 0.0, check: bool = True):
+        self.facts, self.interaction, self.check, self.seen = facts, interaction, check, []
+
+    def family_cost(self, family: str, a: dict) -> float:
+        if family == "gemm":
+            return {1: 0.0, 16: 5.0}[a["chunk"]]
+        return abs(a["split_tokens"] - 32) / 16 + {16: 3.0, 64: 0.0, 256: 1.0, 1024: 2.0}[a["split_stride"]]
+
+    def measure(self, t: CommitmentTuple, fraction: float) -> float:
+        if self.check:
+            CommitmentTuple.from_json(t.to_json()).validate(self.facts)  # raises TupleError on an illegal tuple
+        self.seen.append(t)
+        a = {f: family_assignment(t, f) for f in ("gemm", "attention")}
+        moved = all(a[f] != self.default[f] for f in a)
+        return 100.0 + sum(self.family_cost(f, x) for f, x in a.items()) + (self.interaction if moved else 0.0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = make_llm(bundle("llama"), "pinned", **CONFIG)
+    yield llm
+    llm.shutdown()
+
+
+def workload():
+    return make("W-A", num_requests=5, max_len=96, vocab=160)
+
+
+def _tune(llm, interaction=0.0, check=True, **search):
+    from detent.selection import default_tuple
+    from detent.tune_engine import engine_facts
+    facts = engine_facts(llm)
+    fake = FakeCost(facts, interaction, check)
+    fake.default = {f: family_assignment(default_tuple(facts), f) for f in ("gemm", "attention")}
+    out = tune(llm, workload(), cost=lambda inst, calls: fake, **search)
+    return out, fake
+
+
+def test_profile_records_each_familys_runtime_inputs(llm):
+    out, _ = _tune(llm, max_candidates=2, min_fraction=1.0, refine=0, interactions=0)
+    att = out.profile["attention"]
+    assert len(att) == 1  # one call site
+    (counts,) = att.values()
+    inputs = [dict(rt) for rt in counts]
+    assert any(i["max_seqlen_q"] == 1 for i in inputs) and any(i["max_seqlen_q"] > 1 for i in inputs)
+    assert all(isinstance(n, int) and n >= 1 for n in counts.values())
+    assert len(out.profile["gemm"]) == 5  # qkv, o, gate_up, down, lm head
+
+
+def test_fake_cost_exhaustive_picks_the_cheapest_legal_assignment(llm):
+    out, fake = _tune(llm, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+    res = out.result
+    for fam in ("gemm", "attention"):
+        space = family_space(out.facts, fam)
+        cheapest = min(space.legal, key=lambda a: fake.family_cost(fam, a))
+        assert cheapest == BEST[fam] and res.families[fam].chosen == BEST[fam]
+        assert len(res.families[fam].tried) == len(space.legal)  # the whole legal grid, nothing else
+    assert {f: family_assignment(res.chosen, f) for f in BEST} == BEST
+    assert not res.kept_default and res.delta < 1e-12  # an additive cost adds up exactly
+
+
+def test_halving_and_hill_climbing_reach_the_optimum_measuring_a_part_of_the_grid(llm):
+    out, fake = _tune(llm, dedupe=False, max_candidates=8, eta=3, min_fraction=0.25, refine=30)
+    att = out.result.families["attention"]
+    assert att.chosen == BEST["attention"]
+    assert len(att.tried) < att.legal / 2
+    assert all(t.hash for t in fake.seen)  # every one loaded (FakeCost.measure validates)
+
+
+def test_additivity_check_reports_an_interaction(llm):
+    out, _ = _tune(llm, interaction=3.0, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+    c = out.result.checks[0]
+    assert c["label"] == "combined best" and c["measured"] - c["predicted"] == pytest.approx(3.0)
+    assert out.result.delta == pytest.approx(3.0 / c["measured"])
+
+
+def test_dedupe_measures_each_set_of_selections_once(llm):
+    """Attention's split_stride only shapes the legal split sizes: repins that differ in it
+    select the same kernels with the same parameters, so it is held at the default and a
+    repeated selection is not measured again."""
+    out, fake = _tune(llm, max_candidates=10_000, min_fraction=1.0, refine=0)
+    att = out.result.families["attention"]
+    assert att.inert == ["split_stride"]
+    assert all(t["assignment"]["split_stride"] == 256 for t in att.tried)
+    assert att.chosen == {"split_tokens": 32, "split_stride": 256}  # the cheapest selection the fake can see
+    measured = [t for t in att.tried if "same_as" not in t]
+    assert len(fake.seen) < len(family_space(out.facts, "attention").legal)
+    for t in att.tried:
+        if "same_as" in t:  # it shares a measured assignment's cost, which selects what it selects
+            assert t["costs"] == next(m["costs"] for m in measured if m["assignment"] == t["same_as"])
+
+
+def test_an_illegal_candidate_is_refused_not_measured(llm, monkeypatch):
+    from detent.selection import TupleError
+    from detent.selection.compiler import tune_space
+    real = tune_space.family_space
+
+    def with_an_illegal_value(facts, family):
+        s = real(facts, family)
+        if s is None or family != "attention":
+            return s
+        bad = {"split_tokens": 24, "split_stride": 64}  # not a multiple of the 16-token page
+        axes = {**s.axes, "split_tokens": (24,) + s.axes["split_tokens"]}
+        return tune_space.FamilySpace(s.family, s.pins, s.knobs, axes, (bad,) + s.legal[:3], s.sites)
+    monkeypatch.setattr("detent.tune.family_space", with_an_illegal_value)
+    with pytest.raises(TupleError, match="split_tokens"):  # the tuner's own check, before measuring
+        _tune(llm, check=False, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+
+
+def test_kernel_cost_times_the_profiled_calls(llm):
+    from detent.tune_kernels import _attention_meta, bucket
+    out = tune(llm, workload(), cost="kernels", max_candidates=4, min_fraction=0.5, refine=1, interactions=1)
+    assert out.unit == "ms of kernel time over the profiled calls"
+    res = out.result
+    assert res.base_cost > 0 and all(c > 0 for f in res.families.values() for t in f.tried for c in t["costs"].values())
+    for fam in ("gemm", "attention"):
+        assert res.families[fam].chosen in family_space(out.facts, fam).legal
+    rt = {"num_tokens": 19, "num_seqs": 4, "max_seqlen_q": 16, "max_seqlen_k": 40, "total_kv": 70}
+    meta, blocks = _attention_meta(rt, 16, "cpu")
+    assert (meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k) == (4, 16, 40)
+    assert meta.num_tokens == 19 and len(meta.slot_mapping) == 19 and int(meta.slot_mapping.max()) < blocks * 16
+    # rounded down to 1.25^k: 1.25^13 = 18.2, 1.25^12 = 14.6, 1.25^16 = 35.5, 1.25^19 = 69.4
+    assert dict(bucket(tuple(rt.items()))) == {"num_tokens": 18, "num_seqs": 4, "max_seqlen_q": 14,
+                                               "max_seqlen_k": 35, "total_kv": 69}
+
+
+def _cells(selection: str, tuple_path: str | None):
+    llm = make_llm(bundle("llama"), selection, tuple=tuple_path, **CONFIG)
+    try:
+        return run_battery(OfflineBackend(llm), select("quick"))
+    finally:
+        llm.shutdown()
+
+
+def test_tuned_tuple_loads_serves_and_stays_invariant(llm, tmp_path):
+    out, _ = _tune(llm, max_candidates=10_000, min_fraction=1.0, refine=0)
+    path = str(tmp_path / "tuned.json")
+    out.result.chosen.save(path)
+    tuned = make_llm(bundle("llama"), "pinned", tuple=path, **CONFIG)
+    try:
+        assert tuned.llm_engine.fingerprint().tuple_hash == out.result.chosen.hash
+        outs = tuned.generate([{"prompt_token_ids": [5, 6, 7, 8]}], __import__("detent").SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(outs[0].outputs[0].token_ids) == 4
+    finally:
+        tuned.shutdown()
+    pinned = _cells("pinned", path)
+    assert all(r.passed for r in pinned), [(r.cell, r.differences) for r in pinned if not r.passed]
+    stock = _cells("stock", None)
+    assert any(not r.passed for r in stock), "stock passed every cell: the check cannot fail"
+
+
+def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, capsys):
+    import json
+
+    from detent import LLM, SamplingParams
+    from detent.cli import main
+    from detent.models.tiny import write_tiny_llama
+    model = write_tiny_llama(str(tmp_path / "tiny"))
+    args = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32"]
+    out = tmp_path / "t" / "w.json"
+    assert main(["tune", "--model", model, "--workload", "W-C", "--num-requests", "2", "--max-len", "40",
+                 "--families", "gemm", "--interactions", "0", *args, "-o", str(out)]) == 0
+    rep = json.loads((tmp_path / "t" / "w.report.json").read_text())
+    assert rep["format"] == "detent-tune-report/1" and rep["workload"] == "W-C"
+    fam = rep["families"]["gemm"]
+    assert fam["legal_assignments"] == 2 and fam["measured_assignments"] == 2 and fam["chosen"] in ({"chunk": 1},
+                                                                                                   {"chunk": 16})
+    assert all(c > 0 for t in fam["tried"] for c in t["costs"].values())
+    assert rep["profile"]["attention"] and rep["tuple_hash"] == CommitmentTuple.load(str(out)).hash
+    assert (tmp_path / "t" / "w.png").stat().st_size > 1000
+    assert "ms per output token" in capsys.readouterr().out
+    llm = LLM(model=model, tuple=str(out), device="cpu", dtype="float32", max_model_len=256,
+              max_num_batched_tokens=32)
+    try:
+        assert llm.llm_engine.fingerprint().tuple_hash == rep["tuple_hash"]
+        o = llm.generate([{"prompt_token_ids": [11, 12, 13]}], SamplingParams(max_tokens=3, ignore_eos=True),
+                         use_tqdm=False)
+        assert len(o[0].outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+    assert main(["tune", "--model", model, "--workload", "W-Z", *args, "-o", str(out)]) == 2
+    assert "neither a workload name" in capsys.readouterr().err
+
+
+def test_a_workload_file_of_requests(tmp_path):
+    import json
+
+    from detent.tune_cli import load_workload
+    f = tmp_path / "w.jsonl"
+    f.write_text(json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 3}) + "\n\n"
+                 + json.dumps({"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 2, "after": 0}) + "\n")
+    w = load_workload(str(f), vocab=160, num_requests=None, max_len=None, seed=0)
+    assert [(r.prompt_token_ids, r.max_tokens, r.after) for r in w.requests] == [((5, 6), 3, None),
+                                                                                 ((5, 6, 7, 8), 2, 0)]
+    assert w.rounds() == [[0], [1]]
+    f.write_text(json.dumps({"prompt_token_ids": [5], "max_tokens": 3, "after": 0}) + "\n")
+    with pytest.raises(ValueError, match="line 1: 'after' must name an earlier request"):
+        load_workload(str(f), vocab=160, num_requests=None, max_len=None, seed=0)
+    f.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="line 1: expected"):
+        load_workload(str(f), vocab=160, num_requests=None, max_len=None, seed=0)
+
+
+def test_tune_runs_from_a_plain_install_without_the_plot(tmp_path):
+    """Only the runtime dependencies importable (tests/server/plain_install.py): the tuple and
+    report are written, the PNG (matplotlib, the `bench` extra) is skipped with a message."""
+    import os
+    import subprocess
+    import sys
+
+    from detent.models.tiny import write_tiny_llama
+    model = write_tiny_llama(str(tmp_path / "tiny"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = (
+        "import sys; sys.path.insert(0, 'tests/server')\n"
+        "from plain_install import block, blocked_modules, project_requirements, runtime_closure\n"
+        "b = blocked_modules(runtime_closure(project_requirements())); assert 'matplotlib' in b; block(b)\n"
+        "from detent.cli import main\n"
+        f"sys.exit(main(['tune', '--model', {model!r}, '--workload', 'W-C', '--num-requests', '2', '--max-len', '40',"
+        " '--families', 'gemm', '--cost', 'kernels', '--device', 'cpu', '--dtype', 'float32',"
+        f" '--max-model-len', '256', '--max-num-batched-tokens', '32', '-o', {str(tmp_path / 't.json')!r}]))\n")
+    p = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "matplotlib is not installed, no plot written" in p.stderr
+    assert (tmp_path / "t.json").exists() and (tmp_path / "t.report.json").exists()
+    assert not (tmp_path / "t.png").exists()

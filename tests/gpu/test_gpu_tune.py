@@ -1,0 +1,45 @@
+"""`detent tune` on the GPU (not run yet: no device this session): both cost
+models on a small bf16 Llama with CUDA graphs on, so every candidate is a new
+dispatcher and a recapture; the tuned tuple passes the battery's quick cells
+and the same cells fail under stock."""
+import pytest
+
+from detent import LLM
+from detent.battery import OfflineBackend, run_battery
+from detent.battery_cells import select
+from detent.selection.compiler.tune_space import family_space
+from detent.tune import tune
+from detent.workloads import make
+
+pytestmark = pytest.mark.gpu
+KW = dict(device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from detent.models.tiny import write_tiny_llama
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny")), hidden=256, layers=2)
+
+
+@pytest.mark.parametrize("cost", ["engine", "kernels"])
+def test_tune_on_gpu_serves_an_invariant_tuple(model, tmp_path, cost):
+    llm = LLM(model=model, **KW)
+    try:
+        out = tune(llm, make("W-C", num_requests=8, max_len=512), cost=cost, max_candidates=8, refine=1)
+        att = out.result.families["attention"]
+        assert att.chosen in family_space(out.facts, "attention").legal
+        assert out.result.base_cost > 0 and len(att.tried) >= 2
+    finally:
+        llm.shutdown()
+    path = str(tmp_path / "t.json")
+    out.result.chosen.save(path)
+    for selection, tuple_path in (("pinned", path), ("stock", None)):
+        llm = LLM(model=model, selection=selection, tuple=tuple_path, **KW)
+        try:
+            results = run_battery(OfflineBackend(llm), select("quick"))
+        finally:
+            llm.shutdown()
+        if selection == "pinned":
+            assert all(r.passed for r in results), [(r.cell, r.differences) for r in results if not r.passed]
+        else:
+            assert any(not r.passed for r in results)
