@@ -103,7 +103,8 @@ def test_embedded_default_model_overload_503_then_sigterm_clean():
         r = next(r for r in rs if r.status_code == 503)
         assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded"
         assert "--max-queue-len=2" in r.json()["error"]["message"]
-        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2, "temperature": 0})
+        ok = httpx.post(s.url + "/v1/completions", timeout=120,
+                        json={"prompt": "ok", "max_tokens": 2, "temperature": 0})
         assert ok.status_code == 200
         # SIGTERM with a stream open: the stream ends, the process exits 0
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
