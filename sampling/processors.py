@@ -137,23 +137,28 @@ def ordered_topk(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def truncation_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor) -> torch.Tensor:
+                    min_p: torch.Tensor, host: tuple[list, list, list] | None = None) -> torch.Tensor:
     """keep[B, V] after top-k, top-p, min-p on temperature-scaled logits x.
 
     top_k: [B] long (<= 0 or >= V: disabled); top_p, min_p: [B] float64.
+    `host`: the same three as host lists, so that which steps run is decided
+    without reading the device (each read would make the host wait for the step).
     """
     B, V = x.shape
+    if host is None:
+        host = (top_k.tolist(), top_p.tolist(), min_p.tolist())
+    hk, hp, hm = host
     x_max = x.max(dim=-1, keepdim=True).values
     keep = torch.ones_like(x, dtype=torch.bool)
     k = torch.where((top_k <= 0) | (top_k > V), torch.full_like(top_k, V), top_k)
-    if bool((k < V).any()):
-        kvals, _ = ordered_topk(x, int(k.max()))
+    if any(0 < v < V for v in hk):  # k.max() from the host values (disabled rows count as V)
+        kvals, _ = ordered_topk(x, max((V if (v <= 0 or v > V) else v) for v in hk))
         keep = x >= kvals.gather(1, (k.clamp(max=kvals.shape[1]) - 1)[:, None])
-    if bool((top_p < 1.0).any()):  # rows with top_p >= 1 keep everything either way
+    if any(v < 1.0 for v in hp):  # rows with top_p >= 1 keep everything either way
         keep = keep & _top_p_keep(torch.where(keep, x, NEG_INF), top_p)
     # min-p relative to the most likely token (always kept above):
     # p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p), exact elementwise ops only
-    if bool((min_p > 0).any()):
+    if any(v > 0 for v in hm):
         log_min_p = torch.where(min_p > 0, torch.log(min_p), float("-inf"))
         keep = keep & ((x - x_max).double() >= log_min_p[:, None])
     return keep

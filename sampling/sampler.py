@@ -100,8 +100,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
 
 
 def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
-    """`sample` without waiting for the device where the rows allow it: no
-    truncation (top-k/p, min-p), no grammar. Those still synchronize inside."""
+    """`sample` without waiting for the device where the rows allow it: no top-p
+    (its sort grows until every row's nucleus fits: a device read per round) and
+    no grammar (a request with one needs its token on the host before its next step
+    anyway). Top-k and min-p decide from host values; the keyed draw reads the
+    device only in the torch reference's sparse path (kernels/gumbel.py), which the
+    GPU's fused kernel does not take."""
     R, V = logits.shape
     if R != len(rows):
         raise ValueError(f"sample: {R} logits rows but {len(rows)} SamplingRows")
@@ -119,29 +123,12 @@ def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSa
 def _gumbel_max(z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """argmax(z + g) per row, g the keyed Gumbel noise; z = -inf marks excluded tokens.
 
-    When truncation leaves few candidates, the noise is drawn at the candidates'
-    ids only (`ops.gumbel_argmax(..., ids=)`): each draw depends on (key, token id) alone, and
-    the candidates keep ascending id order, so the token is the same as with
-    noise over the whole vocabulary (first maximum, ties to the lower id).
-    Without truncation (`dense`) every token is a candidate: no count, no sync."""
-    B, V = z.shape
+    One call over the whole vocabulary (`ops.gumbel_argmax`, the `gumbel`
+    family): the torch reference draws at the drawable tokens only when
+    truncation leaves few (the same token; kernels/gumbel.py), the GPU's fused
+    kernel draws densely and never waits for the device."""
     keys = ([r.seed for r in rows], [r.position for r in rows], [r.sample_index for r in rows], rows[0].role)
-    truncated = any(_truncates(r.params, V) for r in rows) or any(r.grammar is not None for r in rows)
-    if truncated:
-        finite = torch.isfinite(z)
-        counts = P.count(finite)[:, 0].tolist()
-        C = max(max(counts), 1)
-    if not truncated or C > V // 8:
-        return ops.gumbel_argmax(z, *keys)
-    r_idx, ids = finite.nonzero(as_tuple=True)  # row-major: ascending ids within each row
-    starts = torch.tensor([0] + counts[:-1], device=z.device).cumsum(0)  # [B] (B small ints: exact)
-    slot = torch.arange(r_idx.numel(), device=z.device) - starts[r_idx]
-    cand = torch.zeros(B, C, dtype=torch.long, device=z.device)
-    cand[r_idx, slot] = ids
-    valid = torch.zeros(B, C, dtype=torch.bool, device=z.device)
-    valid[r_idx, slot] = True
-    zc = torch.where(valid, z.gather(1, cand), float("-inf"))  # [B, C]: -inf marks a padding slot
-    return cand.gather(1, ops.gumbel_argmax(zc, *keys, ids=cand)[:, None])[:, 0]
+    return ops.gumbel_argmax(z, *keys)
 
 
 def _truncates(p: SamplingParams, V: int) -> bool:
@@ -170,7 +157,7 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
         p_l = [1.0 if g else r.params.top_p for g, r in zip(greedy, rows)]
         m_l = [0.0 if g else r.params.min_p for g, r in zip(greedy, rows)]
         keep = P.truncation_mask(x, _rows_to(k_l, torch.long, dev), _rows_to(p_l, torch.float64, dev),
-                                 _rows_to(m_l, torch.float64, dev))
+                                 _rows_to(m_l, torch.float64, dev), host=(k_l, p_l, m_l))
         z = torch.where(keep, x, P.NEG_INF)  # processed logits [B, V]
     else:
         z = x  # no row truncates: truncation_mask would keep every token

@@ -60,3 +60,17 @@ def test_candidates_path_is_the_reference():
 def test_position_out_of_range_is_refused():
     with pytest.raises(ValueError, match="position"):
         gumbel_argmax_triton(torch.zeros(1, 8), [1], [2**32], [0], 0)
+
+
+def test_dense_kernel_equals_the_reference_drawing_at_few_tokens():
+    """Every row truncated to a few tokens: the reference draws at those ids only
+    (kernels/gumbel.py `_candidates`), the fused kernel over the whole row."""
+    z = torch.full((4, 3000), float("-inf"))
+    g = torch.Generator().manual_seed(5)
+    for i, n in enumerate([1, 3, 40, 300]):
+        ids = torch.randperm(3000, generator=g)[:n]
+        z[i, ids] = torch.randn(n, generator=g)
+    args = ([11, 12, 2**63 + 1, 14], [0, 9, 99, 2**31], [0, 1, 0, 2], 0)
+    from detent.kernels.gumbel import _candidates
+    assert _candidates(z) is not None  # the reference takes its sparse path here
+    assert torch.equal(gumbel_argmax_triton(z, *args), gumbel_argmax_torch(z, *args))
