@@ -72,6 +72,7 @@ def gemm_deepgemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         _DG.bf16_gemm_nt(tail, w, out[full:])
     out = out[:m]
     if bias is not None:
+        # after the GEMM's bf16 rounding (cuBLAS adds it before): another rounding, still row-local
         out = out + bias
     return out
 
