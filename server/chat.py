@@ -136,6 +136,7 @@ async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k
     `tool_calls` fragments, server/tool_stream.py), the last one with the finish reason."""
     deltas: dict[int, ChoiceDelta] = {}
     calls: dict[int, ToolCallStream] = {}
+    finished: set[int] = set()  # the engine keeps reporting a finished choice while its siblings run
     stop = list([req.stop] if isinstance(req.stop, str) else (req.stop or []))
     for j in range(req.n):
         deltas[j] = ChoiceDelta(stop, req.include_stop_str_in_output)
@@ -151,7 +152,11 @@ async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k
         if err is not None:
             raise err
         for c in out.outputs:
+            if c.index in finished:
+                continue
             d, done = deltas[c.index], c.finish_reason is not None
+            if done:
+                finished.add(c.index)
             text, t0, t1 = d.next(c.text, len(c.token_ids), done)
             finish = c.finish_reason
             if tool_mode is None:
