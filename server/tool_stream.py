@@ -15,6 +15,10 @@ only a prefix that cannot change is sent: the dump of the partial value
 minus its trailing `]`/`}` (the closers of containers still open; a
 complete scalar never ends in one). A call is complete once a later call
 began, or the whole text parses at the end.
+
+Re-reading costs the length of the text, on the event loop: past
+`_EVERY_STEP_CHARS` the text is re-read only once it has grown by a
+sixteenth, so a long output costs linear time in all, in larger pieces.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from partial_json_parser import Allow, MalformedJSON
 from partial_json_parser import loads as partial_loads
 
 _COMPLETE_SCALARS = Allow.OBJ | Allow.ARR  # open objects and arrays are kept; unfinished scalars are not
+_EVERY_STEP_CHARS = 16384
 
 
 def call_id() -> str:
@@ -46,6 +51,7 @@ class ToolCallStream:
         self.mode = mode  # the forced function's name, or "required"
         self.text = ""
         self.sent: list[str] = []  # per call, the arguments streamed so far
+        self.read_len = 0  # how much text the last re-read saw
 
     def _announce(self, name: str, arguments: str = "") -> dict[str, Any]:
         self.sent.append(arguments)
@@ -77,6 +83,10 @@ class ToolCallStream:
         return (calls, False) if isinstance(calls, list) else ([], False)
 
     def _required(self, finished: bool) -> list[dict[str, Any]]:
+        n = len(self.text)
+        if not finished and n > _EVERY_STEP_CHARS and n * 16 < self.read_len * 17:
+            return []
+        self.read_len = n
         calls, all_complete = self._parse(finished)
         out: list[dict[str, Any]] = []
         for i, call in enumerate(calls):

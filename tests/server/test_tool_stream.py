@@ -8,6 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detent.server import tool_stream
 from detent.server.tool_stream import ToolCallStream, stream_finish_reason
 from detent.server.tools import tool_message
 
@@ -69,3 +70,18 @@ def test_cut_short_sends_only_what_cannot_change():
     # "2" may still grow into "21": held back, as are the closers of the open list and object
     assert got == {0: {"name": "get_weather", "arguments": '{"city": "Paris", "days": [1'}}
     assert stream_finish_reason("length") == "length"
+
+
+def test_a_long_call_is_reread_in_linear_time_in_all(monkeypatch):
+    calls = [{"name": "get_time", "parameters": {"xs": list(range(40000))}}]
+    text = json.dumps(calls)  # ~270k characters, streamed 8 at a time
+    reads = []
+    real = tool_stream.partial_loads
+    monkeypatch.setattr(tool_stream, "partial_loads", lambda s, a: reads.append(len(s)) or real(s, a))
+    got = _replay(ToolCallStream("required"), text, list(range(0, len(text), 8)))
+    assert got == {0: {"name": "get_time", "arguments": json.dumps(calls[0]["parameters"])}}
+    long_reads = [r for r in reads if r > tool_stream._EVERY_STEP_CHARS]
+    # each re-read past the threshold is a sixteenth longer: about 17 x len(text) in all, where
+    # re-reading every step would read about len(text)**2 / 16 (here 1700 x)
+    assert sum(long_reads) < 20 * len(text), sum(long_reads) / len(text)
+    assert len([r for r in reads if r <= tool_stream._EVERY_STEP_CHARS]) > 2000  # short text: every step

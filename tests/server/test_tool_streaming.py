@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from conftest import API_KEY
 
@@ -75,13 +76,20 @@ def _gather(chunks) -> tuple[dict, dict, dict, dict, list]:
 @pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
 def test_streamed_tool_calls_add_up_to_the_non_streamed(client, choice):
     full = _create(client, choice, stream=False)
-    calls, tokens, finish, first, usages = _gather(_create(client, choice, stream=True))
+    chunks = list(_create(client, choice, stream=True))
+    calls, tokens, finish, first, usages = _gather(chunks)
+    state = ChatCompletionStreamState()  # the openai library's own accumulation of the chunks
+    for ch in chunks:
+        state.handle_chunk(ch)
+    rebuilt = {c.index: c for c in state.get_final_completion().choices}
     assert sorted(calls) == sorted(finish) == [0, 1]
     for c in full.choices:
         j = c.index
         assert c.finish_reason == ("stop" if choice is NAMED else "tool_calls"), c  # complete calls, not cut short
         want = [{"name": t.function.name, "arguments": t.function.arguments} for t in c.message.tool_calls]
         assert [{k: v for k, v in calls[j][i].items() if k != "pieces"} for i in range(len(calls[j]))] == want
+        assert [{"name": t.function.name, "arguments": t.function.arguments}
+                for t in rebuilt[j].message.tool_calls] == want and not rebuilt[j].message.content
         # the arguments stream as they are generated, not in one piece at the end
         assert all(calls[j][i]["pieces"] >= 3 for i in range(len(calls[j]))), calls[j]
         for call in want:
