@@ -182,3 +182,23 @@ def test_a_choice_finishes_once_while_its_siblings_run(server):
         assert mine[-1] is not None and all(f is None for f in mine[:-1]), order
     first_end = next(k for k, (_, f) in enumerate(order) if f is not None)
     assert first_end < len(order) - 1, f"the choices must finish at different steps to test this: {order}"
+
+
+def test_an_error_after_the_stream_started_is_in_band_openai_shape(client, server):
+    """A schema that passes validation but not the engine's grammar compiler fails once the
+    stream has started: an in-band OpenAI error event, then [DONE]; the client raises it."""
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 20, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"$ref": "#/nope"}}, "required": ["a"]}}}]}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][len("data: "):])["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "grammar" in err["message"], err
+    with pytest.raises(openai.APIError, match="grammar"):
+        list(client.chat.completions.create(**{k: v for k, v in body.items() if k != "stream"}, stream=True))
+    # the server goes on serving forced calls
+    calls, _, finish, _, _ = _gather(client.chat.completions.create(
+        model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=NAMED, stream=True, max_tokens=300, seed=5))
+    assert finish == {0: "tool_calls"} and calls[0][0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0][0]["arguments"]), WEATHER)
