@@ -15,6 +15,7 @@ from detent.server.params import (bad_words_ids, check_counts, check_logprob_ent
                                   resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
+from detent.server.tool_stream import ToolCallStream, stream_finish_reason
 from detent.server.tools import tool_constraint, tool_message
 
 
@@ -70,8 +71,6 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     model = state.check_model(req.model)
     check_counts(req, state.limits, 1)
     tool_so, tool_mode = tool_constraint(req.tools, req.tool_choice)
-    if tool_mode is not None and req.stream:
-        raise bad_request("streaming a forced tool call is not supported yet; send stream: false", "stream")
     kwargs = client_template(req, state.limits.trust_request_chat_template)
     if req.tools:
         kwargs["tools"] = req.tools  # the template describes them to the model
@@ -100,7 +99,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
     ctx = dict(id=rid, created=int(time.time()), model=model, system_fingerprint=state.system_fingerprint)
     if req.stream:
-        return SSEResponse(_stream(req, gen, tok, k, ctx), on_close=gen.close)
+        return SSEResponse(_stream(req, gen, tok, k, ctx, tool_mode), on_close=gen.close)
     try:
         (out,) = await unless_disconnected(request, gen.run())
     except ClientGone:
@@ -126,32 +125,53 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
 
 
 def _stream(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
-            ctx: dict) -> AsyncIterator[str]:
+            ctx: dict, tool_mode: str | None) -> AsyncIterator[str]:
     ctx = {**ctx, "object": "chat.completion.chunk"}
-    return sse_events(_chunks(req, gen, tok, k, ctx), gen, ctx, req.stream_options)
+    return sse_events(_chunks(req, gen, tok, k, ctx, tool_mode), gen, ctx, req.stream_options)
 
 
 async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
-                  ctx: dict) -> AsyncIterator[dict]:
+                  ctx: dict, tool_mode: str | None) -> AsyncIterator[dict]:
+    """Per choice: the role, then a delta per step (text, or with a forced tool call its
+    `tool_calls` fragments, server/tool_stream.py), the last one with the finish reason."""
     deltas: dict[int, ChoiceDelta] = {}
+    calls: dict[int, ToolCallStream] = {}
+    finished: set[int] = set()  # the engine keeps reporting a finished choice while its siblings run
     stop = list([req.stop] if isinstance(req.stop, str) else (req.stop or []))
     for j in range(req.n):
         deltas[j] = ChoiceDelta(stop, req.include_stop_str_in_output)
-        yield {**ctx, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}], "usage": None}
+        first: dict[str, Any] = {"role": "assistant", "content": ""}
+        if tool_mode is not None:
+            calls[j] = ToolCallStream(tool_mode)
+            opening = calls[j].opening()
+            first = {"role": "assistant", "content": None, **({"tool_calls": opening} if opening else {})}
+        yield {**ctx, "choices": [{"index": j, "delta": first, "logprobs": None, "finish_reason": None}],
+               "usage": None}
     async for _, out in gen:
         err = output_error(out)
         if err is not None:
             raise err
         for c in out.outputs:
+            if c.index in finished:
+                continue
             d, done = deltas[c.index], c.finish_reason is not None
+            if done:
+                finished.add(c.index)
             text, t0, t1 = d.next(c.text, len(c.token_ids), done)
-            if not text and t0 == t1 and not done:
+            finish = c.finish_reason
+            if tool_mode is None:
+                delta = {"content": text} if text or not done else {}
+                news = bool(text)
+            else:  # tokens with no new call piece still send their logprobs, in an empty delta
+                tool_calls = calls[c.index].next(text, done)
+                delta, news = ({"tool_calls": tool_calls} if tool_calls else {}), bool(tool_calls)
+                finish = stream_finish_reason(finish)
+            if not news and t0 == t1 and not done:
                 continue
             lps = None
             if k is not None:
                 lps = chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], k, tok)
             yield {**ctx, "choices": [{
-                "index": c.index, "delta": {"content": text} if text or not done else {},
-                "logprobs": lps, "finish_reason": c.finish_reason if done else None,
+                "index": c.index, "delta": delta,
+                "logprobs": lps, "finish_reason": finish if done else None,
                 "stop_reason": getattr(c, "stop_reason", None) if done else None}], "usage": None}

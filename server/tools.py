@@ -2,16 +2,16 @@
 handles them without a tool parser: the output is constrained to JSON over
 the function's parameter schema (structured output) and returned as
 `tool_calls`. "auto" needs a parser that reads free text for calls, which
-Detent does not have: it is a 400, as is a tool choice while streaming.
+Detent does not have: it is a 400. Streaming: server/tool_stream.py.
 """
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from detent.sampling.params import StructuredOutputs
 from detent.server.errors import bad_request
+from detent.server.tool_stream import call_id
 
 _EMPTY = {"type": "object", "properties": {}}
 
@@ -65,14 +65,17 @@ def tool_constraint(tools: list[dict] | None, choice: Any) -> tuple[StructuredOu
 
 def tool_message(text: str, mode: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message carrying the calls in `text`, and the finish reason to report.
-    Output cut short (max_tokens) is not valid JSON: it stays `content`, with no calls."""
+    Output cut short (max_tokens) is not valid JSON: it stays `content`, with no calls.
+    A named function's `arguments` is the generated JSON text itself (as vLLM, and as
+    it streams); "required" calls' are `json.dumps(parameters)`, which their stream
+    rebuilds (server/tool_stream.py)."""
     try:
         parsed = json.loads(text)
     except ValueError:
         return {"role": "assistant", "content": text, "tool_calls": []}, finish_reason
-    calls = ([(c["name"], c["parameters"]) for c in parsed] if mode == "required" else [(mode, parsed)])
-    tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                   "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}} for n, a in calls]
+    calls = ([(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed]
+             if mode == "required" else [(mode, text)])
+    tool_calls = [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
     # OpenAI: a forced named function finishes "stop"; calls the model chose, "tool_calls"
     return ({"role": "assistant", "content": None, "tool_calls": tool_calls},
             "tool_calls" if mode == "required" and finish_reason == "stop" else finish_reason)

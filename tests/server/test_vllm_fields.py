@@ -199,7 +199,6 @@ def test_tool_choice_named_and_required_return_tool_calls(client, server):
                         ({"tool_choice": "required"}, "tool_choice"),
                         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                          "tool_choice"),
-                        ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream"),
                         ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
                         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
                          "tool_choice")):

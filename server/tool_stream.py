@@ -1,0 +1,111 @@
+"""A forced tool call, streamed as OpenAI's `tool_calls` deltas (`stream: true`
+with `tool_choice` a named function or "required"; server/tools.py says how
+the output is constrained).
+
+Named function: the opening delta announces call 0 (id, name, arguments
+""), then each text delta is an `arguments` fragment: the generated JSON as
+it streams, which is exactly what the non-streamed `arguments` holds.
+
+"required": the output is a JSON array of `{"name", "parameters"}`. Each
+step re-reads the text so far with a partial JSON parser that keeps only
+complete scalars (an unfinished string, number or literal is dropped). A
+call is announced once its name is complete; its `arguments` stream as
+`json.dumps(parameters)`, the non-streamed form. Until a call is complete
+only a prefix that cannot change is sent: the dump of the partial value
+minus its trailing `]`/`}` (the closers of containers still open; a
+complete scalar never ends in one). A call is complete once a later call
+began, or the whole text parses at the end.
+
+Re-reading costs the length of the text, on the event loop: past
+`_EVERY_STEP_CHARS` the text is re-read only once it has grown by a
+sixteenth, so a long output costs linear time in all, in larger pieces.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from partial_json_parser import Allow, MalformedJSON
+from partial_json_parser import loads as partial_loads
+
+_COMPLETE_SCALARS = Allow.OBJ | Allow.ARR  # open objects and arrays are kept; unfinished scalars are not
+_EVERY_STEP_CHARS = 16384
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def stream_finish_reason(finish_reason: str | None) -> str | None:
+    """As vLLM's stream: a call that ran to its end finishes "tool_calls", named or
+    required. A call cut short keeps "length", so a client knows its arguments are
+    incomplete (vLLM reports "tool_calls" there too)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class ToolCallStream:
+    """One choice's calls: `opening()` once, then `next(text_delta, finished)` per step."""
+
+    def __init__(self, mode: str):
+        self.mode = mode  # the forced function's name, or "required"
+        self.text = ""
+        self.sent: list[str] = []  # per call, the arguments streamed so far
+        self.read_len = 0  # how much text the last re-read saw
+
+    def _announce(self, name: str, arguments: str = "") -> dict[str, Any]:
+        self.sent.append(arguments)
+        return {"index": len(self.sent) - 1, "id": call_id(), "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The calls the first delta carries: the named one (its name is known before any token)."""
+        return [] if self.mode == "required" else [self._announce(self.mode)]
+
+    def next(self, delta: str, finished: bool) -> list[dict[str, Any]]:
+        self.text += delta
+        if self.mode != "required":
+            return [{"index": 0, "function": {"arguments": delta}}] if delta else []
+        return self._required(finished)
+
+    def _parse(self, finished: bool) -> tuple[list[Any], bool]:
+        """(the calls so far, whether all of them are complete)."""
+        if finished:
+            try:
+                calls = json.loads(self.text)
+                return (calls, True) if isinstance(calls, list) else ([], False)
+            except ValueError:
+                pass  # cut short (max_tokens, a stop string): what parsed so far stays partial
+        try:
+            calls = partial_loads(self.text, _COMPLETE_SCALARS)
+        except (MalformedJSON, ValueError):  # nothing but whitespace yet
+            return [], False
+        return (calls, False) if isinstance(calls, list) else ([], False)
+
+    def _required(self, finished: bool) -> list[dict[str, Any]]:
+        n = len(self.text)
+        if not finished and n > _EVERY_STEP_CHARS and n * 16 < self.read_len * 17:
+            return []
+        self.read_len = n
+        calls, all_complete = self._parse(finished)
+        out: list[dict[str, Any]] = []
+        for i, call in enumerate(calls):
+            if not isinstance(call, dict):
+                break
+            if i == len(self.sent):
+                if not isinstance(call.get("name"), str):
+                    break  # its name has not finished: nothing after it can be announced either
+                out.append(self._announce(call["name"]))
+            if "parameters" not in call:
+                continue
+            args = json.dumps(call["parameters"], ensure_ascii=False)
+            if not (all_complete or i < len(calls) - 1):
+                args = args.rstrip("]}")
+            sent = self.sent[i]
+            if len(args) > len(sent) and args.startswith(sent):
+                fragment, self.sent[i] = args[len(sent):], args
+                if out and out[-1]["index"] == i:  # announced in this same step: one entry per call
+                    out[-1]["function"]["arguments"] += fragment
+                else:
+                    out.append({"index": i, "function": {"arguments": fragment}})
+        return out
