@@ -33,13 +33,13 @@ same memory, no copy (`paged_views`).
 """
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 from typing import Callable, NamedTuple
 
 import torch
 
 from detent.kernels.attention import store_kv
+from detent.kernels.optional import gpu_problem, version_problem
 from detent.kernels.registry import register, unavailable
 
 FA4_VERSION = "4.0.0b36"
@@ -131,17 +131,10 @@ def register_fa4(fwd: Callable) -> None:
 
 def load_fa4() -> tuple[Callable | None, str | None]:
     """(FA4's forward, None), or (None, why it cannot run here)."""
-    try:
-        version = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        return None, f"flash-attn-4 is not installed: {INSTALL}"
-    if version != FA4_VERSION:
-        return None, f"flash-attn-4 {version} is installed; the fa4 candidate is written for {FA4_VERSION}: {INSTALL}"
-    if not torch.cuda.is_available():
-        return None, "FlashAttention-4 needs a CUDA GPU of sm90 or newer; there is none here"
-    major, minor = torch.cuda.get_device_capability()
-    if major < 9:
-        return None, f"FlashAttention-4 needs an sm90 or newer GPU; this one is sm{major}{minor}"
+    why = (version_problem("flash-attn-4", FA4_VERSION, "fa4", INSTALL)
+           or gpu_problem("FlashAttention-4 needs an sm90 or newer GPU", lambda major, minor: major >= 9))
+    if why is not None:
+        return None, why
     try:
         from flash_attn.cute import interface
     except Exception as e:  # noqa: BLE001  (any import failure: say which)

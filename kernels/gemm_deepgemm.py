@@ -26,11 +26,11 @@ which is the unpinned control the GPU tests compare against.
 """
 from __future__ import annotations
 
-import importlib.metadata
 from types import ModuleType
 
 import torch
 
+from detent.kernels.optional import gpu_problem, version_problem
 from detent.kernels.registry import register, unavailable
 
 DG_VERSION = "0.2.5"
@@ -86,17 +86,11 @@ def register_deepgemm(dg: ModuleType) -> None:
 
 def load_deepgemm() -> tuple[ModuleType | None, str | None]:
     """(the deep_gemm module, None), or (None, why it cannot run here)."""
-    try:
-        version = importlib.metadata.version("sgl-deep-gemm")
-    except importlib.metadata.PackageNotFoundError:
-        return None, f"sgl-deep-gemm is not installed: {INSTALL}"
-    if version != DG_VERSION:
-        return None, f"sgl-deep-gemm {version} is installed; the deepgemm candidate is written for {DG_VERSION}: {INSTALL}"
-    if not torch.cuda.is_available():
-        return None, "DeepGEMM's BF16 GEMM candidate needs an sm90 GPU; there is none here"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return None, f"the deepgemm candidate is DeepGEMM's sm90 kernel; this GPU is sm{major}{minor}"
+    why = (version_problem("sgl-deep-gemm", DG_VERSION, "deepgemm", INSTALL)
+           or gpu_problem("DeepGEMM's BF16 GEMM candidate needs an sm90 GPU",
+                          lambda major, minor: (major, minor) == (9, 0)))
+    if why is not None:
+        return None, why
     try:
         import deep_gemm
     except Exception as e:  # noqa: BLE001  (OSError loading _C.so, AssertionError finding CUDA: say which)

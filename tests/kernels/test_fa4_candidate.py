@@ -59,10 +59,10 @@ def test_load_fa4_says_what_is_missing(monkeypatch):
     assert fwd is None and "4.0.0b30 is installed" in why and "4.0.0b36" in why and "detent[fa4]" in why
     monkeypatch.setattr(importlib.metadata, "version", version("4.0.0b36"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert attention_fa4.load_fa4()[1] == "FlashAttention-4 needs a CUDA GPU of sm90 or newer; there is none here"
+    assert attention_fa4.load_fa4()[1] == "FlashAttention-4 needs an sm90 or newer GPU; there is none here"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert attention_fa4.load_fa4()[1] == "FlashAttention-4 needs an sm90 or newer GPU; this one is sm80"
+    assert attention_fa4.load_fa4()[1] == "FlashAttention-4 needs an sm90 or newer GPU; this GPU is sm80"
 
 
 def test_load_fa4_takes_fa4s_forward_where_it_imports(monkeypatch):
