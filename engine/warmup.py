@@ -110,13 +110,9 @@ def _spread(total: int, n: int) -> list[int]:
 @dataclass
 class WarmPlan:
     shapes: list[StepShape] = field(default_factory=list)  # model forwards
-    logit_rows: list[int] = field(default_factory=list)  # compute_logits + log_softmax row counts
+    logit_rows: list[int] = field(default_factory=list)  # row counts for logits, log-softmax and the draw
     targets: int = 0
     uncovered: list[str] = field(default_factory=list)  # targets no step could realize
-
-
-def _sites(dispatcher) -> list[tuple[str, tuple]]:
-    return sorted(dispatcher._selectors, key=repr)
 
 
 def plan_warmup(dispatcher, facts: dict[str, Any], lim: Limits, logit_sites: set) -> WarmPlan:
@@ -132,8 +128,9 @@ def plan_warmup(dispatcher, facts: dict[str, Any], lim: Limits, logit_sites: set
     chosen: dict[StepShape, None] = {}
     rows: dict[int, None] = {}
     pending: list[tuple[str, tuple, tuple, bool, list[dict]]] = []
-    for family, site in _sites(dispatcher):
-        selector = dispatcher._selectors[(family, site)]
+    selectors = dispatcher.built()
+    for family, site in sorted(selectors, key=repr):
+        selector = selectors[(family, site)]
         sol = solve(programs.load(family), {**facts, **dict(site)})
         if not set(sol.vra.inputs) <= set(RUNTIME_KEYS):  # e.g. all-reduce message sizes
             plan.uncovered.append(f"{family} {dict(site)}: reads {sorted(set(sol.vra.inputs) - set(RUNTIME_KEYS))}")
@@ -149,7 +146,7 @@ def plan_warmup(dispatcher, facts: dict[str, Any], lim: Limits, logit_sites: set
                 pending.append((family, site, key, (family, site) in logit_sites, pts))
     plan.targets = len(pending)
     for family, site, key, is_logits, points in pending:
-        selector = dispatcher._selectors[(family, site)]
+        selector = selectors[(family, site)]
         if is_logits:  # rows that compute logits: sampled rows, or one chunk of prompt rows
             reach = min(max(lim.max_num_seqs, PROMPT_LOGPROBS_ROWS), lim.max_model_len)
             fits = [p.get("num_tokens", 1) for p in points if 1 <= p.get("num_tokens", 1) <= reach]

@@ -54,6 +54,10 @@ class Dispatcher:
             ctx.memo[key] = sel
         return sel
 
+    def built(self) -> dict[tuple[str, Site], Selector]:
+        """The selectors built so far, by (family, call site): every site a step has reached."""
+        return dict(self._selectors)
+
     def resolve(self, family: str, site: Site, runtime: dict[str, int]) -> tuple[Callable, dict]:
         """The selected candidate's function and its keyword parameters."""
         ctx = get_forward_context()
