@@ -24,7 +24,7 @@ import triton.language as tl
 
 from detent.kernels.common_triton import check_device, check_dtype, check_last_contiguous, lazy_jit
 from detent.kernels.gumbel import gumbel_argmax_torch
-from detent.kernels.philox import check_positions
+from detent.kernels.philox import check_positions, to_device
 from detent.kernels.registry import register
 
 BLOCK = 1024
@@ -66,10 +66,7 @@ def key_rows(seeds: Sequence[int], positions: Sequence[int], sample_indices: Seq
     for s, p, n in zip(seeds, positions, sample_indices):
         s = int(s) % 2**64
         rows.append((s - 2**64 if s >= 2**63 else s, int(p), int(n) & 0xFFFFFFFF, role & 0xFFFFFFFF))
-    t = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4), device)
 
 
 @register("gumbel", "triton_rowwise", devices=("cuda",))

@@ -48,13 +48,18 @@ def philox4x32(ctr: Sequence[torch.Tensor], key: Sequence[torch.Tensor],
     return [c0, c1, c2, c3]
 
 
-def host_column(vals: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """[R, 1] int64 on `device` from host ints, copied without waiting for the
-    device's queue (through pinned memory on CUDA)."""
-    t = torch.tensor(vals, dtype=torch.int64)[:, None]
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor `t` on `device`, copied without waiting for the device's queue
+    (through pinned memory on CUDA). sampling/rng.py has the sampler's own: the
+    floors keep sampling/ from importing kernels/."""
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def host_column(vals: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """[R, 1] int64 on `device` from host ints (`to_device`)."""
+    return to_device(torch.tensor(vals, dtype=torch.int64)[:, None], device)
 
 
 def check_positions(positions: Sequence[int]) -> None:
