@@ -63,14 +63,14 @@ class Limits:
     max_model_len: int
 
 
-def shape_for(point: dict[str, int], lim: Limits, num_tokens: int | None = None) -> StepShape | None:
+def shape_for(point: dict[str, int], lim: Limits) -> StepShape | None:
     """A step whose runtime values equal `point`'s (only the keys it has), or None.
 
     Sequence 0 carries the longest query and the longest KV; the others share
     the remaining tokens (each at least 1, at most the longest), and their KV
     lengths are raised from their query lengths toward the longest until the
     KV total matches."""
-    nt = point.get("num_tokens", num_tokens)
+    nt = point.get("num_tokens")
     ns = point.get("num_seqs")
     mq, mk, tkv = point.get("max_seqlen_q"), point.get("max_seqlen_k"), point.get("total_kv")
     if nt is None:
