@@ -1,18 +1,26 @@
-"""Gumbel-max in one Triton kernel (the `gumbel` family's GPU candidate).
+"""Gumbel-max in Triton (the `gumbel` family's GPU candidate).
 
 The torch reference (kernels/gumbel.py) emulates Philox's 32-bit products in
 int64 and materializes [B, V] noise: some 250 kernel launches and, at batch
 128 over a 128k vocabulary, ~30 MB of traffic per op every decode step that
-samples. Here one program per row walks the vocabulary in blocks: Philox
-(`tl.philox`, the standard Philox-4x32-10, same key and counter layout as
-kernels/philox.py: key = the seed's two 32-bit halves, counter = (token // 4,
-position, sample index, role)), the uniform, the Gumbel noise and the running
-first maximum stay in registers; only the logits are read, once.
+samples. Here the first kernel gives each (row, vocabulary chunk) one program
+that walks its chunk in blocks: Philox (`tl.philox`, the standard
+Philox-4x32-10, same key and counter layout as kernels/philox.py: key = the
+seed's two 32-bit halves, counter = (token // 4, position, sample index,
+role)), the uniform, the Gumbel noise and the chunk's running first maximum
+stay in registers; only the logits are read, once. The second kernel takes,
+per row, the first maximum over the chunks' maxima.
 
 Same arithmetic as the reference, in the same order, in float64: u = (w +
 0.5) * 2**-32, g = -log(-log(u)), s = z + g; launched without FMA
-contraction. A row's token depends on its own logits and key alone (one
-program per row, a fixed block order, ties to the lower id).
+contraction. The token is the lowest id holding the row's maximum, an exact
+function of the row's own logits and key: the chunking (a function of the
+vocabulary size alone) decides where the work runs, never the answer.
+
+One program per row (the first version) walked all 128,256 tokens of a
+Llama-3 row alone: ~0.29 ms per step at any batch on the H200
+(docs/performance.md, "Sampling at large batch"); chunks spread a row over
+the SMs.
 """
 from __future__ import annotations
 
@@ -28,11 +36,14 @@ from detent.kernels.philox import check_positions, to_device
 from detent.kernels.registry import register
 
 BLOCK = 1024
+CHUNK_BLOCKS = 4  # blocks per (row, chunk) program: 32 chunks for a 128k vocabulary
 
 
 @lazy_jit
-def _gumbel_argmax_kernel(z_ptr, key_ptr, out_ptr, V, sz, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(z_ptr, key_ptr, val_ptr, idx_ptr, V, sz, NCH, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Chunk `c` of row `row`: its first maximum of z + g and where it is."""
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
     seed = tl.load(key_ptr + row * 4)  # int64 holding the seed's 64 bits
     pos = tl.load(key_ptr + row * 4 + 1).to(tl.uint32)
     sidx = tl.load(key_ptr + row * 4 + 2).to(tl.uint32)
@@ -41,7 +52,8 @@ def _gumbel_argmax_kernel(z_ptr, key_ptr, out_ptr, V, sz, BLOCK: tl.constexpr):
     zero = tl.zeros((BLOCK,), tl.uint32)
     best = tl.full((), float("-inf"), tl.float64)
     best_i = tl.full((), 0, tl.int64)
-    for v0 in range(0, V, BLOCK):
+    for b0 in range(0, CHUNK, BLOCK):
+        v0 = c * CHUNK + b0
         t = v0 + cols
         m = t < V
         z = tl.load(z_ptr + row * sz + t, mask=m, other=float("-inf")).to(tl.float64)
@@ -55,7 +67,22 @@ def _gumbel_argmax_kernel(z_ptr, key_ptr, out_ptr, V, sz, BLOCK: tl.constexpr):
         better = bmax > best  # strictly: an earlier block keeps a tie
         best_i = tl.where(better, v0 + bidx, best_i)
         best = tl.where(better, bmax, best)
-    tl.store(out_ptr + row, best_i)
+    tl.store(val_ptr + row * NCH + c, best)
+    tl.store(idx_ptr + row * NCH + c, best_i)
+
+
+@lazy_jit
+def _first_max_kernel(val_ptr, idx_ptr, out_ptr, NCH, NCH_PAD: tl.constexpr):
+    """Per row: the first chunk holding the largest chunk maximum; a row with no
+    finite score takes token 0, as argmax over all -inf does."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, NCH_PAD)
+    m = c < NCH
+    vals = tl.load(val_ptr + row * NCH + c, mask=m, other=float("-inf"))
+    best = tl.max(vals, axis=0)
+    first = tl.argmax(vals, axis=0)  # the first chunk: lower ids win a tie
+    i = tl.load(idx_ptr + row * NCH + first)
+    tl.store(out_ptr + row, tl.where(best > float("-inf"), i, 0))
 
 
 def key_rows(seeds: Sequence[int], positions: Sequence[int], sample_indices: Sequence[int], role: int,
@@ -84,6 +111,12 @@ def gumbel_argmax_triton(z: torch.Tensor, seeds: Sequence[int], positions: Seque
     out = torch.empty(b, dtype=torch.int64, device=z.device)
     if b:
         keys = key_rows(seeds, positions, sample_indices, role, z.device)
-        _gumbel_argmax_kernel[(b,)](z, keys, out, v, z.stride(0), BLOCK=min(BLOCK, triton.next_power_of_2(v)),
-                                    num_warps=8, enable_fp_fusion=False)
+        block = min(BLOCK, triton.next_power_of_2(v))
+        chunk = block * CHUNK_BLOCKS
+        nch = triton.cdiv(v, chunk)
+        vals = torch.empty(b, nch, dtype=torch.float64, device=z.device)
+        idx = torch.empty(b, nch, dtype=torch.int64, device=z.device)
+        _gumbel_argmax_kernel[(b, nch)](z, keys, vals, idx, v, z.stride(0), nch, CHUNK=chunk, BLOCK=block,
+                                        num_warps=8, enable_fp_fusion=False)
+        _first_max_kernel[(b,)](vals, idx, out, nch, NCH_PAD=triton.next_power_of_2(nch), num_warps=1)
     return out

@@ -49,6 +49,27 @@ def test_a_row_alone_equals_the_row_in_a_batch():
         assert torch.equal(alone, batch[i:i + 1])
 
 
+@pytest.mark.parametrize("v", [3000, 4097])
+def test_many_chunks_equal_the_reference(monkeypatch, v):
+    """One block per chunk: 3 and 5 chunks a row, the last one partial."""
+    from detent.kernels import gumbel_triton
+    monkeypatch.setattr(gumbel_triton, "CHUNK_BLOCKS", 1)
+    z = _z(8, v, seed=5)
+    args = (SEEDS, POSITIONS, [0] * 8, 0)
+    assert torch.equal(gumbel_triton.gumbel_argmax_triton(z, *args), gumbel_argmax_torch(z, *args))
+
+
+def test_a_tie_across_chunks_goes_to_the_lower_id(monkeypatch):
+    from detent.kernels import gumbel_triton
+    monkeypatch.setattr(gumbel_triton, "CHUNK_BLOCKS", 1)
+    z = torch.full((2, 3000), float("-inf"))
+    z[0, [2500, 1500]] = 3e38  # chunks 2 and 1; z + g rounds to z in float64: a tie
+    z[1, [2999, 7]] = 3e38  # chunks 2 and 0
+    args = ([1, 2], [3, 4], [0, 0], 0)
+    assert gumbel_triton.gumbel_argmax_triton(z, *args).tolist() == [1500, 7]
+    assert torch.equal(gumbel_triton.gumbel_argmax_triton(z, *args), gumbel_argmax_torch(z, *args))
+
+
 def test_candidates_path_is_the_reference():
     z = _z(3, 50)
     ids = torch.tensor([[0, 4, 9, 49], [1, 2, 3, 5], [10, 11, 12, 13]])

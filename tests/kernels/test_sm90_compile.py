@@ -49,9 +49,11 @@ out = {
                          {"HAS_RES": False, "BLOCK": 128}, num_warps=4),
 }
 from detent.kernels import gumbel_triton as gt
-out["gumbel"] = compile_(gt._gumbel_argmax_kernel, {"z_ptr": "*fp32", "key_ptr": "*i64", "out_ptr": "*i64",
-                                                    "V": "i32", "sz": "i32"}, {"BLOCK": 1024}, num_warps=8,
-                         enable_fp_fusion=False)
+out["gumbel"] = compile_(gt._gumbel_argmax_kernel, {"z_ptr": "*fp32", "key_ptr": "*i64", "val_ptr": "*fp64",
+                                                    "idx_ptr": "*i64", "V": "i32", "sz": "i32", "NCH": "i32"},
+                         {"CHUNK": 4096, "BLOCK": 1024}, num_warps=8, enable_fp_fusion=False)
+out["gumbel_first_max"] = compile_(gt._first_max_kernel, {"val_ptr": "*fp64", "idx_ptr": "*i64", "out_ptr": "*i64",
+                                                          "NCH": "i32"}, {"NCH_PAD": 32}, num_warps=1)
 for dt in ("bf16", "fp32"):
     sig = {"y_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt, "H": "i32"}
     out["combine_" + dt] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=False)
@@ -73,7 +75,7 @@ def compiled():
 
 
 @pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm",
-                                  "gumbel"])
+                                  "gumbel", "gumbel_first_max"])
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name]["cubin_bytes"] > 0
 
