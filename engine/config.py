@@ -41,8 +41,9 @@ class EngineConfig:
     max_logprobs: int = 20
     enforce_eager: bool = False  # GPU: no CUDA graphs
     # GPU: steps with prefill tokens replay piecewise CUDA graphs (everything but
-    # attention) up to this many tokens; larger steps run eagerly; 0: never
-    piecewise_max_tokens: int = 2048
+    # attention) up to this many tokens (and max_num_batched_tokens); larger steps
+    # run eagerly; 0: never
+    piecewise_max_tokens: int = 8192
     # a step that carries decodes takes at most this many tokens (prompts wait for
     # later steps rather than stall every generating request); None: no cap
     max_mixed_batched_tokens: int | None = 2048

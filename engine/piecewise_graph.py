@@ -43,17 +43,30 @@ from detent.selection.dispatch import Dispatcher
 log = logging.getLogger(__name__)
 
 
+FINE_FROM, FINE_STEP, COARSE_FROM, COARSE_STEP = 512, 128, 2048, 512
+
+
 def default_token_buckets(max_tokens: int) -> list[int]:
-    """16, 24, 32, 48, 64, ... (powers of two and 1.5x between) up to max_tokens."""
-    out, b = [], 16
-    while b <= max_tokens:
-        out.append(b)
-        if b * 3 // 2 <= max_tokens and b >= 16:
-            out.append(b * 3 // 2)
+    """16, 24, 32, 48, ... (powers of two and 1.5x between) up to 512, then every 128
+    tokens up to 2,048 and every 512 above, and max_tokens itself.
+
+    A step replays the smallest bucket that holds it, so a bucket's padding is GEMM
+    work thrown away: under load a mixed step is one 1,024-token prompt plus the
+    decodes (1,054 tokens at 30 of them), which the powers-of-two ladder padded to
+    1,536. Steps without decodes take up to max_num_batched_tokens; above the
+    largest bucket they would run eagerly (a 4,096-token step took 226 ms on the
+    H200 eagerly, against ~120 ms of GEMM work), so the ladder reaches it."""
+    out, b = set(), 16
+    while b <= min(max_tokens, FINE_FROM):
+        out.add(b)
+        if b * 3 // 2 <= min(max_tokens, FINE_FROM):
+            out.add(b * 3 // 2)
         b *= 2
-    if out and out[-1] != max_tokens and max_tokens > out[-1]:
-        out.append(max_tokens)
-    return sorted(set(out))
+    out.update(range(FINE_FROM + FINE_STEP, min(max_tokens, COARSE_FROM) + 1, FINE_STEP))
+    out.update(range(COARSE_FROM + COARSE_STEP, max_tokens + 1, COARSE_STEP))
+    if max_tokens >= 16:
+        out.add(max_tokens)
+    return sorted(out)
 
 
 @dataclass

@@ -55,7 +55,8 @@ def _paged_attn_kernel(
         sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
         G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-        PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr):
+        PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr,
+        SHORT: tl.constexpr, SKIP_Q: tl.constexpr):
     qtile = tl.program_id(0)
     kvh = tl.program_id(1)
     if DECODE:  # one query per sequence: q tile b is sequence b (no search, no idle tiles)
@@ -63,6 +64,12 @@ def _paged_attn_kernel(
         q_start = qtile
         q_len = 1
         q_blk = 0
+    elif SHORT:  # program b serves sequence b if its queries fit one tile (the short launch)
+        b = qtile
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+        q_blk = 0
+        q_len = tl.where(q_len <= BLOCK_Q, q_len, 0)  # longer ones are the long launch's
     else:
         # the sequence owning this q tile: the last b with qsl[b] // BLOCK_Q + b <= qtile
         lo = 0
@@ -77,6 +84,8 @@ def _paged_attn_kernel(
         q_start = tl.load(qsl_ptr + b)
         q_len = tl.load(qsl_ptr + b + 1) - q_start
         q_blk = qtile - (q_start // BLOCK_Q + b)
+        if SKIP_Q > 0:  # sequences of at most SKIP_Q queries are the short launch's
+            q_len = tl.where(q_len <= SKIP_Q, 0, q_len)
     if q_blk * BLOCK_Q < q_len:
         ctx = tl.load(seqlen_ptr + b) - q_len  # absolute position of the first query
         rows = tl.arange(0, BLOCK_M)
@@ -169,7 +178,7 @@ def _paged_attn_kernel(
 @lazy_jit(do_not_specialize=["num_seqs"])
 def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_seqs,
                     so_t, so_h, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
-                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr):
+                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr, SKIP_Q: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     if DECODE:  # token t is sequence t's only query
@@ -189,13 +198,16 @@ def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_se
         q_start = tl.load(qsl_ptr + b)
         q_len = tl.load(qsl_ptr + b + 1) - q_start
     pos = tl.load(seqlen_ptr + b) - q_len + (t - q_start)
+    n_split = pos // SPLIT + 1
+    if SKIP_Q > 0:  # the short launch wrote this token's row: leave it
+        n_split = tl.where(q_len <= SKIP_Q, 0, n_split)
     d = tl.arange(0, D)
     t64 = t.to(tl.int64)
     M = tl.full((1,), float("-inf"), tl.float32)
     L = tl.zeros((1,), tl.float32)
     ACC = tl.zeros((1, D), tl.float32)
     one = tl.arange(0, 1)
-    for s in range(0, pos // SPLIT + 1):
+    for s in range(0, n_split):
         ps = tl.cast(s, tl.int64)
         m = tl.load(pm_ptr + ps * sp_s + t64 * sp_t + h * sp_h + one)
         l = tl.load(pl_ptr + ps * sp_s + t64 * sp_t + h * sp_h + one)
@@ -207,8 +219,9 @@ def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_se
         L = tl.fma(L, a, l * bw)
         ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
         M = M_new
-    out = ACC / L[:, None]
-    tl.store(o_ptr + t64 * so_t + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty))
+    if n_split > 0:
+        out = ACC / L[:, None]
+        tl.store(o_ptr + t64 * so_t + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty))
 
 
 def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
@@ -247,13 +260,19 @@ def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
 
 
 @register("attention", "triton_paged",
-          params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine", "rowsum"),
+          params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine", "rowsum",
+                  "short_launch"),
           devices=("cuda",))
 def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, combine: str = "auto", rowsum: str = "mma") -> torch.Tensor:
+                           num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
+                           short_launch: bool = True) -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
+    short_launch: in a step whose tile is taller than 16 rows (a long chunk's
+    step), the sequences with few queries (decodes) run in a second launch on
+    16-row tiles (rowsum="mma" only, where the tile is numerics-neutral); False
+    keeps every sequence in the one launch (benchmarks compare the two; same bits).
     rowsum: "mma" (p @ ones: bits independent of block_m / num_warps) or
     "sum" (tl.sum: bits tied to the tile shape, 19% faster decode at a
     16-row tile on the H200); the two give different bits, so rowsum is part
@@ -272,6 +291,16 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     block_q = block_m // g
     # decode-only step: the launch maps program b to sequence b (same arithmetic per row)
     decode = meta.max_seqlen_q == 1 and t == meta.num_seqs
+    # a mixed step's tile follows its longest query (128 rows for a long chunk); a decode row
+    # in such a tile uses G of its rows. With the row sum through the MMA the tile is
+    # numerics-neutral, so sequences whose queries fit a short tile get a launch of their own
+    short_m = max(16, triton.next_power_of_2(g))
+    split = short_launch and not decode and rowsum == "mma" and block_m > short_m
+    n_short = 0
+    if split:
+        short_q = short_m // g
+        qsl = meta.query_start_loc_cpu
+        n_short = sum(1 for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] <= short_q) if qsl else meta.num_seqs
     n_qtiles = t if decode else t // block_q + meta.num_seqs
     max_splits = triton.cdiv(max(meta.max_seqlen_k, 1), split_tokens)
     if combine == "auto":
@@ -282,6 +311,13 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         raise ValueError(f"{name}: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
     kc, vc = kv_cache[0], kv_cache[1]
     ieee = q.dtype == torch.float32
+    common = (q, kc, vc, out)
+    tail = (meta.query_start_loc, meta.seq_lens, meta.block_tables, float(scale), meta.num_seqs,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
+            meta.block_tables.stride(0))
+    flags = dict(G=g, D=d, BLOCK_N=block_n, SPLIT=split_tokens, PAGE=meta.block_size, IEEE=ieee,
+                 ROWSUM_MMA=rowsum == "mma")
+    skip_q = short_m // g if split else 0
     if parallel:
         pm = empty((max_splits, t, h), torch.float32, q.device)
         pl = empty_like(pm)
@@ -291,17 +327,18 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         pm = pl = pacc = out  # unused
         ps = pas = (0, 0, 0)
     _paged_attn_kernel[(n_qtiles, kvh, max_splits if parallel else 1)](
-        q, kc, vc, out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        float(scale), meta.num_seqs,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
-        meta.block_tables.stride(0), *ps, *pas,
-        G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, SPLIT=split_tokens,
-        PAGE=meta.block_size, PARALLEL=parallel, IEEE=ieee, ROWSUM_MMA=rowsum == "mma", DECODE=decode,
-        num_warps=num_warps, num_stages=num_stages)
+        *common, pm, pl, pacc, *tail, *ps, *pas, BLOCK_M=block_m, BLOCK_Q=block_q, PARALLEL=parallel,
+        DECODE=decode, SHORT=False, SKIP_Q=skip_q, **flags, num_warps=num_warps, num_stages=num_stages)
     if parallel:
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs,
                                 out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens, DECODE=decode,
-                                num_warps=1 if d <= 64 else 2)
+                                SKIP_Q=skip_q, num_warps=1 if d <= 64 else 2)
+    if split and n_short:
+        # one program per (sequence, KV head), splits walked in order: one fixed launch, so one
+        # compile (tests/gpu: the 16-row tile gives the 128-row tile's bits)
+        _paged_attn_kernel[(meta.num_seqs, kvh, 1)](
+            *common, out, out, out, *tail, 0, 0, 0, 0, 0, 0, BLOCK_M=short_m, BLOCK_Q=short_m // g,
+            PARALLEL=False, DECODE=False, SHORT=True, SKIP_Q=0, **flags, num_warps=4, num_stages=2)
     return out
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -87,13 +88,22 @@ def _first_max_kernel(val_ptr, idx_ptr, out_ptr, NCH, NCH_PAD: tl.constexpr):
 
 def key_rows(seeds: Sequence[int], positions: Sequence[int], sample_indices: Sequence[int], role: int,
              device) -> torch.Tensor:
-    """[B, 4] int64: seed (its 64 bits, two's complement), position, sample index, role."""
-    check_positions(positions)
-    rows = []
-    for s, p, n in zip(seeds, positions, sample_indices):
-        s = int(s) % 2**64
-        rows.append((s - 2**64 if s >= 2**63 else s, int(p), int(n) & 0xFFFFFFFF, role & 0xFFFFFFFF))
-    return to_device(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4), device)
+    """[B, 4] int64: seed (its 64 bits, two's complement), position, sample index, role.
+    Built column by column in numpy: a tensor from B Python tuples cost ~180 us
+    at batch 128, on the host of every step that samples."""
+    try:
+        pos = np.asarray(positions, dtype=np.int64)
+        ok = not pos.size or (0 <= int(pos.min()) and int(pos.max()) < 2**32)
+    except OverflowError:
+        ok = False
+    if not ok:
+        check_positions(positions)  # raises, naming the offending position
+    rows = np.empty((len(pos), 4), dtype=np.int64)
+    rows[:, 0] = np.array([int(s) % 2**64 for s in seeds], dtype=np.uint64).view(np.int64)
+    rows[:, 1] = pos
+    rows[:, 2] = np.asarray(sample_indices, dtype=np.int64) & 0xFFFFFFFF
+    rows[:, 3] = role & 0xFFFFFFFF
+    return to_device(torch.from_numpy(rows), device)
 
 
 @register("gumbel", "triton_rowwise", devices=("cuda",))

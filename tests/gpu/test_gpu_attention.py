@@ -76,3 +76,17 @@ def test_block_m_and_warps_give_identical_bits():
     assert all(torch.equal(o, dec[0]) for o in dec[1:])
     assert torch.equal(dec[0][0], outs[0][899]) and torch.equal(dec[0][1], outs[0][900])
 
+
+
+def test_short_launch_of_a_mixed_step_keeps_every_row():
+    # a 900-token chunk makes the tile 128 rows; the decodes and the 3-token chunk run in the
+    # 16-row short launch. Same bits as one launch for all, and as each decode alone
+    case = PagedCase([900, 1100, 333, 40], h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=13)
+    chunks = [(0, 900), (1099, 1100), (330, 333), (39, 40)]
+    for combine in ("sequential", "parallel"):
+        kw = dict(block_m=128, num_warps=8, rowsum="mma", combine=combine)
+        y, _ = _run(case, chunks, **kw)
+        one, _ = _run(case, chunks, short_launch=False, **kw)
+        assert not y.isnan().any() and torch.equal(y, one), combine
+        dec, _ = _run(case, [(899, 900), (1099, 1100), (332, 333), (39, 40)], block_m=16, rowsum="mma")
+        assert torch.equal(y[900], dec[1]) and torch.equal(y[903], dec[2]) and torch.equal(y[904], dec[3])

@@ -6,7 +6,7 @@ not see the padding or the split (`torch.equal`)."""
 import pytest
 import torch
 
-from detent.engine.piecewise_graph import PiecewiseGraphRunner, default_token_buckets
+from detent.engine.piecewise_graph import PiecewiseGraphRunner
 from detent.models.config import ModelConfig
 from detent.models.loader import load_model
 from detent.selection import make_dispatcher
@@ -16,11 +16,6 @@ from detent.selection.facts import default_facts_for
 from test_gpu_cuda_graph import BS, CFG, _meta
 
 pytestmark = pytest.mark.gpu
-
-
-def test_token_buckets():
-    assert default_token_buckets(128) == [16, 24, 32, 48, 64, 96, 128]
-    assert default_token_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

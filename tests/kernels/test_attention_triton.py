@@ -9,6 +9,7 @@ invariance cells here keep a token's row offset fixed: one token per tile
 import pytest
 import torch
 
+from detent.kernels import attention_triton
 from detent.kernels.attention_triton import attention_reference, attention_triton_paged
 from paged_cases import PagedCase
 
@@ -21,6 +22,19 @@ def _run(case, chunks_upto, order=None, **kw):
     case.prefill_prefix(cache, [s for s, _ in chunks_upto])
     q, k, v, meta = case.step(cache, chunks_upto, order)
     return attention_triton_paged(q, k, v, cache, meta, SCALE, **kw), (q, k, v, meta)
+
+
+class _LaunchSpy:
+    """Records each launch's tile height and mapping flags."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append((kw["BLOCK_M"], kw["SHORT"], kw["SKIP_Q"]))
+            return self.kernel[grid](*args, **kw)
+        return launch
 
 
 def _rel(a, b):
@@ -96,3 +110,27 @@ def test_errors():
         attention_triton_paged(q, k, v, cache[:, :, :, :1], meta, SCALE)
     with pytest.raises(ValueError, match="combine"):
         attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=16, block_n=16, combine="x")
+
+
+@pytest.mark.parametrize("combine", ["sequential", "parallel"])
+def test_short_queries_of_a_mixed_step_get_their_own_launch(combine, monkeypatch):
+    # a long chunk makes the step's tile 64 rows; the decode and the 3-token chunk fit a
+    # 16-row tile (G = 2: 8 queries) and run in the short launch. Each row must equal the
+    # same row computed with its own tile height alone: the long rows a 64-row launch of
+    # the long sequence, the short rows a 16-row launch of the same step
+    case = PagedCase([45, 30, 12], h=4, kvh=2, d=16, block_size=8, seed=6)
+    chunks = [(0, 45), (29, 30), (9, 12)]
+    kw = dict(split_tokens=16, block_n=16, combine=combine)
+    spy = _LaunchSpy(attention_triton._paged_attn_kernel)
+    monkeypatch.setattr(attention_triton, "_paged_attn_kernel", spy)
+    y, (q, k, v, meta) = _run(case, chunks, block_m=64, **kw)
+    # (BLOCK_M, SHORT, SKIP_Q): the long launch skips sequences of <= 8 queries, the short takes them
+    assert spy.launches == [(64, False, 8), (16, True, 0)]
+    assert not y.isnan().any()  # every row written exactly by one of the two launches
+    ref_cache = case.fresh_cache()
+    case.prefill_prefix(ref_cache, [s for s, _ in chunks])
+    assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
+    alone, _ = _run(case, [(0, 45), (29, 29), (12, 12)], order=[0], block_m=64, **kw)
+    assert torch.equal(y[:45], alone)
+    short16, _ = _run(case, chunks, block_m=16, **kw)
+    assert torch.equal(y[45:], short16[45:])

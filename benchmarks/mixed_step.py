@@ -1,0 +1,165 @@
+"""Steps that carry prefill tokens, on the GPU: where their device time goes (issue 16).
+
+Under load most of the device's time is spent in steps that mix a prompt's
+chunk with the running requests' decodes (docs/performance.md, "Serving
+under load"). For synthetic steps of that kind (prompts of 1,024 tokens, N
+decodes at 1,100-token contexts, Llama-3.1-8B shapes, pinned) this measures:
+
+- one layer's attention, with the decodes inside the long chunk's 128-row
+  tiles (`short_launch=0`) and in their own 16-row launch (the default);
+- the whole step through the piecewise CUDA graphs (CUDA events around the
+  replay, median of 10): at the bucket it replays now, at the bucket the
+  powers-of-two ladder gave it before (the padding's cost), and with
+  `short_launch=0`; and, for steps above 2,048 tokens, eagerly;
+- that the step's hidden states are equal (`torch.equal`) with and without
+  the short launch and at either bucket (rows never see padding or tiles).
+
+    python3 benchmarks/mixed_step.py --out $OUT/mixed_step.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_engine import build, set_mode  # noqa: E402
+
+from detent.engine.piecewise_graph import enable_piecewise_graphs  # noqa: E402
+from detent.engine.warmup import StepShape, _metadata  # noqa: E402
+from detent.selection.context import ForwardContext, forward_context  # noqa: E402
+from detent.selection.dispatch import Dispatcher  # noqa: E402
+from detent.selection.provider import FamilyOverride  # noqa: E402
+
+CTX = 1100  # the decodes' context
+
+
+def old_bucket(t: int) -> int:
+    """The powers-of-two-and-1.5x ladder the pieces were captured at before."""
+    b = 16
+    while True:
+        for x in (b, b * 3 // 2):
+            if x >= t:
+                return x
+        b *= 2
+
+
+def shapes(max_tokens: int) -> list[tuple[str, StepShape]]:
+    out = []
+    for n in (0, 1, 16, 32, 64, 128):
+        out.append((f"1024+{n}d", StepShape((1024,) + (1,) * n, (1024,) + (CTX,) * n)))
+    out.append(("1024+960+64d", StepShape((1024, 960) + (1,) * 64, (1024, 960) + (CTX,) * 64)))
+    if max_tokens >= 4096:
+        out.append(("4x1024", StepShape((1024,) * 4, (1024,) * 4)))
+    return out
+
+
+def timed(fn, reps: int = 10) -> tuple[float, float]:
+    """(median device ms between CUDA events, median host ms to launch)."""
+    dev, host = [], []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a.record()
+        fn()
+        b.record()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        dev.append(a.elapsed_time(b))
+    return statistics.median(dev[2:]), statistics.median(host[2:])
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="largest piecewise bucket")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import triton
+
+    llm, mc, info = build(a.model, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=a.max_tokens)
+    set_mode(llm, "pinned", graphs=False)
+    eng = llm.llm_engine
+    runner = eng.runner
+    eager = runner._forward
+    t0 = time.time()
+    g = enable_piecewise_graphs(runner, max_tokens=a.max_tokens)
+    capture_s = time.time() - t0
+    assert g.disabled is None, g.disabled
+    pinned = runner.dispatcher
+    no_short = Dispatcher(FamilyOverride(pinned.provider, "attention", extra={"short_launch": False}))
+    f = eng.facts
+    site = (("num_heads", f["num_heads"]), ("num_kv_heads", f["num_kv_heads"]), ("head_dim", f["head_dim"]),
+            ("block_size", f["page_size"]), ("dtype", f["dtype"]))
+    nb = runner.kv_caches[0].shape[1]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, shape in shapes(a.max_tokens):
+        meta, pos = _metadata(shape, runner.block_size, nb, runner.device)
+        t = shape.num_tokens
+        ids = torch.randint(10, mc.vocab_size, (t,), device="cuda", generator=gen)
+        row = {"step": name, "tokens": t, "decodes": sum(1 for q in shape.query_lens if q == 1)}
+
+        # one layer's attention, both launches
+        ctx = ForwardContext(attn=meta, kv_caches=runner.kv_caches, dispatcher=pinned)
+        with forward_context(ctx):
+            fn, kw = pinned.resolve("attention", site, ctx.runtime(t))
+        h, kvh, d = f["num_heads"], f["num_kv_heads"], f["head_dim"]
+        q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(t, kvh, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(t, kvh, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cache = runner.kv_caches[0]
+        for flag in (True, False):
+            us = triton.testing.do_bench(lambda: fn(q, k, v, cache, meta, d ** -0.5, **kw, short_launch=flag),
+                                         warmup=5, rep=40, return_mode="median") * 1e3
+            row[f"attention_us_short_launch_{int(flag)}"] = round(us, 1)
+        row["attention_selection"] = {k_: v_ for k_, v_ in kw.items()}
+        a1 = fn(q, k, v, cache, meta, d ** -0.5, **kw, short_launch=True)
+        a0 = fn(q, k, v, cache, meta, d ** -0.5, **kw, short_launch=False)
+        row["attention_equal"] = bool(torch.equal(a1, a0))
+
+        # the whole step
+        def step(disp, bucket=None, eager_run=False):
+            c = ForwardContext(attn=meta, kv_caches=runner.kv_caches, dispatcher=disp)
+            with forward_context(c):
+                if eager_run:
+                    return eager(ids, pos, c)
+                if bucket is None:
+                    return g.run(ids, pos, c)
+                keep = g.bucket_for
+                g.bucket_for = lambda _t: bucket
+                try:
+                    return g.run(ids, pos, c)
+                finally:
+                    g.bucket_for = keep
+        new_b, old_b = g.bucket_for(t), old_bucket(t)
+        row["bucket_now"], row["bucket_before"] = new_b, old_b
+        ref = step(pinned).clone()
+        row["step_ms"], row["step_host_ms"] = timed(lambda: step(pinned))
+        row["step_ms_short_launch_0"], _ = timed(lambda: step(no_short))
+        same = [torch.equal(ref, step(no_short))]
+        if old_b in g.buckets and old_b != new_b:
+            row["step_ms_bucket_before"], _ = timed(lambda: step(pinned, old_b))
+            same.append(torch.equal(ref, step(pinned, old_b)))
+        if t > 2048:
+            row["step_ms_eager"], row["step_host_ms_eager"] = timed(lambda: step(pinned, eager_run=True), reps=4)
+            same.append(torch.equal(ref, step(pinned, eager_run=True)))
+        row["hidden_equal"] = all(same)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    out = {"model": a.model, "info": info, "piecewise_capture_s": capture_s, "buckets": g.buckets,
+           "device": torch.cuda.get_device_name(), "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
