@@ -47,7 +47,9 @@ from detent.kernels.rowwise_triton import store_kv_triton
 from detent.kernels.registry import register
 
 
-@lazy_jit(do_not_specialize=["num_seqs"])
+# not specialized: the block table's row stride follows the step's longest sequence, and a
+# compile per divisibility class would meet its second class while serving (engine/warmup.py)
+@lazy_jit(do_not_specialize=["num_seqs", "sbt"])
 def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr, pacc_ptr,
         qsl_ptr, seqlen_ptr, bt_ptr, scale, num_seqs,
@@ -175,10 +177,12 @@ def _paged_attn_kernel(
                      out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@lazy_jit(do_not_specialize=["num_seqs"])
-def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_seqs,
+# skip_q (0, or the short launch's query count) is a value, not a constant: one compile
+# serves steps with and without a short launch
+@lazy_jit(do_not_specialize=["num_seqs", "skip_q"])
+def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_seqs, skip_q,
                     so_t, so_h, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
-                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr, SKIP_Q: tl.constexpr):
+                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     if DECODE:  # token t is sequence t's only query
@@ -199,8 +203,7 @@ def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_se
         q_len = tl.load(qsl_ptr + b + 1) - q_start
     pos = tl.load(seqlen_ptr + b) - q_len + (t - q_start)
     n_split = pos // SPLIT + 1
-    if SKIP_Q > 0:  # the short launch wrote this token's row: leave it
-        n_split = tl.where(q_len <= SKIP_Q, 0, n_split)
+    n_split = tl.where(q_len <= skip_q, 0, n_split)  # the short launch writes this row
     d = tl.arange(0, D)
     t64 = t.to(tl.int64)
     M = tl.full((1,), float("-inf"), tl.float32)
@@ -330,9 +333,9 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         *common, pm, pl, pacc, *tail, *ps, *pas, BLOCK_M=block_m, BLOCK_Q=block_q, PARALLEL=parallel,
         DECODE=decode, SHORT=False, SKIP_Q=skip_q, **flags, num_warps=num_warps, num_stages=num_stages)
     if parallel:
-        _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs,
+        _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, skip_q,
                                 out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens, DECODE=decode,
-                                SKIP_Q=skip_q, num_warps=1 if d <= 64 else 2)
+                                num_warps=1 if d <= 64 else 2)
     if split and n_short:
         # one program per (sequence, KV head), splits walked in order: one fixed launch, so one
         # compile (tests/gpu: the 16-row tile gives the 128-row tile's bits)

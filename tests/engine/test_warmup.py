@@ -144,6 +144,10 @@ def test_gpu_deployment_every_reachable_selection_is_warmed(preset_name):
                 assert any(selection_key(sel(**s.runtime())) == key and
                            (cls is None or (s.num_tokens % 16 == 0) == cls) for s in plan.shapes), \
                     (fam, dict(site), dict(key), cls)
+    # a step with a chunk longer than a 16-row tile runs its decodes in a launch of their
+    # own (kernels/attention_triton.py, one configuration): some planned step must have both
+    g = c["num_attention_heads"] // c["num_key_value_heads"]
+    assert any(1 in s.query_lens and max(s.query_lens) * g > 16 for s in plan.shapes)
 
 
 def test_warm_start_changes_no_bits():
