@@ -162,7 +162,7 @@ def run(a) -> None:
         alone = _post(url + "/v1/completions", PROBE)["choices"][0]
         for name, (args, n, ds) in (("warmup", (["--max-concurrency", "64"], 192, "random")),):
             bench(a.port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path)
-        for i, name in enumerate(a.loads.split(",")):
+        for name in a.loads.split(","):
             args, n, ds = LOADS[name]
             if args is None:  # r80: 80% of vLLM's maximum request throughput (C = 128)
                 ref = os.path.join(a.out, "vllm-c128.json")
@@ -179,7 +179,8 @@ def run(a) -> None:
             if name == "r20":
                 th = threading.Thread(target=probe_under_load, args=(url, stop, probes), daemon=True)
                 th.start()
-            r = bench(a.port, a.model_dir, args, n, ds, i + 1, a.out, f"{a.server}-{name}{a.tag}", sharegpt,
+            # the seed follows the load's name, so a run of a subset of the loads sends the same prompts
+            r = bench(a.port, a.model_dir, args, n, ds, list(LOADS).index(name) + 1, a.out, f"{a.server}-{name}{a.tag}", sharegpt,
                       a.vllm_path)
             stop.set()
             if th is not None:

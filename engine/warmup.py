@@ -6,7 +6,7 @@ sizes, warps, stages) or a new specialization of its integer arguments (a
 value of 1, or divisible by 16). On a fresh H200 the first batch-64 pass
 took 14.85 ms per token against 7.93 warm (Llama-3.1-8B) while kernels
 compiled. CUDA-graph capture warms only the shapes it captures: decode
-batches, and the non-attention pieces of steps up to 2,048 tokens. Eager
+batches, and the non-attention pieces of steps with prefill tokens. Eager
 attention in prefill and mixed steps, and steps beyond the pieces, met
 their configurations at the first request that reached them.
 
