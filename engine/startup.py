@@ -160,3 +160,6 @@ def warm_start(runner, config: EngineConfig, facts: dict, max_len: int, *, world
         if world > 1:
             raise  # the ranks must not disagree on what ran
         log.warning("warm start failed (%s: %s); kernels compile at first use", type(e).__name__, e)
+        return
+    from detent.engine.compile_watch import watch_compiles
+    runner.compile_watch = watch_compiles()  # from here on, a compile is named in the log

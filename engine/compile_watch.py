@@ -1,0 +1,54 @@
+"""Kernels compiled after the warm start, named in the log.
+
+The warm start (engine/warmup.py) runs every kernel configuration SelIR finds
+reachable, so that no request waits for a compile. A kernel that still
+compiles while serving is a configuration or an integer specialization the
+warm start missed. It stalls its step for the compile, up to a second on the
+H200 (a TTFT tail nobody can explain from the outside). Triton calls
+`knobs.runtime.jit_post_compile_hook` after each new specialization it builds
+(or loads from its disk cache) in this process. After the warm start the
+engine installs one that logs the kernel with its specialization and counts
+them.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("detent.engine.compile_watch")
+
+
+class CompileWatch:
+    """A `jit_post_compile_hook`: log and count; the hook it replaced still runs."""
+
+    def __init__(self, previous: Any = None):
+        self.previous = previous
+        self.count = 0
+        self.kernels: list[str] = []
+
+    def __call__(self, *, key=None, repr=None, fn=None, compile=None, is_manual_warmup=False,  # noqa: A002
+                 already_compiled=False):
+        self.count += 1
+        self.kernels.append(str(repr))
+        log.warning("kernel compiled while serving (the warm start did not reach it): %s", repr)
+        if self.previous is not None:
+            return self.previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                                 already_compiled=already_compiled)
+        return None
+
+
+def watch_compiles() -> CompileWatch | None:
+    """Install the watch (process-wide, as Triton's knob is); None where this Triton has no such hook."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return None
+    current = runtime.jit_post_compile_hook
+    if isinstance(current, CompileWatch):  # a second engine in this process shares the first's
+        return current
+    watch = CompileWatch(previous=current)
+    runtime.jit_post_compile_hook = watch
+    return watch
