@@ -47,6 +47,9 @@ class EngineConfig:
     # a step that carries decodes takes at most this many tokens (prompts wait for
     # later steps rather than stall every generating request); None: no cap
     max_mixed_batched_tokens: int | None = 2048
+    # a step that carries decodes and passes this many tokens ends on a multiple of it
+    # (scheduler.SchedulerLimits.mixed_token_align; None: off, not yet measured under load)
+    mixed_token_align: int | None = None
     # plan and launch step N+1 while step N runs on the device (None: on for CUDA)
     async_scheduling: bool | None = None
     # after startup, move every object alive to Python's permanent GC generation
@@ -67,7 +70,8 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks", "max_mixed_batched_tokens"):
+                     "max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks", "max_mixed_batched_tokens",
+                     "mixed_token_align"):
             positive(name)
         if not isinstance(self.piecewise_max_tokens, int) or self.piecewise_max_tokens < 0:
             raise ValueError(f"piecewise_max_tokens must be an int >= 0, got {self.piecewise_max_tokens!r}")

@@ -71,7 +71,8 @@ class LLMEngine:
         self.model_config, self.tokenizer = model_config, tokenizer
         self.outputs = OutputProcessor(tokenizer)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.state.max_model_len, config.max_mixed_batched_tokens),
+                                                   self.state.max_model_len, config.max_mixed_batched_tokens,
+                                                   config.mixed_token_align),
                                    self.state.num_blocks, config.block_size, config.enable_prefix_caching,
                                    stop_strings=self.outputs.update_text)
         self.block_manager = self.scheduler.bm  # read-only view for stats()

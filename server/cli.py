@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a step that carries decodes takes at most this many tokens, so prompts never stall "
                         "generating requests behind one long step (default 2048; 0: the whole "
                         "--max-num-batched-tokens)")
+    p.add_argument("--mixed-token-align", type=int, default=None,
+                   help="a step that carries decodes and passes this many tokens ends on a multiple of it, "
+                        "its last prompt chunk leaving the rest to the next step (GEMM shapes; no bits "
+                        "change; default off)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process, so HTTP work never holds the GIL the step "
                         "loop needs (default: on)")
@@ -73,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for d in a.allowed_weight_dir:
         if not os.path.isdir(d):
             p.error(f"--allowed-weight-dir {d!r} is not a directory")
+    if a.mixed_token_align is not None and a.mixed_token_align < 1:
+        p.error(f"--mixed-token-align must be >= 1, got {a.mixed_token_align}")
     if a.max_mixed_batched_tokens is not None and a.max_mixed_batched_tokens < 0:
         p.error(f"--max-mixed-batched-tokens must be >= 0, got {a.max_mixed_batched_tokens}")
     for name in ("tp", "max_queue_len", "port"):
@@ -124,7 +130,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl,
               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
               warmup=a.warm_start)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens", "mixed_token_align"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     if a.max_mixed_batched_tokens == 0:

@@ -70,6 +70,13 @@ def cell_preempt(b, sel, t):
     return r
 
 
+def cell_mixed_align(b, sel, t):
+    # steps that carry decodes end on multiples of 8 tokens (mixed_token_align): prompt
+    # chunks, the target's among them, are cut where the multiple falls
+    llm = make_llm(b, sel, max_num_batched_tokens=48, max_mixed_batched_tokens=40, mixed_token_align=8)
+    return generate_target(llm, t, _others("mixed", 5, b.config.vocab_size, seed=11), row=1)
+
+
 CELLS = {
     "rerun": cell_rerun,
     "cobatch_1_short": _cobatch("short", 1),
@@ -87,6 +94,7 @@ CELLS = {
     "budget_13": _budget(13),
     "budget_33": _budget(33),
     "preempt": cell_preempt,
+    "mixed_align_8": cell_mixed_align,
 }
 SMOLLM2_CELLS = ("cobatch_7_mixed", "prefix_shared_mid_block", "budget_13", "preempt")
 STOCK_CELLS = ("cobatch_7_mixed", "prefix_shared_mid_block", "budget_13")

@@ -231,6 +231,26 @@ def test_mixed_budget_caps_steps_that_carry_decodes():
         SchedulerLimits(8, 16, 64, max_mixed_batched_tokens=0)
 
 
+def test_mixed_token_align_ends_steps_with_decodes_on_a_multiple():
+    """mixed_token_align: a step that carries decodes and passes the multiple gives its
+    last prompt chunk's overshoot to the next step, and a cut chunk ends the step; steps
+    without decodes, and steps under the multiple, are not cut."""
+    s = Scheduler(SchedulerLimits(8, 32, 128, mixed_token_align=8), 64, BS, True)
+    s.add(req("a", 5))
+    assert [(q.request_id, q.num_tokens) for q in run_step(s).seqs] == [("a", 5)]  # no decodes
+    s.add(req("b", 20, first=40))
+    s.add(req("c", 3, first=70))
+    p = run_step(s)  # 1 decode + 20 = 21 tokens: b takes 15, the step ends at 16; c waits
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 15)]
+    assert p.num_batched_tokens == 16
+    p = run_step(s)  # 1 + 5 + 3 = 9: c's chunk is cut to 2
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 5), ("c", 2)]
+    p = run_step(s)  # 1 + 1 + 1 = 3 tokens: under the multiple
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 1), ("c", 1)]
+    with pytest.raises(ValueError, match="mixed_token_align"):
+        SchedulerLimits(8, 16, 64, mixed_token_align=0)
+
+
 def test_retract_requeues_a_failed_step_and_uncaches_its_blocks():
     """A step that raised: its requests recompute from the start (in plan order, ahead of the
     queue), and blocks it was to fill are not found by a later lookup (their KV may be unwritten)."""
