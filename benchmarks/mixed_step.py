@@ -12,7 +12,11 @@ decodes at 1,100-token contexts, Llama-3.1-8B shapes, pinned) this measures:
   powers-of-two ladder gave it before (the padding's cost), and with
   `short_launch=0`; and, for steps above 2,048 tokens, eagerly;
 - that the step's hidden states are equal (`torch.equal`) with and without
-  the short launch and at either bucket (rows never see padding or tiles).
+  the short launch and at either bucket (rows never see padding or tiles);
+- `--mixed-token-align 1024` offline: a prompt with N decodes as one
+  1,024 + N-token step followed by a decode-only step (CUDA graph), against
+  the aligned pair the scheduler makes instead, a (1,024 - N) + N step and
+  then N prompt tokens beside the N decodes.
 
     python3 benchmarks/mixed_step.py --out $OUT/mixed_step.json
 """
@@ -85,10 +89,10 @@ def main() -> None:
     import triton
 
     llm, mc, info = build(a.model, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=a.max_tokens)
-    set_mode(llm, "pinned", graphs=False)
+    set_mode(llm, "pinned", graphs=True)  # decode graphs, then the pieces behind them
     eng = llm.llm_engine
     runner = eng.runner
-    eager = runner._forward
+    eager = runner._eager_forward
     t0 = time.time()
     g = enable_piecewise_graphs(runner, max_tokens=a.max_tokens)
     capture_s = time.time() - t0
@@ -154,7 +158,27 @@ def main() -> None:
         row["hidden_equal"] = all(same)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    out = {"model": a.model, "info": info, "piecewise_capture_s": capture_s, "buckets": g.buckets,
+    aligned = []
+    for n in (16, 32, 64, 128):
+        pair = {}
+        for name, shape in (("untrimmed", StepShape((1024,) + (1,) * n, (1024,) + (CTX,) * n)),
+                            ("untrimmed_next", StepShape((1,) * n, (CTX + 1,) * n)),
+                            ("aligned", StepShape((1024 - n,) + (1,) * n, (1024 - n,) + (CTX,) * n)),
+                            ("aligned_next", StepShape((n,) + (1,) * n, (1024,) + (CTX + 1,) * n))):
+            meta, pos = _metadata(shape, runner.block_size, nb, runner.device)
+            ids = torch.randint(10, mc.vocab_size, (shape.num_tokens,), device="cuda", generator=gen)
+
+            def fwd():
+                c = ForwardContext(attn=meta, kv_caches=runner.kv_caches, dispatcher=pinned)
+                with forward_context(c):
+                    return runner._forward(ids, pos, c)
+            pair[name + "_ms"], pair[name + "_host_ms"] = timed(fwd)
+        pair["decodes"] = n
+        pair["untrimmed_total_ms"] = pair["untrimmed_ms"] + pair["untrimmed_next_ms"]
+        pair["aligned_total_ms"] = pair["aligned_ms"] + pair["aligned_next_ms"]
+        print(json.dumps(pair), flush=True)
+        aligned.append(pair)
+    out = {"model": a.model, "mixed_token_align_1024": aligned, "info": info, "piecewise_capture_s": capture_s, "buckets": g.buckets,
            "device": torch.cuda.get_device_name(), "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
