@@ -299,11 +299,10 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     # numerics-neutral, so sequences whose queries fit a short tile get a launch of their own
     short_m = max(16, triton.next_power_of_2(g))
     split = short_launch and not decode and rowsum == "mma" and block_m > short_m
-    n_short = 0
-    if split:
-        short_q = short_m // g
-        qsl = meta.query_start_loc_cpu
-        n_short = sum(1 for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] <= short_q) if qsl else meta.num_seqs
+    has_short = False
+    if split:  # without host copies of the query lengths, launch it: its programs skip long sequences
+        lens = meta.query_lens_cpu
+        has_short = min(lens) <= short_m // g if lens else True
     n_qtiles = t if decode else t // block_q + meta.num_seqs
     max_splits = triton.cdiv(max(meta.max_seqlen_k, 1), split_tokens)
     if combine == "auto":
@@ -336,7 +335,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, skip_q,
                                 out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens, DECODE=decode,
                                 num_warps=1 if d <= 64 else 2)
-    if split and n_short:
+    if split and has_short:
         # one program per (sequence, KV head), splits walked in order: one fixed launch, so one
         # compile (tests/gpu: the 16-row tile gives the 128-row tile's bits)
         _paged_attn_kernel[(meta.num_seqs, kvh, 1)](

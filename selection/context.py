@@ -45,6 +45,11 @@ class AttentionMetadata:
     def total_kv(self) -> int:
         return sum(self.seq_lens_cpu)
 
+    @functools.cached_property  # read by every attention layer of the step: once
+    def query_lens_cpu(self) -> tuple[int, ...]:
+        q = self.query_start_loc_cpu
+        return tuple(b - a for a, b in zip(q, q[1:]))
+
 
 @dataclass
 class ForwardContext:
