@@ -79,6 +79,12 @@ def _get(url: str, timeout: float = 5.0) -> int:
         return 0
 
 
+def seed_for(load: str) -> int:
+    """The load's prompt seed, from its name: a run of some of the loads (`--loads`) sends
+    the same prompts as a run of all of them."""
+    return list(LOADS).index(load) + 1
+
+
 def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -179,8 +185,7 @@ def run(a) -> None:
             if name == "r20":
                 th = threading.Thread(target=probe_under_load, args=(url, stop, probes), daemon=True)
                 th.start()
-            # the seed follows the load's name, so a run of a subset of the loads sends the same prompts
-            r = bench(a.port, a.model_dir, args, n, ds, list(LOADS).index(name) + 1, a.out, f"{a.server}-{name}{a.tag}", sharegpt,
+            r = bench(a.port, a.model_dir, args, n, ds, seed_for(name), a.out, f"{a.server}-{name}{a.tag}", sharegpt,
                       a.vllm_path)
             stop.set()
             if th is not None:
@@ -198,6 +203,18 @@ def run(a) -> None:
         stop_server(proc)
         with open(os.path.join(a.out, f"summary-{a.server}{a.tag}.json"), "w") as f:
             json.dump(summary, f, indent=1)
+        if a.pack:
+            pack(a.out, a.pack)
+
+
+def pack(out_dir: str, path: str) -> None:
+    """Every result and log of `out_dir` in one .tgz (the device returns few files), without
+    the synthetic ShareGPT file."""
+    import tarfile
+    with tarfile.open(path, "w:gz") as t:
+        for name in sorted(os.listdir(out_dir)):
+            if name.endswith((".json", ".log")) and not name.startswith("sharegpt"):
+                t.add(os.path.join(out_dir, name), arcname=name)
 
 
 METRICS = [("output_throughput", "output tok/s"), ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"),
@@ -261,6 +278,7 @@ def main() -> None:
     r.add_argument("--startup-timeout", type=float, default=600)
     r.add_argument("--vllm-path", default="/tmp/vsite", help="where the vLLM bundle is installed")
     r.add_argument("--tag", default="", help="suffix of this run's files (another configuration)")
+    r.add_argument("--pack", default="", help="also write every result and log to this .tgz (e.g. $OUT/load.tgz)")
     rep = sub.add_parser("report")
     rep.add_argument("dir")
     a = p.parse_args()
