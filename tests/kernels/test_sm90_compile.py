@@ -1,5 +1,6 @@
 """Kernels changed since the last device run (the MoE glue of fuse_glue, the
-RMSNorm that reads heads in place, the fused Gumbel-max sampler) compiled for the H200 (sm_90) on this CPU
+RMSNorm that reads heads in place, the fused Gumbel-max sampler, the paged
+attention's short launch and its combine's skip) compiled for the H200 (sm_90) on this CPU
 machine: Triton lowers them to PTX and ptxas assembles a cubin, no GPU
 needed. Catches what the interpreter cannot (a construct the compiler
 refuses), and checks one property of the code itself: the fp32 combine has
@@ -58,6 +59,22 @@ for dt in ("bf16", "fp32"):
     sig = {"y_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt, "H": "i32"}
     out["combine_" + dt] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=False)
     out["combine_" + dt + "_fused"] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=True)
+from detent.kernels import attention_triton as at
+attn = {p: "*bf16" for p in ("q_ptr", "kc_ptr", "vc_ptr", "o_ptr")}
+attn.update({p: "*fp32" for p in ("pm_ptr", "pl_ptr", "pacc_ptr")})
+attn.update({p: "*i32" for p in ("qsl_ptr", "seqlen_ptr", "bt_ptr")}, scale="fp32")
+attn.update({p: "i32" for p in ("num_seqs", "sq_t", "sq_h", "sc_blk", "sc_off", "sc_h", "so_t", "so_h", "sbt",
+                                "sp_s", "sp_t", "sp_h", "spa_s", "spa_t", "spa_h")})
+base = {"G": 4, "D": 128, "BLOCK_N": 64, "SPLIT": 256, "PAGE": 16, "IEEE": False, "ROWSUM_MMA": True}
+out["attention_long_skip"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 128, "BLOCK_Q": 32,
+                                      "PARALLEL": False, "DECODE": False, "SHORT": False, "SKIP_Q": 4}, num_warps=8)
+out["attention_short"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 16, "BLOCK_Q": 4,
+                                  "PARALLEL": False, "DECODE": False, "SHORT": True, "SKIP_Q": 0}, num_warps=4)
+comb_sig = {"o_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "qsl_ptr": "*i32",
+            "seqlen_ptr": "*i32", **{p: "i32" for p in ("num_seqs", "skip_q", "so_t", "so_h", "sp_s", "sp_t", "sp_h",
+                                                        "spa_s", "spa_t", "spa_h")}}
+out["attention_combine_skip"] = compile_(at._combine_kernel, comb_sig, {"D": 128, "SPLIT": 256, "DECODE": False},
+                                         num_warps=2)
 print(json.dumps(out))
 '''
 
@@ -75,7 +92,8 @@ def compiled():
 
 
 @pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm",
-                                  "gumbel", "gumbel_first_max"])
+                                  "gumbel", "gumbel_first_max", "attention_long_skip", "attention_short",
+                                  "attention_combine_skip"])
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name]["cubin_bytes"] > 0
 
