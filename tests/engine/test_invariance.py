@@ -134,3 +134,12 @@ def test_stock_selection_breaks_some_cell(model):
     cells = STOCK_CELLS[:1] if model == "smollm2" else STOCK_CELLS
     differing = [c for c in cells if not same(CELLS[c](b, "stock", target(b)), ref)]
     assert differing, f"{model}: stock selection passed every cell, so these cells cannot detect a break"
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_stock_selection_breaks_the_mixed_align_cell(model):
+    """The aligned-steps cell can fail: under stock the cut chunks move the target's bits."""
+    b = bundle(model)
+    got = cell_mixed_align(b, "stock", target(b))
+    ref = reference(model, "stock")
+    assert not (got.token_ids == ref.token_ids and same(got, ref))
