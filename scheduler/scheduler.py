@@ -143,7 +143,7 @@ class Scheduler:
             done = len(hits) * self.bm.block_size
             n = min(req.num_tokens - done, budget)
             cut = self._aligned(sum(planned.values()), n, align)
-            if cut == 0 or not self.bm.allocate(req, cut, hits):
+            if not self.bm.allocate(req, cut, hits):
                 break
             self.waiting.remove(req)
             req.num_computed_tokens = done
@@ -173,8 +173,6 @@ class Scheduler:
                 continue
             want = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             n = self._aligned(sum(planned.values()), want, align)
-            if n == 0:
-                return 0
             while not self.bm.allocate(req, n):
                 victim = self.running[-1]  # the most recently admitted
                 self._preempt(victim)
@@ -190,10 +188,13 @@ class Scheduler:
     @staticmethod
     def _aligned(used: int, n: int, align: int | None) -> int:
         """How many of a chunk's `n` tokens to take after `used`: all, or fewer so that
-        a step past `align` tokens ends on a multiple of it (mixed_token_align)."""
+        a step past `align` tokens ends on a multiple of it (mixed_token_align). A chunk
+        that would be cut to nothing is taken whole: it must not wait behind decodes
+        that alone pass a multiple."""
         if not align or used + n <= align:
             return n
-        return n - min(n, (used + n) % align)
+        cut = n - (used + n) % align
+        return cut if cut > 0 else n
 
     def _mixed_budget(self, budget: int) -> int:
         """What is left of `budget` once the step carries decodes (max_mixed_batched_tokens)."""

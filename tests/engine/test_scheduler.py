@@ -251,6 +251,18 @@ def test_mixed_token_align_ends_steps_with_decodes_on_a_multiple():
         SchedulerLimits(8, 16, 64, mixed_token_align=0)
 
 
+def test_mixed_token_align_never_starves_a_short_prompt():
+    """5 decodes already pass a multiple of 4: a 2-token prompt cannot end the step on
+    one, so it is taken whole rather than left waiting behind the decodes."""
+    s = Scheduler(SchedulerLimits(16, 64, 128, mixed_token_align=4), 64, BS, True)
+    for i in range(5):
+        s.add(req(f"d{i}", 3, first=10 + 5 * i))
+    run_step(s)
+    s.add(req("p", 2, first=90))
+    p = run_step(s)
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [(f"d{i}", 1) for i in range(5)] + [("p", 2)]
+
+
 def test_retract_requeues_a_failed_step_and_uncaches_its_blocks():
     """A step that raised: its requests recompute from the start (in plan order, ahead of the
     queue), and blocks it was to fill are not found by a later lookup (their KV may be unwritten)."""
