@@ -145,8 +145,11 @@ def test_client_leaving_mid_call_frees_the_request(server):
             if seen >= 3:
                 break  # leaving while the call is a few tokens in (300 items are far from done)
     deadline = time.time() + 30
+    # the gauges come from one stats snapshot, which can be taken between the abort's two
+    # halves (the request leaves `running`, then its blocks are freed): wait for both
     while time.time() < deadline and (_count(server, "abort") == aborted0
-                                      or server.metric("detent:num_requests_running") != 0):
+                                      or server.metric("detent:num_requests_running") != 0
+                                      or server.metric("detent:kv_cache_usage_perc") != 0):
         time.sleep(0.2)
     assert _count(server, "abort") - aborted0 == 1
     assert server.metric("detent:num_requests_running") == 0 and server.metric("detent:kv_cache_usage_perc") == 0
