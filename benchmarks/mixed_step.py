@@ -178,8 +178,8 @@ def main() -> None:
         pair["aligned_total_ms"] = pair["aligned_ms"] + pair["aligned_next_ms"]
         print(json.dumps(pair), flush=True)
         aligned.append(pair)
-    out = {"model": a.model, "mixed_token_align_1024": aligned, "info": info, "piecewise_capture_s": capture_s, "buckets": g.buckets,
-           "device": torch.cuda.get_device_name(), "rows": rows}
+    out = {"model": a.model, "info": info, "piecewise_capture_s": capture_s, "buckets": g.buckets,
+           "device": torch.cuda.get_device_name(), "rows": rows, "mixed_token_align_1024": aligned}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(out, fh, indent=1)

@@ -298,11 +298,12 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     # in such a tile uses G of its rows. With the row sum through the MMA the tile is
     # numerics-neutral, so sequences whose queries fit a short tile get a launch of their own
     short_m = max(16, triton.next_power_of_2(g))
+    short_q = short_m // g  # queries of one sequence that fit a short tile
     split = short_launch and not decode and rowsum == "mma" and block_m > short_m
     has_short = False
     if split:  # without host copies of the query lengths, launch it: its programs skip long sequences
         lens = meta.query_lens_cpu
-        has_short = min(lens) <= short_m // g if lens else True
+        has_short = min(lens) <= short_q if lens else True
     n_qtiles = t if decode else t // block_q + meta.num_seqs
     max_splits = triton.cdiv(max(meta.max_seqlen_k, 1), split_tokens)
     if combine == "auto":
@@ -319,7 +320,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
             meta.block_tables.stride(0))
     flags = dict(G=g, D=d, BLOCK_N=block_n, SPLIT=split_tokens, PAGE=meta.block_size, IEEE=ieee,
                  ROWSUM_MMA=rowsum == "mma")
-    skip_q = short_m // g if split else 0
+    skip_q = short_q if split else 0
     if parallel:
         pm = empty((max_splits, t, h), torch.float32, q.device)
         pl = empty_like(pm)
@@ -339,7 +340,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         # one program per (sequence, KV head), splits walked in order: one fixed launch, so one
         # compile (tests/gpu: the 16-row tile gives the 128-row tile's bits)
         _paged_attn_kernel[(meta.num_seqs, kvh, 1)](
-            *common, out, out, out, *tail, 0, 0, 0, 0, 0, 0, BLOCK_M=short_m, BLOCK_Q=short_m // g,
+            *common, out, out, out, *tail, 0, 0, 0, 0, 0, 0, BLOCK_M=short_m, BLOCK_Q=short_q,
             PARALLEL=False, DECODE=False, SHORT=True, SKIP_Q=0, **flags, num_warps=4, num_stages=2)
     return out
 

@@ -142,7 +142,7 @@ class Scheduler:
             hits = [] if req.wants_prompt_logprobs else self.bm.find_cached_blocks(req)
             done = len(hits) * self.bm.block_size
             n = min(req.num_tokens - done, budget)
-            cut = self._aligned(sum(planned.values()), n, align)
+            cut = self._aligned(planned, n, align)
             if not self.bm.allocate(req, cut, hits):
                 break
             self.waiting.remove(req)
@@ -172,7 +172,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or budget == 0 or not self._plannable(req):
                 continue
             want = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
-            n = self._aligned(sum(planned.values()), want, align)
+            n = self._aligned(planned, want, align)
             while not self.bm.allocate(req, n):
                 victim = self.running[-1]  # the most recently admitted
                 self._preempt(victim)
@@ -186,12 +186,15 @@ class Scheduler:
         return budget
 
     @staticmethod
-    def _aligned(used: int, n: int, align: int | None) -> int:
-        """How many of a chunk's `n` tokens to take after `used`: all, or fewer so that
-        a step past `align` tokens ends on a multiple of it (mixed_token_align). A chunk
-        that would be cut to nothing is taken whole: it must not wait behind decodes
+    def _aligned(planned: dict[str, int], n: int, align: int | None) -> int:
+        """How many of a chunk's `n` tokens to take after those `planned`: all, or fewer so
+        that a step past `align` tokens ends on a multiple of it (mixed_token_align). A
+        chunk that would be cut to nothing is taken whole: it must not wait behind decodes
         that alone pass a multiple."""
-        if not align or used + n <= align:
+        if not align:
+            return n
+        used = sum(planned.values())
+        if used + n <= align:
             return n
         cut = n - (used + n) % align
         return cut if cut > 0 else n

@@ -133,13 +133,12 @@ def test_cli_flags(monkeypatch):
 
 
 def test_scheduling_flags_reach_the_engine_config():
-    import pytest
-
     from detent.engine.config import EngineConfig
     from detent.server.cli import engine_kwargs, parse_args
     kw = engine_kwargs(parse_args(["--mixed-token-align", "1024", "--max-mixed-batched-tokens", "0"]))
     assert kw["mixed_token_align"] == 1024 and kw["max_mixed_batched_tokens"] is None
-    assert EngineConfig(**{k: kw[k] for k in ("mixed_token_align", "max_mixed_batched_tokens")}).mixed_token_align == 1024
+    cfg = EngineConfig(**{k: kw[k] for k in ("mixed_token_align", "max_mixed_batched_tokens")})
+    assert cfg.mixed_token_align == 1024
     assert "mixed_token_align" not in engine_kwargs(parse_args([]))  # default: off
     with pytest.raises(SystemExit):
         parse_args(["--mixed-token-align", "0"])
