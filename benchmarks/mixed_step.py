@@ -11,6 +11,8 @@ decodes at 1,100-token contexts, Llama-3.1-8B shapes, pinned) this measures:
   replay, median of 10): at the bucket it replays now, at the bucket the
   powers-of-two ladder gave it before (the padding's cost), and with
   `short_launch=0`; and, for steps above 2,048 tokens, eagerly;
+- the same steps with every GEMM in one launch (`split_m=0`: no cut where
+  the wide tiles fill whole rounds of the SMs, `benchmarks/gemm_waves.py`);
 - that the step's hidden states are equal (`torch.equal`) with and without
   the short launch and at either bucket (rows never see padding or tiles);
 - `--mixed-token-align 1024` offline: a prompt with N decodes as one
@@ -34,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_engine import build, set_mode  # noqa: E402
 
-from detent.engine.piecewise_graph import enable_piecewise_graphs  # noqa: E402
+from detent.engine.piecewise_graph import PiecewiseGraphRunner, enable_piecewise_graphs  # noqa: E402
 from detent.engine.warmup import StepShape, _metadata  # noqa: E402
 from detent.selection.context import ForwardContext, forward_context  # noqa: E402
 from detent.selection.dispatch import Dispatcher  # noqa: E402
@@ -99,6 +101,10 @@ def main() -> None:
     assert g.disabled is None, g.disabled
     pinned = runner.dispatcher
     no_short = Dispatcher(FamilyOverride(pinned.provider, "attention", extra={"short_launch": False}))
+    # the same pieces with every GEMM in one launch (no cut at a whole round of the SMs)
+    no_split = PiecewiseGraphRunner(runner.model, runner.kv_caches, runner.block_size,
+                                    Dispatcher(FamilyOverride(pinned.provider, "gemm", extra={"split_m": 0})),
+                                    runner.device, buckets=[b for b in g.buckets if b > 1024]).capture()
     f = eng.facts
     site = (("num_heads", f["num_heads"]), ("num_kv_heads", f["num_kv_heads"]), ("head_dim", f["head_dim"]),
             ("block_size", f["page_size"]), ("dtype", f["dtype"]))
@@ -125,16 +131,30 @@ def main() -> None:
                                          warmup=5, rep=40, return_mode="median") * 1e3
             row[f"attention_us_short_launch_{int(flag)}"] = round(us, 1)
         row["attention_selection"] = {k_: v_ for k_, v_ in kw.items()}
+        # do_bench above times the host's launches too when they outlast the kernels; a CUDA
+        # graph of 20 calls gives the device time alone
+        try:
+            for flag in (True, False):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(20):
+                        fn(q, k, v, cache, meta, d ** -0.5, **kw, short_launch=flag)
+                ms, _ = timed(graph.replay, reps=5)
+                row[f"attention_device_us_short_launch_{int(flag)}"] = round(ms * 1e3 / 20, 1)
+        except Exception as e:  # noqa: BLE001  (a host read inside the call: no graph)
+            row["attention_device_us_error"] = f"{type(e).__name__}: {e}"[:200]
         a1 = fn(q, k, v, cache, meta, d ** -0.5, **kw, short_launch=True)
         a0 = fn(q, k, v, cache, meta, d ** -0.5, **kw, short_launch=False)
         row["attention_equal"] = bool(torch.equal(a1, a0))
 
         # the whole step
-        def step(disp, bucket=None, eager_run=False):
+        def step(disp, bucket=None, eager_run=False, pieces=g):
             c = ForwardContext(attn=meta, kv_caches=runner.kv_caches, dispatcher=disp)
             with forward_context(c):
                 if eager_run:
                     return eager(ids, pos, c)
+                if pieces is not g:
+                    return pieces.run(ids, pos, c)
                 if bucket is None:
                     return g.run(ids, pos, c)
                 keep = g.bucket_for
@@ -149,6 +169,9 @@ def main() -> None:
         row["step_ms"], row["step_host_ms"] = timed(lambda: step(pinned))
         row["step_ms_short_launch_0"], _ = timed(lambda: step(no_short))
         same = [torch.equal(ref, step(no_short))]
+        if new_b in no_split.buckets:
+            row["step_ms_gemm_one_launch"], _ = timed(lambda: step(pinned, pieces=no_split))
+            same.append(torch.equal(ref, step(pinned, pieces=no_split)))
         if old_b in g.buckets and old_b != new_b:
             row["step_ms_bucket_before"], _ = timed(lambda: step(pinned, old_b))
             same.append(torch.equal(ref, step(pinned, old_b)))

@@ -201,10 +201,19 @@ def run(a) -> None:
             print("probe under load:", summary["probe"], flush=True)
     finally:
         stop_server(proc)
-        with open(os.path.join(a.out, f"summary-{a.server}{a.tag}.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        write_summary(os.path.join(a.out, f"summary-{a.server}{a.tag}.json"), summary)
         if a.pack:
             pack(a.out, a.pack)
+
+
+def write_summary(path: str, summary: dict) -> None:
+    """Write a run's summary; an earlier run's loads in the same file (`--loads` in parts) are kept."""
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        summary = {**earlier, **summary, "loads": {**earlier.get("loads", {}), **summary["loads"]}}
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
 
 
 def pack(out_dir: str, path: str) -> None:

@@ -127,23 +127,45 @@ def _check(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
                          f"{tuple(bias.shape)} {bias.dtype}")
 
 
-@register("gemm", "triton_persistent", params=("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma"),
-          devices=("cuda",))
+TAIL = ("tail_block_m", "tail_block_n", "tail_block_k", "tail_num_warps", "tail_num_stages", "tail_tma")
+
+
+@register("gemm", "triton_persistent", params=("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma",
+                                               "split_m", *TAIL), devices=("cuda",))
 def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                            block_m: int = 64, block_n: int = 128, block_k: int = 64,
-                           num_warps: int = 4, num_stages: int = 3, tma: int = 0) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 3, tma: int = 0, split_m: int = 0,
+                           tail_block_m: int = 16, tail_block_n: int = 32, tail_block_k: int = 256,
+                           tail_num_warps: int = 4, tail_num_stages: int = 5, tail_tma: int = 0) -> torch.Tensor:
     """`tma=1` moves the tiles with TMA where the tensors allow it (unit last
     stride, 16-byte alignment) and with pointer loads otherwise: the same
-    tile walk, so the same bits (tests/gpu checks it), only the loads differ."""
+    tile walk, so the same bits (tests/gpu checks it), only the loads differ.
+
+    With 0 < split_m < M, rows [0, split_m) run on the first config and the
+    rest in a second launch on the `tail_*` config, into the same output: a
+    row's bits do not depend on the rows beside it, so only the time changes
+    (selection/programs/gemm.py cuts where the first launch fills whole rounds
+    of the SMs)."""
     _check("gemm/triton_persistent", x, w, bias)
-    for f, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+    cfg = (block_m, block_n, block_k, num_warps, num_stages, tma)
+    tail = (tail_block_m, tail_block_n, tail_block_k, tail_num_warps, tail_num_stages, tail_tma)
+    for f, v in zip(("block_m", "block_n", "block_k", *TAIL[:3]), cfg[:3] + tail[:3]):
         if v < 16 or v & (v - 1):
             raise ValueError(f"gemm/triton_persistent: {f}={v} must be a power of two >= 16")
+    m = x.shape[0]
+    y = empty((m, w.shape[0]), x.dtype, x.device)
+    if 0 < split_m < m:
+        _matmul_into(x[:split_m], w, bias, y[:split_m], *cfg)
+        _matmul_into(x[split_m:], w, bias, y[split_m:], *tail)
+    elif m:
+        _matmul_into(x, w, bias, y, *cfg)
+    return y
+
+
+def _matmul_into(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, block_m: int,
+                 block_n: int, block_k: int, num_warps: int, num_stages: int, tma: int) -> None:
     m, k = x.shape
     n = w.shape[0]
-    y = empty((m, n), x.dtype, x.device)
-    if m == 0:
-        return y
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     progs = min(tiles, sms_for(x))
     if tma and _tma_ok(x, w, y):
@@ -154,14 +176,13 @@ def gemm_triton_persistent(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
             HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGS=progs,
             num_warps=num_warps, num_stages=num_stages)
-        return y
+        return
     _persistent_matmul_kernel[(progs,)](
         x, w, bias if bias is not None else x, y, m, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGS=progs,
         num_warps=num_warps, num_stages=num_stages)
-    return y
 
 
 def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

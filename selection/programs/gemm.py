@@ -14,7 +14,7 @@ rows were measured position-invariant on every MKL path (SSE4.2, AVX2,
 AVX-512, COMPATIBLE: tests/kernels/test_cpu_isa.py): 4 is not (SSE4.2),
 nor 8 or 32 (AVX2).
 """
-from detent.selection.compiler.lang import Fact, Runtime, assume, knob, neutral  # noqa: F401
+from detent.selection.compiler.lang import Fact, Runtime, assume, cdiv, knob, neutral  # noqa: F401
 
 CPU_CHUNKS = (1, 16)
 # Tile configs for the H200 (Llama-3.1-8B shapes, bf16), by row count and
@@ -45,6 +45,32 @@ GEMM_TABLE = (
 MEASURED = ((128, 64, 128, 4, 4, 0), (64, 128, 128, 4, 3, 0), (128, 128, 128, 8, 3, 0), (128, 256, 64, 8, 3, 0))
 
 
+# Whole waves: the H200 has 132 SMs, and a persistent launch of t tiles takes
+# cdiv(t, 132) rounds of its slowest tile. With the wide tile, M = 1,152 and
+# N = 4,096 (o_proj, down_proj on Llama-3.1-8B shapes) is 144 tiles: a second
+# round for 12 of them, the price of a 2,048-token step for 1,152 tokens
+# (docs/performance.md, lease 5). Where the rows past the last whole round are
+# at most 256, they run in a second launch on the table's small-M tiles, which
+# spread them over every SM. Rows are independent and every config here is
+# neutral, so where the cut falls changes no bit.
+SMS = 132
+TAIL_MAX = 256
+
+
+def wave_split(m, n):
+    """Rows the first launch takes (the whole rounds of wide tiles), where the rest fit one
+    round of the table's tiles for their count; m where a cut saves no round."""
+    per_row = cdiv(n, WIDE[1])
+    rounds = cdiv(cdiv(m, WIDE[0]) * per_row, SMS)
+    head = (rounds - 1) * SMS // per_row * WIDE[0]
+    if m <= TAIL_MAX or n >= 16384 or rounds < 2 or m - head > TAIL_MAX:
+        return m
+    tail = triton_config(m - head, n)
+    if cdiv(m - head, tail[0]) * cdiv(n, tail[1]) > SMS:
+        return m
+    return head
+
+
 def triton_config(m, n):
     width = "tiny" if n <= 1024 else "narrow" if n <= 4096 else ("wide" if n >= 16384 else "mid")
     for upto, row in GEMM_TABLE:
@@ -59,7 +85,14 @@ def select(device: Fact[str], triton: Fact[bool], stock_kernels: Fact[bool], n: 
     if stock_kernels:
         return {"impl": "torch"}  # the library on the real M (MKL / cuBLAS pick a kernel by M)
     if device == "cuda" and triton:
-        cfg = neutral(triton_config(num_tokens, n))
+        head = neutral(wave_split(num_tokens, n))
+        cfg = neutral(triton_config(head, n))
+        if neutral(head < num_tokens):  # where the rows are cut changes no bit
+            tail = neutral(triton_config(num_tokens - head, n))
+            return {"impl": "triton_persistent", "block_m": cfg[0], "block_n": cfg[1], "block_k": cfg[2],
+                    "num_warps": cfg[3], "num_stages": cfg[4], "tma": cfg[5], "split_m": head,
+                    "tail_block_m": tail[0], "tail_block_n": tail[1], "tail_block_k": tail[2],
+                    "tail_num_warps": tail[3], "tail_num_stages": tail[4], "tail_tma": tail[5]}
         return {"impl": "triton_persistent", "block_m": cfg[0], "block_n": cfg[1], "block_k": cfg[2],
                 "num_warps": cfg[3], "num_stages": cfg[4], "tma": cfg[5]}
     # rows per library call: one fixed chunk for the deployment (see the docstring)

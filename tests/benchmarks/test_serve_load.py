@@ -18,3 +18,15 @@ def test_pack_keeps_results_and_logs_not_the_sharegpt_file(tmp_path):
         (tmp_path / n).write_text("{}")
     serve_load.pack(str(tmp_path), str(tmp_path / "out.tgz"))
     assert tarfile.open(tmp_path / "out.tgz").getnames() == ["detent.log", "summary-detent.json", "vllm-c1.json"]
+
+
+def test_a_run_in_parts_keeps_every_parts_loads(tmp_path):
+    # lease 5's split runs overwrote the first part's summary with the second's
+    path = str(tmp_path / "summary-detent.json")
+    serve_load.write_summary(path, {"server": "detent", "startup_s": 9.0, "loads": {"c1": {"x": 1}},
+                                    "probe": {"sent": 3}})
+    serve_load.write_summary(path, {"server": "detent", "startup_s": 8.0, "loads": {"r20": {"x": 2}}})
+    import json
+    with open(path) as f:
+        s = json.load(f)
+    assert s["loads"] == {"c1": {"x": 1}, "r20": {"x": 2}} and s["probe"] == {"sent": 3} and s["startup_s"] == 8.0

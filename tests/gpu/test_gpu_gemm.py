@@ -77,3 +77,23 @@ def test_stock_cublas_is_not_row_invariant():
     w = torch.randn(4096, 4096, device="cuda", dtype=BF16) * 0.02
     full = F.linear(x, w)
     assert any(not torch.equal(F.linear(x[:m], w), full[:m]) for m in MS)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (6144, 4096)])
+def test_the_wave_cut_gives_the_one_launch_bits(n, k):
+    # selection/programs/gemm.py runs the rows past the last whole round of wide tiles in a
+    # second launch on the table's small-M tiles; each row's bits must not move
+    from detent.selection.programs import gemm as program
+    from detent.selection.programs import gemm_tile
+    w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+    cuts = 0
+    for m in (1090, 1152, 1280, 1536, 2200, 2304):
+        head = program.wave_split(m, n)
+        x = torch.randn(m, k, device="cuda", dtype=BF16)
+        whole = gemm_tile(program.triton_config(head, n))
+        tail = {"tail_" + key: v for key, v in gemm_tile(program.triton_config(m - head, n)).items()}
+        one = gemm_triton_persistent(x, w, None, **whole)
+        cut = gemm_triton_persistent(x, w, None, **whole, split_m=head, **tail)
+        assert torch.equal(cut, one), (m, head)
+        cuts += head < m
+    assert cuts >= 2

@@ -35,8 +35,10 @@ SCRIPT = textwrap.dedent("""
         t = time.perf_counter()
         llm.generate(batch(seed), p, use_tqdm=False)
         times.append(time.perf_counter() - t)
+    watch = getattr(llm.llm_engine.runner, "compile_watch", None)
     print("RESULT " + json.dumps({{"startup_s": startup, "first_s": times[0], "warm_s": times[1],
-                                  "compiled_while_serving": files() - before}}))
+                                  "compiled_while_serving": files() - before,
+                                  "watched": [k[:300] for k in watch.kernels] if watch else None}}))
 """)
 
 

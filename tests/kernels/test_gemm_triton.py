@@ -82,3 +82,20 @@ def test_tma_falls_back_to_pointer_loads_when_unaligned():
     x = torch.randn(9, 80, generator=g)[:, ::2]  # K stride 2: no TMA descriptor
     w = torch.randn(20, 40, generator=g)
     assert torch.equal(gemm_triton_persistent(x, w, None, **CFG, tma=1), gemm_triton_persistent(x, w, None, **CFG))
+
+
+@pytest.mark.parametrize("split", [16, 32, 48])
+@pytest.mark.parametrize("tma", [0, 1])
+def test_split_rows_give_each_rows_bits(split, tma):
+    # rows [0, split) on the first config, the rest in a second launch into the same output:
+    # the same config both sides gives the one-launch bits (a row does not see its neighbours)
+    g = torch.Generator().manual_seed(split)
+    x, w, b = torch.randn(50, 40, generator=g), torch.randn(36, 40, generator=g), torch.randn(36, generator=g)
+    tail = {"tail_" + k: v for k, v in CFG.items()}
+    y = gemm_triton_persistent(x, w, b, **CFG, tma=tma, split_m=split, **tail, tail_tma=tma)
+    assert not y.isnan().any()
+    assert torch.equal(y, gemm_triton_persistent(x, w, b, **CFG, tma=tma))
+    other = dict(tail_block_m=32, tail_block_n=16, tail_block_k=32, tail_num_warps=4, tail_num_stages=2)
+    z = gemm_triton_persistent(x, w, b, **CFG, split_m=split, **other)
+    assert torch.equal(z[:split], y[:split]) and not z.isnan().any()
+    assert _rel(z, gemm_reference(x, w, b)) < 1e-6

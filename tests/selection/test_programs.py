@@ -125,6 +125,33 @@ def test_gpu_programs():
     assert mo.compile(mode="conservative")(num_tokens=1) == {"impl": "triton_fused", **tiles[4096], "fuse_glue": 2}
 
 
+def test_wave_split_cuts_where_a_round_of_the_sms_is_saved():
+    # Llama-3.1-8B shapes: o_proj and down_proj (N = 4,096) at 1,152 rows are 144 wide tiles,
+    # a second round for 12; the cut leaves 128 rows for one round of small tiles
+    from detent.selection.programs import gemm as g
+
+    def rounds(m, n):
+        return -(-(-(-m // g.WIDE[0]) * -(-n // g.WIDE[1])) // g.SMS)
+
+    assert g.wave_split(1152, 4096) == 1024 and g.wave_split(1280, 4096) == 1024
+    assert g.wave_split(1024, 4096) == 1024  # one whole round: no cut
+    assert g.wave_split(1344, 4096) == 1344  # 320 rows past the round: no cut
+    assert g.wave_split(256, 4096) == 256  # small M: the table's own tiles
+    assert g.wave_split(1152, 28672) == 1152  # wide outputs: the tail's tile is the wide one
+    cuts = 0
+    for n in (576, 2048, 4096, 5120, 6144, 14336):
+        for m in range(257, 4097):
+            head = g.wave_split(m, n)
+            if head == m:
+                continue
+            cuts += 1
+            tail = g.triton_config(m - head, n)
+            assert head % g.WIDE[0] == 0 and 0 < m - head <= g.TAIL_MAX, (m, n)
+            assert -(-(m - head) // tail[0]) * -(-n // tail[1]) <= g.SMS, (m, n)  # the rest: one round
+            assert rounds(head, n) == rounds(m, n) - 1, (m, n)  # the head: one round fewer
+    assert cuts > 0
+
+
 def test_gpu_selections_match_the_registered_triton_candidates():
     pytest.importorskip("detent.kernels.gemm_triton")
     pytest.importorskip("detent.kernels.moe_triton")
@@ -134,9 +161,14 @@ def test_gpu_selections_match_the_registered_triton_candidates():
     assert moe_program.GPU_KEYS == tuple(programs.moe_tiles())
     for n in (128, 4096, 6144, 14336, 28672):
         g = sol("gemm", GPU, dict(GEMM_SITE, n=n, dtype="bfloat16")).compile(mode="pinned")
-        for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 5000):
+        for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 1152, 1280, 1281, 5000):
             sel = dict(g(num_tokens=m))
-            want = programs.gemm_tile(gemm_program.triton_config(m, n))  # the compiled selector vs Python
+            head = gemm_program.wave_split(m, n)  # the compiled selector vs Python
+            want = programs.gemm_tile(gemm_program.triton_config(head, n))
+            if head < m:
+                want["split_m"] = head
+                want.update({"tail_" + k: v for k, v in
+                             programs.gemm_tile(gemm_program.triton_config(m - head, n)).items()})
             assert sel.pop("impl") == "triton_persistent" and sel == want, (n, m)
     for fam, facts, site, r in [
             ("attention", GPU, dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128), rt(max_seqlen_k=900)),

@@ -1,0 +1,78 @@
+"""The GEMM at a mixed step's row counts, on the GPU: whole rounds of the SMs (issue 16).
+
+For Llama-3.1-8B's four projections and M from 1,024 to 2,304 rows, times
+the Triton GEMM as the pinned selection runs it (rows past the last whole
+round of wide tiles in a second launch, `selection/programs/gemm.py`
+`wave_split`), the same GEMM in one launch (`split_m=0`), and cuBLAS
+(`torch.nn.functional.linear`, stock), and checks that the cut and the
+single launch give equal bits (`torch.equal`).
+
+    python3 benchmarks/gemm_waves.py --out $OUT/gemm_waves.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from detent.kernels.gemm_triton import gemm_triton_persistent
+from detent.selection.programs import gemm as program
+from detent.selection.programs import gemm_tile
+
+SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
+
+
+def selection(m: int, n: int) -> dict:
+    """What the pinned program gives at M = m (the Python twin of the compiled selector;
+    tests/selection/test_programs.py checks that they agree)."""
+    head = program.wave_split(m, n)
+    kw = gemm_tile(program.triton_config(head, n))
+    if head < m:
+        kw["split_m"] = head
+        kw.update({"tail_" + k: v for k, v in gemm_tile(program.triton_config(m - head, n)).items()})
+    return kw
+
+
+@torch.inference_mode()
+def main() -> None:
+    import triton
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default=",".join(str(m) for m in range(1024, 2305, 64)))
+    a = ap.parse_args()
+    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=60, return_mode="median") * 1e3  # noqa: E731
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        for m in (int(x) for x in a.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            kw = selection(m, n)
+            whole = {k_: v for k_, v in kw.items() if k_ != "split_m" and not k_.startswith("tail_")}
+            row = {"gemm": name, "n": n, "k": k, "m": m, "split_m": kw.get("split_m", 0),
+                   "us_selected": bench(lambda: gemm_triton_persistent(x, w, None, **kw)),
+                   "us_one_launch": bench(lambda: gemm_triton_persistent(x, w, None, **whole)),
+                   "us_cublas": bench(lambda: F.linear(x, w)),
+                   "equal": bool(torch.equal(gemm_triton_persistent(x, w, None, **kw),
+                                             gemm_triton_persistent(x, w, None, **whole)))}
+            row["tflops_selected"] = 2 * m * n * k / row["us_selected"] / 1e6
+            print(json.dumps({k_: round(v, 1) if isinstance(v, float) else v for k_, v in row.items()}), flush=True)
+            rows.append(row)
+    by_m = {}
+    for r in rows:  # one layer's four GEMMs per M
+        s = by_m.setdefault(r["m"], {"m": r["m"], "us_selected": 0.0, "us_one_launch": 0.0, "us_cublas": 0.0})
+        for key in ("us_selected", "us_one_launch", "us_cublas"):
+            s[key] += r[key]
+    for s in by_m.values():
+        print("layer", json.dumps({k_: round(v, 1) for k_, v in s.items()}), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "per_layer": list(by_m.values()),
+                   "all_equal": all(r["equal"] for r in rows)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
