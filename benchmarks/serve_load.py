@@ -154,14 +154,14 @@ def _bits(choice: dict):
 def run(a) -> None:
     os.makedirs(a.out, exist_ok=True)
     sharegpt = write_sharegpt(os.path.join(a.out, "sharegpt_synthetic.json"))
-    proc = start_server(a.server, a.model_dir, a.port, a.server_args.split(), os.path.join(a.out, f"{a.server}.log"),
+    proc = start_server(a.server, a.model_dir, a.port, a.server_args.split(), os.path.join(a.out, f"{a.server}{a.tag}.log"),
                         a.vllm_path)
     url = f"http://127.0.0.1:{a.port}"
     t0 = time.time()
     while _get(url + "/health") != 200:
         if proc.poll() is not None or time.time() - t0 > a.startup_timeout:
             stop_server(proc)
-            raise SystemExit(f"{a.server} did not start; see {a.server}.log")
+            raise SystemExit(f"{a.server} did not start; see {a.server}{a.tag}.log")
         time.sleep(1)
     summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": a.server_args, "loads": {}}
     try:
