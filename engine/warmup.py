@@ -126,6 +126,7 @@ def plan_warmup(dispatcher, facts: dict[str, Any], lim: Limits, logit_sites: set
 
     plan = WarmPlan()
     chosen: dict[StepShape, None] = {}
+    beside: dict[StepShape, None] = {}  # attention's companions (kernels its selection leaves to the step)
     rows: dict[int, None] = {}
     pending: list[tuple[str, tuple, tuple, bool, list[dict]]] = []
     selectors = dispatcher.built()
@@ -153,18 +154,49 @@ def plan_warmup(dispatcher, facts: dict[str, Any], lim: Limits, logit_sites: set
             if fits:
                 rows[fits[0]] = None
             continue
-        if any(selection_key(selector(**s.runtime())) == key and _same_class(s, points) for s in chosen):
+        hit = next((s for s in chosen if selection_key(selector(**s.runtime())) == key and _same_class(s, points)),
+                   None)
+        if hit is not None:
+            if family == "attention":
+                beside.update(dict.fromkeys(companions(hit, lim)))
             continue
         for p in points:
             s = shape_for(p, lim)
             if s is not None and selection_key(selector(**s.runtime())) == key:
                 chosen[s] = None
+                if family == "attention":
+                    beside.update(dict.fromkeys(companions(s, lim)))
                 break
         else:
             plan.uncovered.append(f"{family} {dict(site)} -> {dict(key)}")
+    for s in beside:
+        chosen.setdefault(s)
     plan.shapes = sorted(chosen, key=lambda s: (s.num_tokens, len(s.query_lens)))
     plan.logit_rows = sorted(rows)
     return plan
+
+
+def companions(s: StepShape, lim: Limits) -> list[StepShape]:
+    """Steps beside `s` that reach the kernels a selection leaves to the step itself.
+
+    A selection fixes a candidate's parameters, not every kernel it launches:
+    the Triton attention runs a chunk's decodes in a launch of their own
+    (SHORT) and combines its splits in a second kernel only while the step's
+    tiles leave SMs idle (PARALLEL), each its own compile. So a step with
+    prompt tokens also runs with 16 decodes beside it (16 keeps its token
+    count's divisibility class), and a one-sequence step also as 8 copies of
+    that sequence (as many tiles as the longest query allows)."""
+    out = []
+    q0, k0 = max(s.query_lens), max(s.kv_lens)
+    if q0 == 1:
+        return out
+    n, t = len(s.query_lens), s.num_tokens
+    if n + 16 <= lim.max_num_seqs and t + 16 <= lim.max_num_batched_tokens:
+        out.append(StepShape(s.query_lens + (1,) * 16, s.kv_lens + (k0,) * 16))
+    copies = min(8, lim.max_num_batched_tokens // q0, lim.max_num_seqs)
+    if n == 1 and copies > 1:
+        out.append(StepShape((q0,) * copies, (k0,) * copies))
+    return out
 
 
 def _same_class(s: StepShape, points: list[dict]) -> bool:

@@ -10,7 +10,7 @@ import pytest
 
 from engine_helpers import bundle, make_llm, prompt
 from detent.engine import SamplingParams
-from detent.engine.warmup import Limits, StepShape, plan_warmup, shape_for, warm_up
+from detent.engine.warmup import Limits, StepShape, companions, plan_warmup, shape_for, warm_up
 from detent.selection import make_dispatcher, programs
 from detent.selection.compiler.reach import reachable, selection_key
 from detent.selection.compiler.solver import solve
@@ -131,7 +131,7 @@ def test_gpu_deployment_every_reachable_selection_is_warmed(preset_name):
         d._selectors[(fam, site)] = d.provider.selector(fam, dict(site))
     plan = plan_warmup(d, facts, lim, {logits})
     assert plan.uncovered == []
-    assert len(plan.shapes) <= 32  # a warm start of seconds, not minutes
+    assert len(plan.shapes) <= 96  # a warm start of seconds, not minutes (companions included)
     for fam, site in sites:
         if (fam, site) == logits:
             continue
@@ -167,3 +167,15 @@ def test_warm_start_changes_no_bits():
 def test_step_shape_runtime():
     s = StepShape((5, 1, 1), (40, 9, 3))
     assert s.runtime() == {"num_tokens": 7, "num_seqs": 3, "max_seqlen_q": 5, "max_seqlen_k": 40, "total_kv": 52}
+
+
+def test_companions_reach_the_launches_a_selection_leaves_to_the_step():
+    lim = Limits(8192, 256, 4096)
+    one = StepShape((1024,), (1024,))
+    cs = companions(one, lim)
+    assert StepShape((1024,) + (1,) * 16, (1024,) * 17) in cs  # decodes beside the chunk: the short launch
+    assert StepShape((1024,) * 8, (1024,) * 8) in cs  # more tiles: the other combine
+    assert cs[0].num_tokens % 16 == one.num_tokens % 16
+    assert companions(StepShape((1,) * 5, (40,) * 5), lim) == []  # decode-only: the graphs' own
+    tight = Limits(1030, 4, 4096)
+    assert companions(one, tight) == []  # nothing past the limits
