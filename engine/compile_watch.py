@@ -29,12 +29,36 @@ class CompileWatch:
     def __call__(self, *, key=None, repr=None, fn=None, compile=None, is_manual_warmup=False,  # noqa: A002
                  already_compiled=False):
         self.count += 1
-        self.kernels.append(str(repr))
-        log.warning("kernel compiled while serving (the warm start did not reach it): %s", repr)
+        what = f"{repr}{describe(compile)}"
+        self.kernels.append(what)
+        log.warning("kernel compiled while serving (the warm start did not reach it): %s", what)
         if self.previous is not None:
             return self.previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                  already_compiled=already_compiled)
         return None
+
+
+def describe(compile: dict | None) -> str:
+    """The compile's constexpr values and integer specializations by argument name.
+
+    Triton's `repr` names the launch options only (its argument part zips the
+    names with the cache-key string); what tells two compiles of one kernel
+    apart is in `compile`: `constants` and `configs` keyed by (argument
+    index,), `signature` in argument order."""
+    if not compile:
+        return ""
+    try:
+        names = list(compile.get("signature") or {})
+
+        def name(k):
+            if isinstance(k, tuple) and k and isinstance(k[0], int) and k[0] < len(names):
+                return names[k[0]] + (str(k[1:]) if len(k) > 1 else "")
+            return str(k)
+        consts = {name(k): str(v) for k, v in (compile.get("constants") or {}).items()}
+        attrs = {name(k): v for cfg in compile.get("configs") or [] for k, v in cfg.items()}
+        return f" constexprs {consts} specialized {attrs}"
+    except Exception:  # noqa: BLE001  (another Triton's layout: its own serialization)
+        return f" {str(compile.get('specialization_data'))[:1000]}"
 
 
 def watch_compiles() -> CompileWatch | None:

@@ -126,7 +126,6 @@ def plan_warmup(dispatcher, facts: dict[str, Any], lim: Limits, logit_sites: set
 
     plan = WarmPlan()
     chosen: dict[StepShape, None] = {}
-    beside: dict[StepShape, None] = {}  # attention's companions (kernels its selection leaves to the step)
     rows: dict[int, None] = {}
     pending: list[tuple[str, tuple, tuple, bool, list[dict]]] = []
     selectors = dispatcher.built()
@@ -154,49 +153,67 @@ def plan_warmup(dispatcher, facts: dict[str, Any], lim: Limits, logit_sites: set
             if fits:
                 rows[fits[0]] = None
             continue
-        hit = next((s for s in chosen if selection_key(selector(**s.runtime())) == key and _same_class(s, points)),
-                   None)
-        if hit is not None:
-            if family == "attention":
-                beside.update(dict.fromkeys(companions(hit, lim)))
+        if any(selection_key(selector(**s.runtime())) == key and _same_class(s, points) for s in chosen):
             continue
         for p in points:
             s = shape_for(p, lim)
             if s is not None and selection_key(selector(**s.runtime())) == key:
                 chosen[s] = None
-                if family == "attention":
-                    beside.update(dict.fromkeys(companions(s, lim)))
                 break
         else:
             plan.uncovered.append(f"{family} {dict(site)} -> {dict(key)}")
-    for s in beside:
+    for s in probe_variants(selectors, facts, lim, list(chosen)):
         chosen.setdefault(s)
     plan.shapes = sorted(chosen, key=lambda s: (s.num_tokens, len(s.query_lens)))
     plan.logit_rows = sorted(rows)
     return plan
 
 
-def companions(s: StepShape, lim: Limits) -> list[StepShape]:
-    """Steps beside `s` that reach the kernels a selection leaves to the step itself.
+def probe_shapes(lim: Limits) -> list[StepShape]:
+    """Steps a loaded server makes, for `probe_variants`: one to three prompt chunks of
+    2 to 2,048 tokens beside 0 to 255 decodes, at short and long KV."""
+    out = []
+    for q in (2, 3, 4, 8, 16, 17, 64, 127, 128, 247, 512, 1024, 2048):
+        for n in (1, 2, 3):
+            for d in (0, 1, 4, 16, 40, 64, 128, 255):
+                for k in (q, min(q + 1000, lim.max_model_len), lim.max_model_len):
+                    if n + d <= lim.max_num_seqs and n * q + d <= lim.max_num_batched_tokens and \
+                            q <= k <= lim.max_model_len:
+                        out.append(StepShape((q,) * n + (1,) * d, (k,) * n + (k,) * d))
+    return out
+
+
+def probe_variants(selectors: dict, facts: dict[str, Any], lim: Limits, shapes: list[StepShape]) -> list[StepShape]:
+    """More steps, for the compiles a selection leaves to the step.
 
     A selection fixes a candidate's parameters, not every kernel it launches:
-    the Triton attention runs a chunk's decodes in a launch of their own
-    (SHORT) and combines its splits in a second kernel only while the step's
-    tiles leave SMs idle (PARALLEL), each its own compile. So a step with
-    prompt tokens also runs with 16 decodes beside it (16 keeps its token
-    count's divisibility class), and a one-sequence step also as 8 copies of
-    that sequence (as many tiles as the longest query allows)."""
-    out = []
-    q0, k0 = max(s.query_lens), max(s.kv_lens)
-    if q0 == 1:
-        return out
-    n, t = len(s.query_lens), s.num_tokens
-    if n + 16 <= lim.max_num_seqs and t + 16 <= lim.max_num_batched_tokens:
-        out.append(StepShape(s.query_lens + (1,) * 16, s.kv_lens + (k0,) * 16))
-    copies = min(8, lim.max_num_batched_tokens // q0, lim.max_num_seqs)
-    if n == 1 and copies > 1:
-        out.append(StepShape((q0,) * copies, (k0,) * copies))
-    return out
+    the Triton attention decides from the step itself whether a decode-only
+    launch, a short launch for a chunk's decodes, or the split combine runs
+    (`Candidate.variants`, kernels/attention_triton.py), each its own compile.
+    Lease 6 saw five such compiles while serving (docs/performance.md). Here
+    every probe step whose variants the planned steps miss is added, greedily,
+    until no probe adds one."""
+    from detent.selection import ops
+
+    added: list[StepShape] = []
+    for (family, site), selector in sorted(selectors.items(), key=repr):
+        step = dict(num_heads=dict(site).get("num_heads"), num_kv_heads=dict(site).get("num_kv_heads"),
+                    num_sms=facts.get("num_sms"))
+        if family != "attention" or None in step.values():
+            continue
+
+        def variants(s: StepShape):
+            if max(s.query_lens) == 1:  # decode-only: the decode CUDA graphs compile these
+                return set()
+            return ops.launch_variants(family, selector(**s.runtime()), query_lens=s.query_lens,
+                                       kv_lens=s.kv_lens, **step) or set()
+        covered = set().union(*(variants(s) for s in shapes + added))
+        for s in probe_shapes(lim):
+            new = variants(s) - covered
+            if new:
+                added.append(s)
+                covered |= new
+    return added
 
 
 def _same_class(s: StepShape, points: list[dict]) -> bool:

@@ -37,6 +37,8 @@ an FA3-style split count (the SelIR program computes it from the batch).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -262,10 +264,76 @@ def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
         raise TypeError(f"{name}: query_start_loc, seq_lens and block_tables must be int32")
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    block_q: int
+    decode: bool  # a decode-only step: program b serves sequence b
+    split: bool  # sequences of at most short_q queries are left to the short launch
+    has_short: bool  # ... and the short launch runs
+    short_m: int
+    short_q: int
+    n_qtiles: int
+    max_splits: int
+    parallel: bool  # one program per KV split, then the combine kernel
+
+
+def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, query_lens, kvh: int, g: int,
+                sms: int, *, block_m: int, split_tokens: int, combine: str = "auto", rowsum: str = "mma",
+                short_launch: bool = True) -> LaunchPlan:
+    """What `attention_triton_paged` launches for a step (host values only).
+
+    A selection fixes the parameters; these are decided by the step itself,
+    and each combination is its own compile (`kernel_variants`)."""
+    block_q = block_m // g
+    # decode-only step: the launch maps program b to sequence b (same arithmetic per row)
+    decode = max_seqlen_q == 1 and t == num_seqs
+    # a mixed step's tile follows its longest query (128 rows for a long chunk); a decode row
+    # in such a tile uses G of its rows. With the row sum through the MMA the tile is
+    # numerics-neutral, so sequences whose queries fit a short tile get a launch of their own
+    short_m = max(16, triton.next_power_of_2(g))
+    short_q = short_m // g  # queries of one sequence that fit a short tile
+    split = short_launch and not decode and rowsum == "mma" and block_m > short_m
+    has_short = False
+    if split:  # without host copies of the query lengths, launch it: its programs skip long sequences
+        has_short = min(query_lens) <= short_q if query_lens else True
+    n_qtiles = t if decode else t // block_q + num_seqs
+    max_splits = triton.cdiv(max(max_seqlen_k, 1), split_tokens)
+    if combine == "auto":
+        parallel = max_splits > 1 and n_qtiles * kvh < sms
+    elif combine in ("parallel", "sequential"):
+        parallel = combine == "parallel" and max_splits > 1  # one split: nothing to combine
+    else:
+        raise ValueError(f"attention/triton_paged: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
+    return LaunchPlan(block_q, decode, split, has_short, short_m, short_q, n_qtiles, max_splits, parallel)
+
+
+def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_stages: int = 2,
+                    **_selection) -> set[tuple]:
+    """The compiles a step with this plan needs (beyond the selection's fixed constexprs):
+    (kernel, BLOCK_M, PARALLEL, DECODE, SHORT, SKIP_Q, num_warps, num_stages)."""
+    out = {("paged", block_m, plan.parallel, plan.decode, False, plan.short_q if plan.split else 0, num_warps,
+            num_stages)}
+    if plan.parallel:
+        out.add(("combine", plan.decode))
+    if plan.split and plan.has_short:
+        out.add(("paged", plan.short_m, False, False, True, 0, 4, 2))
+    return out
+
+
+def step_variants(selection: dict, *, query_lens, kv_lens, num_heads: int, num_kv_heads: int,
+                  num_sms: int) -> set[tuple]:
+    """`kernel_variants` of a step given by its query and KV lengths per sequence."""
+    keys = ("split_tokens", "block_m", "combine", "rowsum", "short_launch")
+    plan = launch_plan(sum(query_lens), len(query_lens), max(query_lens), max(kv_lens), tuple(query_lens),
+                       num_kv_heads, num_heads // num_kv_heads, num_sms,
+                       **{k: selection[k] for k in keys if k in selection})
+    return kernel_variants(plan, **{k: v for k, v in selection.items() if k != "impl"})
+
+
 @register("attention", "triton_paged",
           params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine", "rowsum",
                   "short_launch"),
-          devices=("cuda",))
+          devices=("cuda",), variants=step_variants)
 def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                            num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
@@ -291,27 +359,12 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     out = empty_like(q)
     if t == 0 or meta.num_seqs == 0:
         return out
-    block_q = block_m // g
-    # decode-only step: the launch maps program b to sequence b (same arithmetic per row)
-    decode = meta.max_seqlen_q == 1 and t == meta.num_seqs
-    # a mixed step's tile follows its longest query (128 rows for a long chunk); a decode row
-    # in such a tile uses G of its rows. With the row sum through the MMA the tile is
-    # numerics-neutral, so sequences whose queries fit a short tile get a launch of their own
-    short_m = max(16, triton.next_power_of_2(g))
-    short_q = short_m // g  # queries of one sequence that fit a short tile
-    split = short_launch and not decode and rowsum == "mma" and block_m > short_m
-    has_short = False
-    if split:  # without host copies of the query lengths, launch it: its programs skip long sequences
-        lens = meta.query_lens_cpu
-        has_short = min(lens) <= short_q if lens else True
-    n_qtiles = t if decode else t // block_q + meta.num_seqs
-    max_splits = triton.cdiv(max(meta.max_seqlen_k, 1), split_tokens)
-    if combine == "auto":
-        parallel = max_splits > 1 and n_qtiles * kvh < sms_for(q)
-    elif combine in ("parallel", "sequential"):
-        parallel = combine == "parallel" and max_splits > 1  # one split: nothing to combine
-    else:
-        raise ValueError(f"{name}: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
+    lp = launch_plan(t, meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k,
+                     meta.query_lens_cpu if block_m > 16 and short_launch else None, kvh, g, sms_for(q),
+                     block_m=block_m, split_tokens=split_tokens, combine=combine, rowsum=rowsum,
+                     short_launch=short_launch)
+    block_q, decode, split, has_short, parallel = lp.block_q, lp.decode, lp.split, lp.has_short, lp.parallel
+    short_m, short_q, max_splits, n_qtiles = lp.short_m, lp.short_q, lp.max_splits, lp.n_qtiles
     kc, vc = kv_cache[0], kv_cache[1]
     ieee = q.dtype == torch.float32
     common = (q, kc, vc, out)
@@ -374,4 +427,4 @@ def attention_reference(q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
     return out
 
 
-__all__ = ["attention_triton_paged", "attention_reference"]
+__all__ = ["attention_triton_paged", "attention_reference", "launch_plan", "kernel_variants", "step_variants"]

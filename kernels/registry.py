@@ -24,6 +24,9 @@ class Candidate:
     fn: Callable
     params: tuple[str, ...]  # the selection parameters it accepts
     devices: tuple[str, ...]  # device types it runs on ("cpu", "cuda")
+    # the compiles a step needs beyond what its selection fixes (the warm start covers them):
+    # variants(selection, *, query_lens, kv_lens, num_heads, num_kv_heads, num_sms) -> set
+    variants: Callable | None = None
 
 
 _REGISTRY: dict[str, dict[str, Candidate]] = {}
@@ -31,12 +34,13 @@ _UNAVAILABLE: dict[tuple[str, str], str] = {}  # (family, name) -> why it is not
 
 
 def register(family: str, name: str, *, params: tuple[str, ...] = (),
-             devices: tuple[str, ...] = ("cpu", "cuda")) -> Callable[[Callable], Callable]:
+             devices: tuple[str, ...] = ("cpu", "cuda"), variants: Callable | None = None
+             ) -> Callable[[Callable], Callable]:
     def deco(fn: Callable) -> Callable:
         fam = _REGISTRY.setdefault(family, {})
         if name in fam and fam[name].fn is not fn:
             raise ValueError(f"candidate {family}/{name} registered twice")
-        fam[name] = Candidate(family, name, fn, tuple(params), tuple(devices))
+        fam[name] = Candidate(family, name, fn, tuple(params), tuple(devices), variants)
         return fn
     return deco
 

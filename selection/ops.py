@@ -124,3 +124,15 @@ def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     fn, kw = _resolve("allreduce", site, x.shape[0] if x.dim() else 1,
                       message_bytes=x.numel() * x.element_size())
     return fn(x, group, **kw)
+
+
+def launch_variants(family: str, selection: dict, **step) -> set | None:
+    """The compiles a step of this shape needs from `selection`'s candidate beyond what the
+    selection fixes (kernels/registry.py `Candidate.variants`); None when the candidate
+    decides nothing from the step, or is not registered here."""
+    from detent.kernels import registry
+    try:
+        cand = registry.get(family, selection["impl"])
+    except KeyError:
+        return None
+    return None if cand.variants is None else cand.variants(selection, **step)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from detent.engine.compile_watch import CompileWatch, watch_compiles
+from detent.engine.compile_watch import CompileWatch, describe, watch_compiles
 
 knobs = pytest.importorskip("triton").knobs
 
@@ -55,3 +55,18 @@ def test_warm_start_installs_the_watch(restore_hook, monkeypatch):
     r2 = Runner()
     startup.warm_start(r2, EngineConfig(warmup=False), {}, 64)
     assert not hasattr(r2, "compile_watch")
+
+
+def test_the_log_names_the_constexprs_and_specializations(restore_hook, caplog):
+    # what Triton 3.6-3.9 pass: `constants` and `configs` keyed by (argument index,), the
+    # signature in argument order; two compiles of one kernel differ only there
+    watch = watch_compiles()
+    compile = {"signature": {"q_ptr": "*bf16", "num_seqs": "i32", "BLOCK_M": "constexpr", "SHORT": "constexpr"},
+               "constants": {(2,): 16, (3,): True}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+    with caplog.at_level(logging.WARNING, logger="detent.engine.compile_watch"):
+        knobs.runtime.jit_post_compile_hook(key="k", repr="_paged_attn_kernel[num_warps=4](q_ptr: ()", fn=None,
+                                            compile=compile, is_manual_warmup=False, already_compiled=False)
+    assert "'BLOCK_M': '16'" in watch.kernels[-1] and "'SHORT': 'True'" in watch.kernels[-1]
+    assert "'q_ptr': [['tt.divisibility', 16]]" in watch.kernels[-1] and "BLOCK_M" in caplog.text
+    garbled = {"signature": None, "constants": 5, "specialization_data": '{"name": "k"}'}
+    assert "name" in describe(garbled)

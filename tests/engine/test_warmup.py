@@ -10,7 +10,7 @@ import pytest
 
 from engine_helpers import bundle, make_llm, prompt
 from detent.engine import SamplingParams
-from detent.engine.warmup import Limits, StepShape, companions, plan_warmup, shape_for, warm_up
+from detent.engine.warmup import Limits, StepShape, plan_warmup, probe_variants, shape_for, warm_up
 from detent.selection import make_dispatcher, programs
 from detent.selection.compiler.reach import reachable, selection_key
 from detent.selection.compiler.solver import solve
@@ -131,7 +131,7 @@ def test_gpu_deployment_every_reachable_selection_is_warmed(preset_name):
         d._selectors[(fam, site)] = d.provider.selector(fam, dict(site))
     plan = plan_warmup(d, facts, lim, {logits})
     assert plan.uncovered == []
-    assert len(plan.shapes) <= 96  # a warm start of seconds, not minutes (companions included)
+    assert len(plan.shapes) <= 96  # a warm start of seconds, not minutes
     for fam, site in sites:
         if (fam, site) == logits:
             continue
@@ -169,13 +169,54 @@ def test_step_shape_runtime():
     assert s.runtime() == {"num_tokens": 7, "num_seqs": 3, "max_seqlen_q": 5, "max_seqlen_k": 40, "total_kv": 52}
 
 
-def test_companions_reach_the_launches_a_selection_leaves_to_the_step():
+def _served_steps(n: int, lim: Limits, seed: int = 0):
+    """Steps a loaded server makes (not the probes' grid): prompt chunks of 2..2,048 tokens,
+    0..255 decodes, KV lengths anywhere up to the model's limit; decode-only steps excluded
+    (the decode CUDA graphs compile those)."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        d = rng.choice([0, 0, 1, 3, 16, 40, 64, 100, 200, 255])
+        q = [rng.choice([rng.randint(2, 4), rng.randint(5, 16), rng.randint(17, 127), rng.randint(128, 1024),
+                         rng.randint(1025, 2048)]) for _ in range(rng.choice([1, 1, 2, 3]))]
+        if sum(q) + d > lim.max_num_batched_tokens or len(q) + d > lim.max_num_seqs:
+            continue
+        k = [min(lim.max_model_len, x + rng.choice([0, 0, rng.randint(0, 3000)])) for x in q]
+        out.append(StepShape(tuple(q) + (1,) * d, tuple(k) + tuple(rng.randint(2, lim.max_model_len)
+                                                                     for _ in range(d))))
+    return out
+
+
+@pytest.mark.parametrize("preset_name", ["llama-3.1-8b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("probes", [True, False])
+def test_warm_steps_reach_every_attention_compile_a_served_step_needs(preset_name, probes, monkeypatch):
+    """Lease 6: five attention compiles while serving, after a warm start that reached every
+    selection. A selection leaves the Triton attention's launches (decode, short, split
+    combine) to the step: each combination any of 5,000 served steps needs must be among the
+    planned steps'. Without the probe steps some are not (the control: this test can fail)."""
+    pytest.importorskip("detent.kernels.attention_triton")
+    from detent.kernels.attention_triton import step_variants
+    from detent.selection.facts import default_facts_for
+    c, sites, logits = _gpu_sites(preset_name)
     lim = Limits(8192, 256, 4096)
-    one = StepShape((1024,), (1024,))
-    cs = companions(one, lim)
-    assert StepShape((1024,) + (1,) * 16, (1024,) * 17) in cs  # decodes beside the chunk: the short launch
-    assert StepShape((1024,) * 8, (1024,) * 8) in cs  # more tiles: the other combine
-    assert cs[0].num_tokens % 16 == one.num_tokens % 16
-    assert companions(StepShape((1,) * 5, (40,) * 5), lim) == []  # decode-only: the graphs' own
-    tight = Limits(1030, 4, 4096)
-    assert companions(one, tight) == []  # nothing past the limits
+    facts = default_facts_for(c, device="cuda", dtype="bfloat16", max_context=4096, max_num_batched_tokens=8192,
+                              max_num_seqs=256, num_sms=132, arch="sm90", triton=True)
+    d = make_dispatcher(facts, "pinned", None)
+    for fam, site in sites:
+        d._selectors[(fam, site)] = d.provider.selector(fam, dict(site))
+    if not probes:
+        monkeypatch.setattr("detent.engine.warmup.probe_variants", lambda *a, **k: [])
+    plan = plan_warmup(d, facts, lim, {logits})
+    (att, site), = [(f, s) for f, s in sites if f == "attention"]
+    sel, heads = d._selectors[(att, site)], dict(site)
+
+    def variants(s):
+        return step_variants(sel(**s.runtime()), query_lens=s.query_lens, kv_lens=s.kv_lens, num_sms=132,
+                             num_heads=heads["num_heads"], num_kv_heads=heads["num_kv_heads"])
+    covered = set().union(*(variants(s) for s in plan.shapes if max(s.query_lens) > 1))
+    missing = {v for s in _served_steps(5000, lim) for v in variants(s)} - covered
+    if probes:
+        assert missing == set()
+    else:
+        assert missing  # what lease 6 met
