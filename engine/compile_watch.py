@@ -13,9 +13,23 @@ them.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from typing import Any
 
 log = logging.getLogger("detent.engine.compile_watch")
+_paused = 0  # engines starting up in this process (their compiles are expected)
+
+
+@contextmanager
+def paused():
+    """Compiles inside are an engine's startup (graph capture, warm start), not serving:
+    the watch neither logs nor counts them (a second engine in a process that serves)."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
 
 
 class CompileWatch:
@@ -28,10 +42,15 @@ class CompileWatch:
 
     def __call__(self, *, key=None, repr=None, fn=None, compile=None, is_manual_warmup=False,  # noqa: A002
                  already_compiled=False):
+        if _paused:
+            return self._forward(key, repr, fn, compile, is_manual_warmup, already_compiled)
         self.count += 1
         what = f"{repr}{describe(compile)}"
         self.kernels.append(what)
         log.warning("kernel compiled while serving (the warm start did not reach it): %s", what)
+        return self._forward(key, repr, fn, compile, is_manual_warmup, already_compiled)
+
+    def _forward(self, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
         if self.previous is not None:
             return self.previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                  already_compiled=already_compiled)

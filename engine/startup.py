@@ -139,9 +139,11 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, mc: Any, device: 
             raise FactMismatch(f"{e}\n{matching_tuple_hint(config, facts, e)}", e.fact, e.made_for, e.here) from None
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
                          dispatcher, device)
+    from detent.engine.compile_watch import paused
     from detent.engine.cuda_graph import enable_graphs
-    enable_graphs(runner, config, max_model_len=max_len)
-    warm_start(runner, config, facts, max_len, world=world, group=group)
+    with paused():  # a second engine's startup compiles are not "while serving"
+        enable_graphs(runner, config, max_model_len=max_len)
+        warm_start(runner, config, facts, max_len, world=world, group=group)
     return RankRuntime(runner, state, facts, dispatcher)
 
 
@@ -154,8 +156,10 @@ def warm_start(runner, config: EngineConfig, facts: dict, max_len: int, *, world
     from detent.engine.warmup import Limits, warm_up
     rank0 = world == 1 or torch.distributed.get_rank(group) == 0
     lim = Limits(config.max_num_batched_tokens, config.max_num_seqs, max_len)
+    from detent.engine.compile_watch import paused
     try:
-        warm_up(runner, facts, lim, progress=progress and rank0)
+        with paused():
+            warm_up(runner, facts, lim, progress=progress and rank0)
     except Exception as e:  # noqa: BLE001  (as a failed graph capture: serve, compile on demand, say why)
         if world > 1:
             raise  # the ranks must not disagree on what ran

@@ -70,3 +70,17 @@ def test_the_log_names_the_constexprs_and_specializations(restore_hook, caplog):
     assert "'q_ptr': [['tt.divisibility', 16]]" in watch.kernels[-1] and "BLOCK_M" in caplog.text
     garbled = {"signature": None, "constants": 5, "specialization_data": '{"name": "k"}'}
     assert "name" in describe(garbled)
+
+
+def test_a_second_engines_startup_is_not_serving(restore_hook, caplog):
+    # lease 6's RL tests: engines built after the first one logged their own warm start
+    from detent.engine.compile_watch import paused
+    seen = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["repr"])
+    watch = watch_compiles()
+    before = watch.count
+    with paused():
+        _fire("_rms_norm_kernel")
+    assert watch.count == before and seen == ["_rms_norm_kernel[num_warps=4](x: *bf16)"]  # still forwarded
+    _fire("_rms_norm_kernel")
+    assert watch.count == before + 1
