@@ -4,7 +4,7 @@ For Llama-3.1-8B's four projections and M from 1,024 to 2,304 rows, times
 the Triton GEMM as the pinned selection runs it (rows past the last whole
 round of wide tiles in a second launch, `selection/programs/gemm.py`
 `wave_split`), the same GEMM in one launch (`split_m=0`), and cuBLAS
-(`torch.nn.functional.linear`, stock), and checks that the cut and the
+(`torch.nn.functional.linear`, stock), each replayed from a CUDA graph, and checks that the cut and the
 single launch give equal bits (`torch.equal`).
 
     python3 benchmarks/gemm_waves.py --out $OUT/gemm_waves.json
@@ -43,7 +43,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default=",".join(str(m) for m in range(1024, 2305, 64)))
     a = ap.parse_args()
-    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=60, return_mode="median") * 1e3  # noqa: E731
+    # CUDA-graph replays, as the piecewise graphs run them: device time without the host's launches
+    # (lease 6 timed with do_bench, where two TMA launches at small M were host-bound)
+    bench = lambda f: triton.testing.do_bench_cudagraph(f, rep=60, return_mode="median") * 1e3  # noqa: E731
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
