@@ -201,6 +201,10 @@ def probe_variants(selectors: dict, facts: dict[str, Any], lim: Limits, shapes: 
                     num_sms=facts.get("num_sms"))
         if family != "attention" or None in step.values():
             continue
+        first = StepShape((1,), (1,))  # one implementation per deployment: does it declare variants?
+        if ops.launch_variants(family, selector(**first.runtime()), query_lens=first.query_lens,
+                               kv_lens=first.kv_lens, **step) is None:
+            continue
 
         def variants(s: StepShape):
             if max(s.query_lens) == 1:  # decode-only: the decode CUDA graphs compile these
