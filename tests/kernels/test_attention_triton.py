@@ -11,6 +11,7 @@ import torch
 
 from detent.kernels import attention_triton
 from detent.kernels.attention_triton import attention_reference, attention_triton_paged
+from detent.selection.context import AttentionMetadata
 from paged_cases import PagedCase
 
 SCALE = 0.3
@@ -134,3 +135,35 @@ def test_short_queries_of_a_mixed_step_get_their_own_launch(combine, monkeypatch
     assert torch.equal(y[:45], alone)
     short16, _ = _run(case, chunks, block_m=16, **kw)
     assert torch.equal(y[45:], short16[45:])
+
+
+@pytest.mark.parametrize("block_m,combine", [(16, "sequential"), (16, "parallel"), (64, "auto"),
+                                             (64, "parallel")])
+def test_a_padded_launch_keeps_every_real_row(block_m, combine):
+    # what a CUDA graph of a mixed step would bake in (docs/performance.md, "whole-step graphs"):
+    # more tokens than the step has (rows past the last sequence, slots -1: not stored), empty
+    # sequences after the real ones, the longest KV of the deployment, no host query lengths
+    # (the short launch always runs). The real rows must keep their bits, and the cache too
+    case = PagedCase([45, 30, 12], h=4, kvh=2, d=16, block_size=8, seed=7)
+    chunks = [(0, 45), (29, 30), (9, 12)]
+    kw = dict(split_tokens=16, block_m=block_m, block_n=16, combine=combine)
+    y, (q, k, v, meta) = _run(case, chunks, **kw)
+    cache = case.fresh_cache()
+    case.prefill_prefix(cache, [s for s, _ in chunks])
+    t, n, extra_t, extra_s = meta.num_tokens, meta.num_seqs, 11, 3
+    g = torch.Generator().manual_seed(0)
+    pad = lambda x: torch.cat([x, torch.randn((extra_t,) + x.shape[1:], generator=g)])  # noqa: E731
+    qsl = torch.cat([meta.query_start_loc, torch.full((extra_s,), t, dtype=torch.int32)])
+    padded = AttentionMetadata(
+        query_start_loc=qsl, seq_lens=torch.cat([meta.seq_lens, torch.ones(extra_s, dtype=torch.int32)]),
+        block_tables=torch.cat([meta.block_tables, torch.zeros((extra_s, meta.block_tables.shape[1]),
+                                                               dtype=torch.int32)]),
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full((extra_t,), -1, dtype=torch.long)]),
+        num_seqs=n + extra_s, num_tokens=t + extra_t, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=96,
+        block_size=meta.block_size)
+    yp = attention_triton_paged(pad(q), pad(k), pad(v), cache, padded, SCALE, **kw)
+    assert torch.equal(yp[:t], y)
+    ref = case.fresh_cache()
+    case.prefill_prefix(ref, [s for s, _ in chunks])
+    attention_triton_paged(q, k, v, ref, meta, SCALE, **kw)
+    assert torch.equal(cache.nan_to_num(7.0), ref.nan_to_num(7.0))  # padded tokens wrote nothing
