@@ -34,7 +34,7 @@ def _install_local(runner, config, max_model_len: int, facts: dict, path: str | 
         if eager is not None:
             runner._forward = eager
         return
-    from detent.engine.cuda_graph import enable_graphs
+    from detent.engine.graphs import enable_graphs
     from detent.engine.startup import warm_start
     enable_graphs(runner, config, max_model_len=max_model_len)
     # the new selections' kernels compile here, not inside the measurement (on CUDA, as at startup)

@@ -44,6 +44,9 @@ class EngineConfig:
     # attention) up to this many tokens (and max_num_batched_tokens); larger steps
     # run eagerly; 0: never
     piecewise_max_tokens: int = 8192
+    # GPU, tp = 1: steps with prompt tokens of up to this many tokens (16 .. 512) replay one
+    # whole-step graph, attention inside (engine/mixed_graph.py); 0: off (never run on a GPU yet)
+    mixed_graph_max_tokens: int = 0
     # a step that carries decodes takes at most this many tokens (prompts wait for
     # later steps rather than stall every generating request); None: no cap
     max_mixed_batched_tokens: int | None = 2048
@@ -73,8 +76,10 @@ class EngineConfig:
                      "max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks", "max_mixed_batched_tokens",
                      "mixed_token_align"):
             positive(name)
-        if not isinstance(self.piecewise_max_tokens, int) or self.piecewise_max_tokens < 0:
-            raise ValueError(f"piecewise_max_tokens must be an int >= 0, got {self.piecewise_max_tokens!r}")
+        for name in ("piecewise_max_tokens", "mixed_graph_max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         if self.selection not in SELECTION_MODES:
             raise ValueError(f"selection must be one of {SELECTION_MODES}, got {self.selection!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -165,16 +165,3 @@ def enable_cuda_graphs(runner, *, max_num_seqs: int, max_model_len: int,
         runner._forward = forward
     runner.cuda_graphs = g
     return g
-
-
-def enable_graphs(runner, config, *, max_model_len: int) -> None:
-    """The graphs a GPU runner replays (`config.enforce_eager` turns them off):
-    decode graphs, and at tp = 1 piecewise graphs for steps with prefill tokens
-    (engine/piecewise_graph.py; under tensor parallelism those stay eager)."""
-    if runner.device.type != "cuda" or config.enforce_eager:
-        return
-    enable_cuda_graphs(runner, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
-    limit = min(config.piecewise_max_tokens, config.max_num_batched_tokens)
-    if config.tensor_parallel_size == 1 and limit >= 16:
-        from detent.engine.piecewise_graph import enable_piecewise_graphs
-        enable_piecewise_graphs(runner, max_tokens=limit)

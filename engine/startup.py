@@ -140,7 +140,7 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, mc: Any, device: 
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
                          dispatcher, device)
     from detent.engine.compile_watch import paused
-    from detent.engine.cuda_graph import enable_graphs
+    from detent.engine.graphs import enable_graphs
     with paused():  # a second engine's startup compiles are not "while serving"
         enable_graphs(runner, config, max_model_len=max_len)
         warm_start(runner, config, facts, max_len, world=world, group=group)

@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a step that carries decodes and passes this many tokens ends on a multiple of it, "
                         "its last prompt chunk leaving the rest to the next step (GEMM shapes; no bits "
                         "change; default off)")
+    p.add_argument("--mixed-graph-max-tokens", type=int, default=None,
+                   help="GPU: steps with prompt tokens of up to this many tokens (16 to 512) replay one "
+                        "whole-step CUDA graph, attention inside, as vLLM's full graphs do (no bits change; "
+                        "default 0: off, not yet run on a GPU)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process, so HTTP work never holds the GIL the step "
                         "loop needs (default: on)")
@@ -79,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--allowed-weight-dir {d!r} is not a directory")
     if a.mixed_token_align is not None and a.mixed_token_align < 1:
         p.error(f"--mixed-token-align must be >= 1, got {a.mixed_token_align}")
+    if a.mixed_graph_max_tokens is not None and a.mixed_graph_max_tokens < 0:
+        p.error(f"--mixed-graph-max-tokens must be >= 0, got {a.mixed_graph_max_tokens}")
     if a.max_mixed_batched_tokens is not None and a.max_mixed_batched_tokens < 0:
         p.error(f"--max-mixed-batched-tokens must be >= 0, got {a.max_mixed_batched_tokens}")
     for name in ("tp", "max_queue_len", "port"):
@@ -130,7 +136,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl,
               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
               warmup=a.warm_start)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens", "mixed_token_align"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens", "mixed_token_align",
+                 "mixed_graph_max_tokens"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     if a.max_mixed_batched_tokens == 0:

@@ -142,3 +142,16 @@ def test_scheduling_flags_reach_the_engine_config():
     assert "mixed_token_align" not in engine_kwargs(parse_args([]))  # default: off
     with pytest.raises(SystemExit):
         parse_args(["--mixed-token-align", "0"])
+
+
+def test_mixed_graph_flag_reaches_the_engine_config():
+    from detent.engine.config import EngineConfig
+    from detent.server.cli import engine_kwargs, parse_args
+    kw = engine_kwargs(parse_args(["--mixed-graph-max-tokens", "512"]))
+    assert EngineConfig(mixed_graph_max_tokens=kw["mixed_graph_max_tokens"]).mixed_graph_max_tokens == 512
+    assert "mixed_graph_max_tokens" not in engine_kwargs(parse_args([]))  # default: off
+    assert EngineConfig().mixed_graph_max_tokens == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--mixed-graph-max-tokens", "-1"])
+    with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
+        EngineConfig(mixed_graph_max_tokens=True)

@@ -1,0 +1,32 @@
+"""The CUDA graphs a GPU runner replays, installed in one place (startup and the tuner)."""
+from __future__ import annotations
+
+import logging
+
+from detent.engine.cuda_graph import enable_cuda_graphs
+
+log = logging.getLogger(__name__)
+
+
+def enable_graphs(runner, config, *, max_model_len: int) -> None:
+    """The graphs a GPU runner replays (`config.enforce_eager` turns them off):
+    decode graphs, and at tp = 1 piecewise graphs for steps with prefill tokens
+    (engine/piecewise_graph.py; under tensor parallelism those stay eager) and,
+    where `config.mixed_graph_max_tokens` asks for them, whole-step graphs for
+    small such steps in front of those (engine/mixed_graph.py)."""
+    if runner.device.type != "cuda" or config.enforce_eager:
+        return
+    enable_cuda_graphs(runner, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+    limit = min(config.piecewise_max_tokens, config.max_num_batched_tokens)
+    if config.tensor_parallel_size == 1 and limit >= 16:
+        from detent.engine.piecewise_graph import enable_piecewise_graphs
+        enable_piecewise_graphs(runner, max_tokens=limit)
+    if config.tensor_parallel_size == 1 and config.mixed_graph_max_tokens >= 16:
+        sites = [site for fam, site in runner.dispatcher.built() if fam == "attention"]
+        if len(sites) != 1:  # the captures above ran every layer: one attention shape is ours
+            log.warning("mixed-step graphs off: %d attention call sites, expected 1", len(sites))
+            return
+        from detent.engine.mixed_graph import enable_mixed_graphs
+        enable_mixed_graphs(runner, max_tokens=config.mixed_graph_max_tokens, max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                            attention_site=sites[0])

@@ -1,0 +1,215 @@
+"""Whole-step CUDA graphs for small steps with prompt tokens (off by default; never run on a GPU yet).
+
+Lease 6 measured a step of 16 prompt tokens beside 16 decodes at 11.0 ms of
+device time and 10.9 ms of host time, against 5.4 ms for the decode graph of
+16: the piecewise graphs (engine/piecewise_graph.py) run attention eagerly
+between their pieces, and for a small step the host's 32 attention calls are
+the step. vLLM replays one whole graph, attention inside, for every step of
+up to 512 tokens. This does the same.
+
+A graph is captured for T tokens and S sequences (`pairs`) and for one
+attention selection. A step of t <= T tokens and n <= S sequences replays it
+on static buffers: its tokens, then rows no sequence owns (slot -1: nothing
+is stored); its sequences, then empty ones (no query; the null block). The
+Triton attention finds a program's sequence from the query starts, so the
+extra programs do nothing, and a row's bits do not move
+(tests/kernels/test_attention_triton.py::test_a_padded_launch_keeps_every_real_row).
+
+What the graph bakes in is chosen at the padded shape, as the decode graphs
+do: every selection at T tokens, attention's at S sequences and the
+deployment's longest KV; the capture's layout puts decodes beside a chunk, so
+a graph of two or more sequences always has the short launch (its programs
+skip long sequences). The step picks the graph whose attention selection at that
+padded shape equals its own longest query's; a step with no such graph, or
+decode-only, or larger, takes the other runners. In `pinned` mode the
+selections the padding can move are the neutral ones (tile heights, warps,
+the combine), so bits do not change; tests/gpu/test_gpu_mixed_graph.py
+checks it with `torch.equal`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from detent.engine.cuda_graph import NULL_BLOCK, _check_graph_safe
+from detent.selection.context import AttentionMetadata, ForwardContext, forward_context
+from detent.selection.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+TOKENS = (16, 32, 64, 128, 256, 512)
+SEQS = (4, 16, 64, 256)
+# longest queries tried at capture: one per attention selection they reach (tile heights
+# change at powers of two over the heads per KV head)
+PROBE_Q = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 127, 128, 129, 256, 257, 511, 512)
+
+
+def graph_pairs(max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+    """(T, S) pairs to capture: token buckets up to `max_tokens`, sequence buckets up to
+    `max_num_seqs`, S <= T (every sequence has a token)."""
+    ts = [t for t in TOKENS if t <= min(max_tokens, max_num_batched_tokens)]
+    ss = sorted({min(s, max_num_seqs) for s in SEQS})
+    return [(t, s) for t in ts for s in ss if s <= t]
+
+
+def pair_for(pairs: list[tuple[int, int]], t: int, n: int) -> tuple[int, int] | None:
+    """The smallest captured (T, S) a step of t tokens and n sequences fits."""
+    fits = [(T, S) for T, S in pairs if T >= t and S >= n]
+    return min(fits) if fits else None
+
+
+class MixedGraphRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 dispatcher: Dispatcher, device: torch.device, *, max_model_len: int,
+                 pairs: list[tuple[int, int]], attention_site: tuple):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.dispatcher, self.device = dispatcher, device
+        self.max_model_len, self.site = max_model_len, attention_site
+        self.pairs = sorted(set(pairs))
+        t_max = max(t for t, _ in self.pairs)
+        s_max = max(s for _, s in self.pairs)
+        self.max_blocks = -(-max_model_len // block_size)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(t_max, dtype=torch.long, device=device)
+        self.positions = torch.zeros(t_max, dtype=torch.long, device=device)
+        self.slots = torch.full((t_max,), -1, dtype=torch.long, device=device)
+        self.qsl = torch.zeros(s_max + 1, **i32)
+        self.seq_lens = torch.ones(s_max, **i32)
+        self.block_tables = torch.full((s_max, self.max_blocks), NULL_BLOCK, **i32)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, torch.Tensor] = {}
+        self._keys: dict[tuple[int, int, int], tuple] = {}
+        self.pool = None
+        self.disabled: str | None = None
+
+    # ------------------------------------------------------------ selection at the padded shape
+    def _meta(self, t: int, s: int, mq: int) -> AttentionMetadata:
+        """Metadata of the padded shape. The host tuples are the capture's layout (sequence 0
+        with `mq` queries, the others one each); replays read only the device buffers."""
+        qsl = (0,) + tuple(mq + i for i in range(s))
+        return AttentionMetadata(
+            query_start_loc=self.qsl[:s + 1], seq_lens=self.seq_lens[:s], block_tables=self.block_tables[:s],
+            slot_mapping=self.slots[:t], num_seqs=s, num_tokens=t, max_seqlen_q=mq,
+            max_seqlen_k=self.max_model_len, block_size=self.block_size, query_start_loc_cpu=qsl,
+            seq_lens_cpu=(self.max_model_len,) * s)
+
+    def key(self, t: int, s: int, mq: int) -> tuple:
+        """Attention's selection at the padded shape: T tokens, S sequences, longest query mq,
+        the longest KV (the runtime values the capture's forward context gives it)."""
+        k = self._keys.get((t, s, mq))
+        if k is None:
+            rt = ForwardContext(attn=self._meta(t, s, mq)).runtime(t)
+            k = self._keys[(t, s, mq)] = tuple(sorted(self.dispatcher.select("attention", self.site, rt).items()))
+        return k
+
+    # ------------------------------------------------------------ capture
+    def _set_layout(self, t: int, s: int, mq: int) -> None:
+        self.input_ids[:t].zero_()
+        self.positions[:t].zero_()
+        self.slots[:t].fill_(-1)  # capture writes nothing into the cache
+        self.qsl[:s + 1].copy_(torch.tensor((0,) + tuple(mq + i for i in range(s)), dtype=torch.int32))
+        self.seq_lens[:s].fill_(1)  # the decodes: one token at position 0
+        self.seq_lens[0] = mq  # sequence 0's queries at positions 0 .. mq - 1 (never before 0)
+        self.block_tables[:s].fill_(NULL_BLOCK)
+
+    @torch.inference_mode()
+    def capture(self) -> "MixedGraphRunner":
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        try:
+            for t, s in sorted(self.pairs, reverse=True):  # largest first: later graphs reuse its pool
+                for mq in PROBE_Q:
+                    if mq + s - 1 > t or mq > self.max_model_len:
+                        continue
+                    gkey = (t, s, self.key(t, s, mq))
+                    if gkey in self.graphs:
+                        continue
+                    self._set_layout(t, s, mq)
+                    ctx = ForwardContext(attn=self._meta(t, s, mq), kv_caches=self.kv_caches,
+                                         dispatcher=self.dispatcher)
+                    with forward_context(ctx):
+                        for _ in range(2):  # Triton compiles, selections
+                            self.model(self.input_ids[:t], self.positions[:t])
+                        _check_graph_safe(ctx)
+                        torch.cuda.synchronize(self.device)
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, pool=self.pool):
+                            out = self.model(self.input_ids[:t], self.positions[:t])
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    self.graphs[gkey], self.outputs[gkey] = g, out
+        except Exception as e:  # noqa: BLE001  (any capture failure: the other runners serve, say why)
+            self.graphs.clear()
+            self.outputs.clear()
+            self.disabled = f"mixed-step CUDA-graph capture failed ({type(e).__name__}: {e}); those steps " \
+                            f"replay the piecewise graphs"
+            log.warning(self.disabled)
+        torch.cuda.synchronize(self.device)
+        return self
+
+    # ------------------------------------------------------------ replay
+    def graph_for(self, attn: AttentionMetadata) -> tuple | None:
+        if self.disabled or not self.graphs:
+            return None
+        t, n, mq = attn.num_tokens, attn.num_seqs, attn.max_seqlen_q
+        if mq == 1 and t == n:  # decode-only: the decode graphs'
+            return None
+        if attn.block_tables.shape[1] > self.max_blocks:
+            return None
+        pair = pair_for(self.pairs, t, n)
+        if pair is None:
+            return None
+        gkey = (pair[0], pair[1], self.key(pair[0], pair[1], mq))
+        return gkey if gkey in self.graphs else None
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, t_pad: int,
+             s_pad: int) -> AttentionMetadata:
+        """Copy the step into the static buffers, padded to t_pad tokens and s_pad sequences;
+        the metadata the graph's kernels then read (device tensors only)."""
+        t, n = attn.num_tokens, attn.num_seqs
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slots[:t].copy_(attn.slot_mapping)
+        if t_pad > t:
+            self.input_ids[t:t_pad].zero_()
+            self.positions[t:t_pad].zero_()
+            self.slots[t:t_pad].fill_(-1)  # rows no sequence owns: nothing stored
+        self.qsl[:n + 1].copy_(attn.query_start_loc)
+        self.seq_lens[:n].copy_(attn.seq_lens)
+        w = attn.block_tables.shape[1]
+        self.block_tables[:n, :w].copy_(attn.block_tables)
+        if s_pad > n:  # empty sequences: no query, one null-block token
+            self.qsl[n + 1:s_pad + 1].fill_(t)
+            self.seq_lens[n:s_pad].fill_(1)
+            self.block_tables[n:s_pad, 0] = NULL_BLOCK
+        return AttentionMetadata(
+            query_start_loc=self.qsl[:s_pad + 1], seq_lens=self.seq_lens[:s_pad],
+            block_tables=self.block_tables[:s_pad], slot_mapping=self.slots[:t_pad], num_seqs=s_pad,
+            num_tokens=t_pad, max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=self.max_model_len,
+            block_size=self.block_size)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        gkey = self.graph_for(ctx.attn)
+        if gkey is None:
+            return None
+        self.fill(input_ids, positions, ctx.attn, gkey[0], gkey[1])
+        self.graphs[gkey].replay()
+        return self.outputs[gkey][:ctx.attn.num_tokens]
+
+
+def enable_mixed_graphs(runner, *, max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int,
+                        max_model_len: int, attention_site: tuple) -> MixedGraphRunner:
+    """Capture whole-step graphs for small steps with prompt tokens and put them in front of
+    the runner's `_forward` (decode graphs and piecewise graphs behind them)."""
+    inner = runner._forward
+    g = MixedGraphRunner(runner.model, runner.kv_caches, runner.block_size, runner.dispatcher, runner.device,
+                         max_model_len=max_model_len, attention_site=attention_site,
+                         pairs=graph_pairs(max_tokens, max_num_seqs, max_num_batched_tokens)).capture()
+    if g.disabled is None:
+        def forward(input_ids, positions, ctx):
+            out = g.run(input_ids, positions, ctx)
+            return inner(input_ids, positions, ctx) if out is None else out
+        runner._forward = forward
+    runner.mixed_graphs = g
+    return g
