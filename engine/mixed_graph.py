@@ -113,32 +113,45 @@ class MixedGraphRunner:
         self.seq_lens[0] = mq  # sequence 0's queries at positions 0 .. mq - 1 (never before 0)
         self.block_tables[:s].fill_(NULL_BLOCK)
 
+    def plan(self) -> list[tuple[int, int, int]]:
+        """(T, S, longest query) to capture, largest first: one per attention selection the
+        probes reach at (T, S), and only where a step with that selection can need T tokens
+        (its longest query times S passes the next smaller token bucket: a 16-row tile's steps
+        of 4 sequences never reach 512 tokens)."""
+        out = []
+        ts = sorted({t for t, _ in self.pairs})
+        for t, s in sorted(self.pairs, reverse=True):
+            smaller = max([x for x in ts if x < t], default=0)
+            reach: dict[tuple, list[int]] = {}
+            for mq in PROBE_Q:
+                if mq + s - 1 <= t and mq <= self.max_model_len:
+                    reach.setdefault(self.key(t, s, mq), []).append(mq)
+            for mqs in reach.values():
+                if max(mqs) * s > smaller:
+                    out.append((t, s, mqs[0]))
+        return out
+
     @torch.inference_mode()
     def capture(self) -> "MixedGraphRunner":
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         try:
-            for t, s in sorted(self.pairs, reverse=True):  # largest first: later graphs reuse its pool
-                for mq in PROBE_Q:
-                    if mq + s - 1 > t or mq > self.max_model_len:
-                        continue
-                    gkey = (t, s, self.key(t, s, mq))
-                    if gkey in self.graphs:
-                        continue
-                    self._set_layout(t, s, mq)
-                    ctx = ForwardContext(attn=self._meta(t, s, mq), kv_caches=self.kv_caches,
-                                         dispatcher=self.dispatcher)
-                    with forward_context(ctx):
-                        for _ in range(2):  # Triton compiles, selections
-                            self.model(self.input_ids[:t], self.positions[:t])
-                        _check_graph_safe(ctx)
-                        torch.cuda.synchronize(self.device)
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g, pool=self.pool):
-                            out = self.model(self.input_ids[:t], self.positions[:t])
-                    if self.pool is None:
-                        self.pool = g.pool()
-                    self.graphs[gkey], self.outputs[gkey] = g, out
+            for t, s, mq in self.plan():  # largest first: later graphs reuse its pool
+                gkey = (t, s, self.key(t, s, mq))
+                self._set_layout(t, s, mq)
+                ctx = ForwardContext(attn=self._meta(t, s, mq), kv_caches=self.kv_caches,
+                                     dispatcher=self.dispatcher)
+                with forward_context(ctx):
+                    for _ in range(2):  # Triton compiles, selections
+                        self.model(self.input_ids[:t], self.positions[:t])
+                    _check_graph_safe(ctx)
+                    torch.cuda.synchronize(self.device)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        out = self.model(self.input_ids[:t], self.positions[:t])
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[gkey], self.outputs[gkey] = g, out
         except Exception as e:  # noqa: BLE001  (any capture failure: the other runners serve, say why)
             self.graphs.clear()
             self.outputs.clear()

@@ -54,3 +54,26 @@ def test_capture_needs_cuda():
                          attention_site=())
     with pytest.raises(ValueError, match="CUDA"):
         r.capture()
+
+
+def test_the_capture_plan_on_the_h200_deployment():
+    # Llama-3.1-8B shapes, pinned, selectors only (no GPU): one graph per attention selection
+    # a step can need at (T, S)
+    from detent.models.presets import preset
+    from detent.selection import make_dispatcher
+    from detent.selection.facts import default_facts_for
+    c = preset("llama-3.1-8b")["config"]
+    facts = default_facts_for(c, device="cuda", dtype="bfloat16", max_context=4096, max_num_batched_tokens=8192,
+                              max_num_seqs=256, num_sms=132, arch="sm90", triton=True)
+    site = (("num_heads", 32), ("num_kv_heads", 8), ("head_dim", 128), ("block_size", 16), ("dtype", "bfloat16"))
+    r = MixedGraphRunner(None, [], 16, make_dispatcher(facts, "pinned", None), torch.device("cpu"),
+                         max_model_len=4096, pairs=graph_pairs(512, 256, 8192), attention_site=site)
+    plan = r.plan()
+    assert len(plan) == len(set(plan)) and 20 <= len(plan) <= 80, len(plan)
+    tiles = {(t, s): {dict(r.key(t, s, mq))["block_m"] for tt, ss, mq in plan if (tt, ss) == (t, s)}
+             for t, s in graph_pairs(512, 256, 8192)}
+    # 4 sequences of <= 4 queries (the 16-row tile) never need 512 tokens; of <= 127 (64 rows) they can
+    assert tiles[(512, 4)] == {64, 128} and 16 in tiles[(16, 4)]
+    assert tiles[(512, 256)] >= {16, 64, 128}  # 256 sequences: any tile
+    for t, s, mq in plan:  # every graph's step layout fits it
+        assert mq + s - 1 <= t
