@@ -15,6 +15,9 @@ decodes at 1,100-token contexts, Llama-3.1-8B shapes, pinned) this measures:
   the wide tiles fill whole rounds of the SMs, `benchmarks/gemm_waves.py`);
 - that the step's hidden states are equal (`torch.equal`) with and without
   the short launch and at either bucket (rows never see padding or tiles);
+- small steps with prompt tokens (16 … 480 prompt tokens beside decodes)
+  through the pieces and through one whole-step graph (engine/mixed_graph.py),
+  with their hidden states compared (`torch.equal`);
 - `--mixed-token-align 1024` offline: a prompt with N decodes as one
   1,024 + N-token step followed by a decode-only step (CUDA graph), against
   the aligned pair the scheduler makes instead, a (1,024 - N) + N step and
@@ -201,7 +204,37 @@ def main() -> None:
         pair["aligned_total_ms"] = pair["aligned_ms"] + pair["aligned_next_ms"]
         print(json.dumps(pair), flush=True)
         aligned.append(pair)
+    # small steps with prompt tokens: the piecewise pieces (attention eager between them, host-bound
+    # in lease 6) against one whole-step graph (engine/mixed_graph.py)
+    from detent.engine.mixed_graph import MixedGraphRunner, graph_pairs
+    attn_site = tuple(site)
+    t0 = time.time()
+    whole = MixedGraphRunner(runner.model, runner.kv_caches, runner.block_size, pinned, runner.device,
+                             max_model_len=4096, pairs=graph_pairs(512, 256, a.max_tokens),
+                             attention_site=attn_site).capture()
+    whole_capture_s = time.time() - t0
+    small = []
+    for p_tok, n_dec in ((16, 16), (32, 32), (64, 64), (100, 100), (200, 56), (480, 32)):
+        shape = StepShape((p_tok,) + (1,) * n_dec, (1024,) + (CTX,) * n_dec)
+        meta, pos = _metadata(shape, runner.block_size, nb, runner.device)
+        ids = torch.randint(10, mc.vocab_size, (shape.num_tokens,), device="cuda", generator=gen)
+        row = {"prompt_tokens": p_tok, "decodes": n_dec, "tokens": shape.num_tokens}
+
+        def via(pieces):
+            c = ForwardContext(attn=meta, kv_caches=runner.kv_caches, dispatcher=pinned)
+            with forward_context(c):
+                return pieces.run(ids, pos, c)
+        ref = via(g).clone()
+        row["piecewise_ms"], row["piecewise_host_ms"] = timed(lambda: via(g))
+        if whole.disabled is None and whole.graph_for(meta) is not None:
+            row["whole_graph_ms"], row["whole_graph_host_ms"] = timed(lambda: via(whole))
+            row["hidden_equal"] = bool(torch.equal(ref, via(whole)))
+        else:
+            row["whole_graph"] = whole.disabled or "no graph for this step"
+        print(json.dumps(row), flush=True)
+        small.append(row)
     out = {"model": a.model, "info": info, "piecewise_capture_s": capture_s, "buckets": g.buckets,
+           "whole_graphs": len(whole.graphs), "whole_graph_capture_s": whole_capture_s, "small_steps": small,
            "device": torch.cuda.get_device_name(), "rows": rows, "mixed_token_align_1024": aligned}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
