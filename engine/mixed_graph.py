@@ -9,17 +9,17 @@ up to 512 tokens. This does the same.
 
 A graph is captured for T tokens and S sequences (`pairs`) and for one
 attention selection. A step of t <= T tokens and n <= S sequences replays it
-on static buffers: its tokens, then rows no sequence owns (slot -1: nothing
-is stored); its sequences, then empty ones (no query; the null block). The
-Triton attention finds a program's sequence from the query starts, so the
-extra programs do nothing, and a row's bits do not move
-(tests/kernels/test_attention_triton.py::test_a_padded_launch_keeps_every_real_row).
+on static buffers: its tokens and sequences, then one more sequence owning
+the rows past t in the null block (reserved, never a request's), then empty
+sequences. The Triton attention finds a program's sequence from the query
+starts, so extra programs do nothing, and a row's bits do not move
+(tests/kernels/test_attention_triton.py::test_a_padded_launch_keeps_every_real_row,
+tests/engine/test_mixed_graph.py).
 
 What the graph bakes in is chosen at the padded shape, as the decode graphs
 do: every selection at T tokens, attention's at S sequences and the
-deployment's longest KV; the capture's layout puts decodes beside a chunk, so
-a graph of two or more sequences always has the short launch (its programs
-skip long sequences). The step picks the graph whose attention selection at that
+deployment's longest KV, with no host query lengths, so the short launch is
+always in (its programs skip long sequences). The step picks the graph whose attention selection at that
 padded shape equals its own longest query's; a step with no such graph, or
 decode-only, or larger, takes the other runners. In `pinned` mode the
 selections the padding can move are the neutral ones (tile heights, warps,
@@ -54,8 +54,9 @@ def graph_pairs(max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int)
 
 
 def pair_for(pairs: list[tuple[int, int]], t: int, n: int) -> tuple[int, int] | None:
-    """The smallest captured (T, S) a step of t tokens and n sequences fits."""
-    fits = [(T, S) for T, S in pairs if T >= t and S >= n]
+    """The smallest captured (T, S) a step of t tokens and n sequences fits; rows past t need
+    a sequence of their own (`MixedGraphRunner.fill`), so then S > n."""
+    fits = [(T, S) for T, S in pairs if T >= t and S >= n + (T > t)]
     return min(fits) if fits else None
 
 
@@ -74,6 +75,9 @@ class MixedGraphRunner:
         self.input_ids = torch.zeros(t_max, dtype=torch.long, device=device)
         self.positions = torch.zeros(t_max, dtype=torch.long, device=device)
         self.slots = torch.full((t_max,), -1, dtype=torch.long, device=device)
+        # the padding sequence's positions and null-block slots, made once
+        self.pad_positions = torch.arange(t_max, dtype=torch.long, device=device)
+        self.pad_slots = NULL_BLOCK * block_size + self.pad_positions % block_size
         self.qsl = torch.zeros(s_max + 1, **i32)
         self.seq_lens = torch.ones(s_max, **i32)
         self.block_tables = torch.full((s_max, self.max_blocks), NULL_BLOCK, **i32)
@@ -85,13 +89,13 @@ class MixedGraphRunner:
 
     # ------------------------------------------------------------ selection at the padded shape
     def _meta(self, t: int, s: int, mq: int) -> AttentionMetadata:
-        """Metadata of the padded shape. The host tuples are the capture's layout (sequence 0
-        with `mq` queries, the others one each); replays read only the device buffers."""
-        qsl = (0,) + tuple(mq + i for i in range(s))
+        """Metadata of the padded shape, what the graph's launches are decided from: no host
+        query lengths (so the short launch is always in), the longest KV; the kernels read
+        the step's own values from the device buffers."""
         return AttentionMetadata(
             query_start_loc=self.qsl[:s + 1], seq_lens=self.seq_lens[:s], block_tables=self.block_tables[:s],
             slot_mapping=self.slots[:t], num_seqs=s, num_tokens=t, max_seqlen_q=mq,
-            max_seqlen_k=self.max_model_len, block_size=self.block_size, query_start_loc_cpu=qsl,
+            max_seqlen_k=self.max_model_len, block_size=self.block_size, query_start_loc_cpu=(),
             seq_lens_cpu=(self.max_model_len,) * s)
 
     def key(self, t: int, s: int, mq: int) -> tuple:
@@ -105,12 +109,17 @@ class MixedGraphRunner:
 
     # ------------------------------------------------------------ capture
     def _set_layout(self, t: int, s: int, mq: int) -> None:
+        """The capture's step: sequence 0 with mq queries, decodes, and a last sequence owning
+        the rest of the T rows, all in the null block (every row computes on finite values)."""
+        q = [mq] + [1] * (s - 2) + [t - mq - (s - 2)] if s > 1 else [t]
+        qsl = [0]
+        for n in q:
+            qsl.append(qsl[-1] + n)
         self.input_ids[:t].zero_()
-        self.positions[:t].zero_()
-        self.slots[:t].fill_(-1)  # capture writes nothing into the cache
-        self.qsl[:s + 1].copy_(torch.tensor((0,) + tuple(mq + i for i in range(s)), dtype=torch.int32))
-        self.seq_lens[:s].fill_(1)  # the decodes: one token at position 0
-        self.seq_lens[0] = mq  # sequence 0's queries at positions 0 .. mq - 1 (never before 0)
+        self.positions[:t].copy_(torch.cat([self.pad_positions[:n] for n in q]))
+        self.slots[:t].copy_(torch.cat([self.pad_slots[:n] for n in q]))
+        self.qsl[:s + 1].copy_(torch.tensor(qsl, dtype=torch.int32))
+        self.seq_lens[:s].copy_(torch.tensor(q, dtype=torch.int32))
         self.block_tables[:s].fill_(NULL_BLOCK)
 
     def plan(self) -> list[tuple[int, int, int]]:
@@ -162,40 +171,59 @@ class MixedGraphRunner:
         return self
 
     # ------------------------------------------------------------ replay
-    def graph_for(self, attn: AttentionMetadata) -> tuple | None:
-        if self.disabled or not self.graphs:
-            return None
+    def step_key(self, attn: AttentionMetadata) -> tuple | None:
+        """(T, S, attention selection at the padded shape) of the graph this step would
+        replay; None for a decode-only step, or one no pair holds."""
         t, n, mq = attn.num_tokens, attn.num_seqs, attn.max_seqlen_q
         if mq == 1 and t == n:  # decode-only: the decode graphs'
             return None
         if attn.block_tables.shape[1] > self.max_blocks:
             return None
         pair = pair_for(self.pairs, t, n)
-        if pair is None:
+        return None if pair is None else (pair[0], pair[1], self.key(pair[0], pair[1], mq))
+
+    def plan_entry(self, attn: AttentionMetadata) -> tuple[int, int, int] | None:
+        """The (T, S, longest query) of `plan()` this step's graph is captured from."""
+        k = self.step_key(attn)
+        return None if k is None else {(t, s, self.key(t, s, mq)): (t, s, mq) for t, s, mq in self.plan()}.get(k)
+
+    def graph_for(self, attn: AttentionMetadata) -> tuple | None:
+        if self.disabled or not self.graphs:
             return None
-        gkey = (pair[0], pair[1], self.key(pair[0], pair[1], mq))
+        gkey = self.step_key(attn)
         return gkey if gkey in self.graphs else None
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, t_pad: int,
              s_pad: int) -> AttentionMetadata:
-        """Copy the step into the static buffers, padded to t_pad tokens and s_pad sequences;
-        the metadata the graph's kernels then read (device tensors only)."""
+        """Copy the step into the static buffers, padded to t_pad tokens and s_pad sequences:
+        the rows past the step's belong to one more sequence in the null block (its own
+        queries over its own keys, so every row the graph computes is finite, as the decode
+        graphs' padding is), and the sequences after it are empty. Returns the metadata the
+        graph's kernels then read (device tensors only)."""
         t, n = attn.num_tokens, attn.num_seqs
+        pad = t_pad - t
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         self.slots[:t].copy_(attn.slot_mapping)
-        if t_pad > t:
-            self.input_ids[t:t_pad].zero_()
-            self.positions[t:t_pad].zero_()
-            self.slots[t:t_pad].fill_(-1)  # rows no sequence owns: nothing stored
         self.qsl[:n + 1].copy_(attn.query_start_loc)
         self.seq_lens[:n].copy_(attn.seq_lens)
         w = attn.block_tables.shape[1]
         self.block_tables[:n, :w].copy_(attn.block_tables)
-        if s_pad > n:  # empty sequences: no query, one null-block token
-            self.qsl[n + 1:s_pad + 1].fill_(t)
-            self.seq_lens[n:s_pad].fill_(1)
-            self.block_tables[n:s_pad, 0] = NULL_BLOCK
+        k = n
+        if pad:
+            if s_pad <= n:
+                raise ValueError(f"{t_pad - t} padded rows need a sequence of their own: s_pad {s_pad} <= {n}")
+            self.input_ids[t:t_pad].zero_()
+            self.positions[t:t_pad].copy_(self.pad_positions[:pad])
+            self.slots[t:t_pad].copy_(self.pad_slots[:pad])
+            self.qsl[n + 1] = t_pad
+            self.seq_lens[n] = pad
+            self.block_tables[n].fill_(NULL_BLOCK)
+            k = n + 1
+        if s_pad > k:  # empty sequences: no query
+            self.qsl[k + 1:s_pad + 1].fill_(t_pad)
+            self.seq_lens[k:s_pad].fill_(1)
+            self.block_tables[k:s_pad, 0] = NULL_BLOCK
         return AttentionMetadata(
             query_start_loc=self.qsl[:s_pad + 1], seq_lens=self.seq_lens[:s_pad],
             block_tables=self.block_tables[:s_pad], slot_mapping=self.slots[:t_pad], num_seqs=s_pad,

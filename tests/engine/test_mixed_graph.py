@@ -14,39 +14,41 @@ def test_pairs_and_the_pair_a_step_takes():
     assert max(t for t, _ in graph_pairs(64, 256, 8192)) == 64
     assert {s for _, s in graph_pairs(512, 8, 8192)} == {4, 8}  # capped at max_num_seqs
     assert pair_for(pairs, 17, 3) == (32, 4) and pair_for(pairs, 100, 40) == (128, 64)
+    assert pair_for(pairs, 16, 4) == (16, 4) and pair_for(pairs, 15, 4) == (16, 16)  # padding takes a sequence
     assert pair_for(pairs, 513, 1) is None and pair_for(pairs, 16, 300) is None
     assert graph_pairs(8, 256, 8192) == []
 
 
 def test_a_filled_step_gives_the_attention_its_own_bits(monkeypatch):
-    # the runner's own padding (more token rows, empty sequences, the longest KV, no host
-    # query lengths) run through the Triton attention under the interpreter: every real
-    # row and the cache equal the step run alone
+    # the runner's own padding (a sequence owning the extra rows in the null block, empty
+    # sequences, the longest KV, no host query lengths) through the Triton attention under
+    # the interpreter: every real row and every block but the null one equal the step alone
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("detent.kernels.attention_triton")
     from detent.kernels.attention_triton import attention_triton_paged
-    from tests.kernels.paged_cases import PagedCase
 
-    case = PagedCase([45, 30, 12], h=4, kvh=2, d=16, block_size=8, seed=9)
-    chunks = [(0, 45), (29, 30), (9, 12)]
+    bs, h, kvh, d = 8, 4, 2, 16
+    meta, _ = _step((45, 1, 3), (45, 30, 12), bs)
+    t = meta.num_tokens
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(t, x, d, generator=g) for x in (h, kvh, kvh))
+    start = torch.randn(2, 16, bs, kvh, d, generator=g)
     kw = dict(split_tokens=16, block_m=64, block_n=16, combine="auto")
-    cache = case.fresh_cache()
-    case.prefill_prefix(cache, [s for s, _ in chunks])
-    q, k, v, meta = case.step(cache, chunks)
-    ref_cache = cache.clone()
-    y = attention_triton_paged(q, k, v, ref_cache, meta, 0.3, **kw)
-    r = MixedGraphRunner(None, [cache], case.bs, None, torch.device("cpu"), max_model_len=96,
-                         pairs=[(64, 4)], attention_site=())
-    ids = torch.arange(meta.num_tokens)
-    padded = r.fill(ids, ids, meta, 64, 4)
+    alone = start.clone()
+    y = attention_triton_paged(q, k, v, alone, meta, 0.3, **kw)
+    cache = start.clone()
+    r = MixedGraphRunner(None, [cache], bs, None, torch.device("cpu"), max_model_len=96, pairs=[(64, 4)],
+                         attention_site=())
+    padded = r.fill(torch.arange(t), torch.arange(t), meta, 64, 4)
     assert padded.num_tokens == 64 and padded.num_seqs == 4 and padded.max_seqlen_k == 96
-    assert padded.query_start_loc.tolist()[-1] == meta.num_tokens  # the empty sequence owns nothing
-    assert r.slots[meta.num_tokens:64].eq(-1).all()
-    g = torch.Generator().manual_seed(1)
-    grow = lambda x: torch.cat([x, torch.randn((64 - x.shape[0],) + x.shape[1:], generator=g)])  # noqa: E731
+    assert padded.query_start_loc.tolist() == [0, 45, 46, 49, 64]  # the fourth sequence owns rows 49..63
+    assert padded.seq_lens.tolist()[3] == 15 and r.slots[t:64].div(bs, rounding_mode="floor").eq(0).all()
+    grow = lambda x: torch.cat([x, torch.randn((64 - t,) + x.shape[1:], generator=g)])  # noqa: E731
     yp = attention_triton_paged(grow(q), grow(k), grow(v), cache, padded, 0.3, **kw)
-    assert torch.equal(yp[:meta.num_tokens], y)
-    assert torch.equal(cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0))
+    assert torch.equal(yp[:t], y) and yp.isfinite().all()  # every row computed, the padding's too
+    assert torch.equal(cache[:, 1:], alone[:, 1:])  # only the null block took the padding's KV
+    with pytest.raises(ValueError, match="sequence of their own"):
+        r.fill(torch.arange(t), torch.arange(t), meta, 64, 3)
 
 
 def test_capture_needs_cuda():
@@ -77,3 +79,76 @@ def test_the_capture_plan_on_the_h200_deployment():
     assert tiles[(512, 256)] >= {16, 64, 128}  # 256 sequences: any tile
     for t, s, mq in plan:  # every graph's step layout fits it
         assert mq + s - 1 <= t
+
+
+def _step(query_lens, kv_lens, bs, first_block=1):
+    """Metadata of a step over distinct KV blocks from `first_block` on (block 0 is the null block)."""
+    from detent.selection.context import AttentionMetadata
+    tables, pos, slots, qsl, nxt = [], [], [], [0], first_block
+    width = max(-(-k // bs) for k in kv_lens)
+    for q, k in zip(query_lens, kv_lens):
+        n = -(-k // bs)
+        tables.append(list(range(nxt, nxt + n)) + [0] * (width - n))
+        nxt += n
+        p = torch.arange(k - q, k)
+        pos.append(p)
+        slots.append(torch.tensor(tables[-1])[p // bs] * bs + p % bs)
+        qsl.append(qsl[-1] + q)
+    i32 = dict(dtype=torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(kv_lens, **i32),
+        block_tables=torch.tensor(tables, **i32), slot_mapping=torch.cat(slots), num_seqs=len(query_lens),
+        num_tokens=qsl[-1], max_seqlen_q=max(query_lens), max_seqlen_k=max(kv_lens), block_size=bs,
+        query_start_loc_cpu=tuple(qsl), seq_lens_cpu=tuple(kv_lens))
+    return meta, torch.cat(pos)
+
+
+@pytest.mark.parametrize("query_lens,kv_lens", [((6, 1, 1), (20, 9, 33)),  # 8 tokens -> (16, 4)
+                                                ((3, 2, 1, 1), (3, 40, 12, 7)),  # 2-3-token chunks: (16, 8)
+                                                ((30, 1, 1), (60, 25, 90)),  # 32 tokens: (32, 4), no padding row
+                                                ((20, 17, 1), (20, 50, 2))])  # 38 tokens -> (64, 4)
+def test_a_whole_step_graph_computes_the_steps_rows(query_lens, kv_lens, monkeypatch):
+    """What a replay runs, without the graph: the model at the padded shape with the capture's
+    host values (the longest query the plan captured, the longest KV, S sequences) over the
+    filled static buffers. Under the interpreter, with CUDA facts (the Triton candidates), every
+    real row and the KV cache equal the step run alone (`torch.equal`). The GEMM tiles on
+    CPU are not neutral, so each step stays within one row of the GEMM table (1-16, 17-64)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("detent.kernels.attention_triton")
+    from engine_helpers import TINY_LLAMA
+    from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches
+    from detent.models import ModelConfig, load_model
+    from detent.selection import make_dispatcher
+    from detent.selection.context import ForwardContext, forward_context
+    from detent.selection.facts import default_facts_for
+
+    mc = ModelConfig.from_hf(TINY_LLAMA)
+    model = load_model(mc, device="cpu", dtype="float32", load_format="dummy", seed=0)
+    facts = default_facts_for(TINY_LLAMA, device="cuda", dtype="float32", max_context=128, max_num_batched_tokens=64,
+                              max_num_seqs=8, triton=True, num_sms=8, arch="sm90")
+    d = make_dispatcher(facts, "pinned")
+    bs = 16
+    spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32, bs)
+    g = torch.Generator().manual_seed(3)
+    start = [torch.randn(c.shape, generator=g) for c in allocate_kv_caches(spec, 40, torch.device("cpu"))]
+    site = (("num_heads", 4), ("num_kv_heads", 2), ("head_dim", 16), ("block_size", bs), ("dtype", "float32"))
+    meta, pos = _step(query_lens, kv_lens, bs)
+    ids = torch.randint(2, 160, (meta.num_tokens,), generator=g)
+
+    alone = [c.clone() for c in start]
+    with torch.inference_mode(), forward_context(ForwardContext(attn=meta, kv_caches=alone, dispatcher=d)):
+        want = model(ids, pos)
+
+    padded = [c.clone() for c in start]
+    r = MixedGraphRunner(model, padded, bs, d, torch.device("cpu"), max_model_len=128, pairs=graph_pairs(64, 8, 64),
+                         attention_site=site)
+    entry = r.plan_entry(meta)
+    assert entry is not None
+    t_pad, s_pad, mq = entry
+    r.fill(ids, pos, meta, t_pad, s_pad)
+    ctx = ForwardContext(attn=r._meta(t_pad, s_pad, mq), kv_caches=padded, dispatcher=d)  # the capture's host values
+    with torch.inference_mode(), forward_context(ctx):
+        got = model(r.input_ids[:t_pad], r.positions[:t_pad])
+    assert torch.equal(got[:meta.num_tokens], want)
+    assert all(torch.equal(a[:, 1:], b[:, 1:]) for a, b in zip(padded, alone))  # the padding: null block only
+    assert got.isfinite().all()  # every row the graph computes is finite, the padding's too
