@@ -19,21 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from detent.kernels.gemm_triton import gemm_triton_persistent
-from detent.selection.programs import gemm as program
-from detent.selection.programs import gemm_tile
+from detent.selection.programs import gemm_triton_params
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
-
-
-def selection(m: int, n: int) -> dict:
-    """What the pinned program gives at M = m (the Python twin of the compiled selector;
-    tests/selection/test_programs.py checks that they agree)."""
-    head = program.wave_split(m, n)
-    kw = gemm_tile(program.triton_config(head, n))
-    if head < m:
-        kw["split_m"] = head
-        kw.update({"tail_" + k: v for k, v in gemm_tile(program.triton_config(m - head, n)).items()})
-    return kw
 
 
 @torch.inference_mode()
@@ -52,7 +40,7 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         for m in (int(x) for x in a.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            kw = selection(m, n)
+            kw = gemm_triton_params(m, n)  # what the pinned program selects
             whole = {k_: v for k_, v in kw.items() if k_ != "split_m" and not k_.startswith("tail_")}
             row = {"gemm": name, "n": n, "k": k, "m": m, "split_m": kw.get("split_m", 0),
                    "us_selected": bench(lambda: gemm_triton_persistent(x, w, None, **kw)),

@@ -207,11 +207,10 @@ def main() -> None:
     # small steps with prompt tokens: the piecewise pieces (attention eager between them, host-bound
     # in lease 6) against one whole-step graph (engine/mixed_graph.py)
     from detent.engine.mixed_graph import MixedGraphRunner, graph_pairs
-    attn_site = tuple(site)
     t0 = time.time()
     whole = MixedGraphRunner(runner.model, runner.kv_caches, runner.block_size, pinned, runner.device,
                              max_model_len=4096, pairs=graph_pairs(512, 256, a.max_tokens),
-                             attention_site=attn_site).capture()
+                             attention_site=site).capture()
     whole_capture_s = time.time() - t0
     small = []
     for p_tok, n_dec in ((16, 16), (32, 32), (64, 64), (100, 100), (200, 56), (480, 32)):

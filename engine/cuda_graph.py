@@ -92,14 +92,7 @@ class CudaGraphRunner:
         try:
             for b in reversed(self.sizes):  # largest first: later graphs reuse its pool
                 ctx = ForwardContext(attn=self._meta(b), kv_caches=self.kv_caches, dispatcher=self.dispatcher)
-                with forward_context(ctx):
-                    for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces, selections
-                        self.model(self.input_ids[:b], self.positions[:b])
-                    _check_graph_safe(ctx)
-                    torch.cuda.synchronize(self.device)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
-                        out = self.model(self.input_ids[:b], self.positions[:b])
+                g, out = capture_whole_model(self.model, self.input_ids[:b], self.positions[:b], ctx, self.pool)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[b], self.outputs[b] = g, out
@@ -138,6 +131,22 @@ class CudaGraphRunner:
             self._reset_padding(n, b)
         self.graphs[b].replay()
         return self.outputs[b][:n]
+
+
+def capture_whole_model(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                        ctx: ForwardContext, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One graph of the whole forward on static inputs, in `ctx`: two warm-up runs first (Triton
+    compiles, cuBLAS workspaces, selections), then the check that attention reads no host
+    metadata. Returns the graph and its output tensor."""
+    with forward_context(ctx):
+        for _ in range(2):
+            model(input_ids, positions)
+        _check_graph_safe(ctx)
+        torch.cuda.synchronize(input_ids.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            out = model(input_ids, positions)
+    return g, out
 
 
 def _check_graph_safe(ctx: ForwardContext) -> None:

@@ -32,8 +32,8 @@ import logging
 
 import torch
 
-from detent.engine.cuda_graph import NULL_BLOCK, _check_graph_safe
-from detent.selection.context import AttentionMetadata, ForwardContext, forward_context
+from detent.engine.cuda_graph import NULL_BLOCK, capture_whole_model
+from detent.selection.context import AttentionMetadata, ForwardContext
 from detent.selection.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -150,14 +150,7 @@ class MixedGraphRunner:
                 self._set_layout(t, s, mq)
                 ctx = ForwardContext(attn=self._meta(t, s, mq), kv_caches=self.kv_caches,
                                      dispatcher=self.dispatcher)
-                with forward_context(ctx):
-                    for _ in range(2):  # Triton compiles, selections
-                        self.model(self.input_ids[:t], self.positions[:t])
-                    _check_graph_safe(ctx)
-                    torch.cuda.synchronize(self.device)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
-                        out = self.model(self.input_ids[:t], self.positions[:t])
+                g, out = capture_whole_model(self.model, self.input_ids[:t], self.positions[:t], ctx, self.pool)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[gkey], self.outputs[gkey] = g, out

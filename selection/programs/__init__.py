@@ -46,6 +46,19 @@ def gemm_tile_configs() -> tuple[dict, ...]:
     return tuple(gemm_tile(c) for c in dict.fromkeys(rows))
 
 
+def gemm_triton_params(m: int, n: int) -> dict:
+    """The Triton GEMM's parameters the program selects at M = m rows and N = n (its Python
+    twin, for benchmarks and tests): the tile, and where `wave_split` cuts, the cut and the
+    rest's tile."""
+    from detent.selection.programs import gemm
+    head = gemm.wave_split(m, n)
+    kw = gemm_tile(gemm.triton_config(head, n))
+    if head < m:
+        kw["split_m"] = head
+        kw.update({"tail_" + k: v for k, v in gemm_tile(gemm.triton_config(m - head, n)).items()})
+    return kw
+
+
 MOE_TILE = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 
 

@@ -116,11 +116,9 @@ def _gpu_sites(preset_name):
     return c, sites, logits
 
 
-@pytest.mark.parametrize("preset_name", ["llama-3.1-8b", "qwen3-30b-a3b"])
-def test_gpu_deployment_every_reachable_selection_is_warmed(preset_name):
-    """On the H200 deployments (selectors are pure Python, so this runs on CPU):
-    every selection SelIR finds reachable, at every site, is reached by a planned
-    step (checked here independently of the planner's own bookkeeping)."""
+def _gpu_deployment(preset_name):
+    """The H200 deployment of a preset (limits, facts, a pinned dispatcher with every site's
+    selector built): (config, sites, logit site, limits, facts, dispatcher)."""
     from detent.selection.facts import default_facts_for
     c, sites, logits = _gpu_sites(preset_name)
     lim = Limits(8192, 256, 4096)
@@ -129,6 +127,15 @@ def test_gpu_deployment_every_reachable_selection_is_warmed(preset_name):
     d = make_dispatcher(facts, "pinned", None)
     for fam, site in sites:
         d._selectors[(fam, site)] = d.provider.selector(fam, dict(site))
+    return c, sites, logits, lim, facts, d
+
+
+@pytest.mark.parametrize("preset_name", ["llama-3.1-8b", "qwen3-30b-a3b"])
+def test_gpu_deployment_every_reachable_selection_is_warmed(preset_name):
+    """On the H200 deployments (selectors are pure Python, so this runs on CPU):
+    every selection SelIR finds reachable, at every site, is reached by a planned
+    step (checked here independently of the planner's own bookkeeping)."""
+    c, sites, logits, lim, facts, d = _gpu_deployment(preset_name)
     plan = plan_warmup(d, facts, lim, {logits})
     assert plan.uncovered == []
     assert len(plan.shapes) <= 96  # a warm start of seconds, not minutes
@@ -197,14 +204,7 @@ def test_warm_steps_reach_every_attention_compile_a_served_step_needs(preset_nam
     planned steps'. Without the probe steps some are not (the control: this test can fail)."""
     pytest.importorskip("detent.kernels.attention_triton")
     from detent.kernels.attention_triton import step_variants
-    from detent.selection.facts import default_facts_for
-    c, sites, logits = _gpu_sites(preset_name)
-    lim = Limits(8192, 256, 4096)
-    facts = default_facts_for(c, device="cuda", dtype="bfloat16", max_context=4096, max_num_batched_tokens=8192,
-                              max_num_seqs=256, num_sms=132, arch="sm90", triton=True)
-    d = make_dispatcher(facts, "pinned", None)
-    for fam, site in sites:
-        d._selectors[(fam, site)] = d.provider.selector(fam, dict(site))
+    c, sites, logits, lim, facts, d = _gpu_deployment(preset_name)
     if not probes:
         monkeypatch.setattr("detent.engine.warmup.probe_variants", lambda *a, **k: [])
     plan = plan_warmup(d, facts, lim, {logits})

@@ -33,6 +33,33 @@ def _meta(tables, chunks, dev):
         block_size=BS, query_start_loc_cpu=tuple(qsl), seq_lens_cpu=tuple(lens))
 
 
+def tiny_mixed_steps(arch: str):
+    """A tiny Llama or Qwen3 on the GPU, pinned, three sequences' tables and token ids, and
+    `run(chunks, graphs=None)`: the step whose sequence b contributes tokens [s_b, e_b), run
+    eagerly or through a graph runner's `run` (None when that runner takes no such step)."""
+    dev = torch.device("cuda")
+    hf = dict(CFG)
+    if arch == "qwen3":
+        hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    cfg = ModelConfig.from_hf(hf)
+    model = load_model(cfg, device=dev, dtype=torch.bfloat16, load_format="dummy", progress=False)
+    caches = [torch.zeros(2, 40, BS, 2, 64, dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    facts = default_facts_for(cfg, device="cuda", dtype="bfloat16", tp=1, page_size=BS, max_context=512)
+    disp = make_dispatcher(facts, "pinned", None)
+    tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    ids = [torch.randint(3, 1000, (n + 1,), device=dev) for n in (40, 17, 60)]
+
+    def run(chunks, graphs=None):
+        meta = _meta(tables, chunks, dev)
+        tok = torch.cat([ids[b][s:e] for b, (s, e) in enumerate(chunks)])
+        pos = torch.cat([torch.arange(s, e, device=dev) for s, e in chunks])
+        ctx = ForwardContext(attn=meta, kv_caches=caches, dispatcher=disp)
+        with forward_context(ctx):
+            out = model(tok, pos) if graphs is None else graphs.run(tok, pos, ctx)
+        return None if out is None else out.clone()
+    return cfg, model, caches, disp, run
+
+
 def test_graph_replay_matches_eager():
     mode = "pinned"
     dev = torch.device("cuda")

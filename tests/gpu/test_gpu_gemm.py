@@ -83,17 +83,13 @@ def test_stock_cublas_is_not_row_invariant():
 def test_the_wave_cut_gives_the_one_launch_bits(n, k):
     # selection/programs/gemm.py runs the rows past the last whole round of wide tiles in a
     # second launch on the table's small-M tiles; each row's bits must not move
-    from detent.selection.programs import gemm as program
-    from detent.selection.programs import gemm_tile
+    from detent.selection.programs import GEMM_TILE, gemm_triton_params
     w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
     cuts = 0
     for m in (1090, 1152, 1280, 1536, 2200, 2304):
-        head = program.wave_split(m, n)
         x = torch.randn(m, k, device="cuda", dtype=BF16)
-        whole = gemm_tile(program.triton_config(head, n))
-        tail = {"tail_" + key: v for key, v in gemm_tile(program.triton_config(m - head, n)).items()}
-        one = gemm_triton_persistent(x, w, None, **whole)
-        cut = gemm_triton_persistent(x, w, None, **whole, split_m=head, **tail)
-        assert torch.equal(cut, one), (m, head)
-        cuts += head < m
+        cut = gemm_triton_params(m, n)
+        one = {key: cut[key] for key in GEMM_TILE}  # the first launch's tile for every row
+        assert torch.equal(gemm_triton_persistent(x, w, None, **cut), gemm_triton_persistent(x, w, None, **one)), m
+        cuts += "split_m" in cut
     assert cuts >= 2

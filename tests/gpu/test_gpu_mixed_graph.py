@@ -1,8 +1,8 @@
 """Small steps with prompt tokens through whole-step CUDA graphs (engine/mixed_graph.py) give
 the same bits as eager steps.
 
-The graph runs at T tokens and S sequences >= the step's (padded rows with slot -1, empty
-sequences), attention inside, its selections made at that padded shape; a row's bits must not
+The graph runs at T tokens and S sequences >= the step's (the extra rows one more sequence's
+in the null block, then empty sequences), attention inside, its selections made at that padded shape; a row's bits must not
 see the padding (`torch.equal`). Written before any GPU run (lease 6 built it on CPU)."""
 import pytest
 import torch
@@ -10,42 +10,20 @@ import torch
 from detent.engine.mixed_graph import MixedGraphRunner
 from detent.models.config import ModelConfig
 from detent.models.loader import load_model
-from detent.selection import make_dispatcher
-from detent.selection.context import ForwardContext, forward_context
-from detent.selection.facts import default_facts_for
 
-from test_gpu_cuda_graph import BS, CFG, _meta
+from test_gpu_cuda_graph import BS, CFG, tiny_mixed_steps
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_mixed_graph_replay_matches_eager(arch):
-    dev = torch.device("cuda")
-    hf = dict(CFG)
-    if arch == "qwen3":
-        hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
-    cfg = ModelConfig.from_hf(hf)
-    model = load_model(cfg, device=dev, dtype=torch.bfloat16, load_format="dummy", progress=False)
-    caches = [torch.zeros(2, 40, BS, 2, 64, dtype=torch.bfloat16, device=dev) for _ in range(2)]
-    facts = default_facts_for(cfg, device="cuda", dtype="bfloat16", tp=1, page_size=BS, max_context=512)
-    disp = make_dispatcher(facts, "pinned", None)
-    tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    ids = [torch.randint(3, 1000, (n + 1,), device=dev) for n in (40, 17, 60)]
+    _, model, caches, disp, run = tiny_mixed_steps(arch)
     site = (("num_heads", 8), ("num_kv_heads", 2), ("head_dim", 64), ("block_size", BS), ("dtype", "bfloat16"))
 
-    def run(chunks, graphs=None):
-        meta = _meta(tables, chunks, dev)
-        tok = torch.cat([ids[b][s:e] for b, (s, e) in enumerate(chunks)])
-        pos = torch.cat([torch.arange(s, e, device=dev) for s, e in chunks])
-        ctx = ForwardContext(attn=meta, kv_caches=caches, dispatcher=disp)
-        with forward_context(ctx):
-            out = model(tok, pos) if graphs is None else graphs.run(tok, pos, ctx)
-        return None if out is None else out.clone()
-
     with torch.inference_mode():
-        g = MixedGraphRunner(model, caches, BS, disp, dev, max_model_len=512, pairs=[(16, 4), (64, 4)],
-                             attention_site=site).capture()
+        g = MixedGraphRunner(model, caches, BS, disp, torch.device("cuda"), max_model_len=512,
+                             pairs=[(16, 4), (64, 4)], attention_site=site).capture()
         assert g.disabled is None, g.disabled
         assert len(g.graphs) >= 2
         for chunks in ([(0, 10), (0, 17), (0, 30)],  # 57 tokens -> (64, 4)

@@ -9,41 +9,18 @@ import torch
 from detent.engine.piecewise_graph import PiecewiseGraphRunner
 from detent.models.config import ModelConfig
 from detent.models.loader import load_model
-from detent.selection import make_dispatcher
-from detent.selection.context import ForwardContext, forward_context
-from detent.selection.facts import default_facts_for
 
-from test_gpu_cuda_graph import BS, CFG, _meta
+from test_gpu_cuda_graph import BS, CFG, tiny_mixed_steps
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_piecewise_replay_matches_eager(arch):
-    dev = torch.device("cuda")
-    hf = dict(CFG)
-    if arch == "qwen3":
-        hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
-    cfg = ModelConfig.from_hf(hf)
-    model = load_model(cfg, device=dev, dtype=torch.bfloat16, load_format="dummy", progress=False)
-    caches = [torch.zeros(2, 40, BS, 2, 64, dtype=torch.bfloat16, device=dev) for _ in range(2)]
-    facts = default_facts_for(cfg, device="cuda", dtype="bfloat16", tp=1, page_size=BS, max_context=512)
-    disp = make_dispatcher(facts, "pinned", None)
-    tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    lens = [40, 17, 60]
-    ids = [torch.randint(3, 1000, (n + 1,), device=dev) for n in lens]
-
-    def run(chunks, graphs=None):
-        meta = _meta(tables, chunks, dev)
-        tok = torch.cat([ids[b][s:e] for b, (s, e) in enumerate(chunks)])
-        pos = torch.cat([torch.arange(s, e, device=dev) for s, e in chunks])
-        ctx = ForwardContext(attn=meta, kv_caches=caches, dispatcher=disp)
-        with forward_context(ctx):
-            out = model(tok, pos) if graphs is None else graphs.run(tok, pos, ctx)
-        return out.clone()
+    cfg, model, caches, disp, run = tiny_mixed_steps(arch)
 
     with torch.inference_mode():
-        g = PiecewiseGraphRunner(model, caches, BS, disp, dev, buckets=[16, 64, 128]).capture()
+        g = PiecewiseGraphRunner(model, caches, BS, disp, torch.device("cuda"), buckets=[16, 64, 128]).capture()
         assert g.disabled is None, g.disabled
         assert len(g.graphs[64]) == cfg.num_layers + 1  # one piece before each attention, one after the last
         for chunks in ([(0, 10), (0, 17), (0, 30)],  # 57 tokens -> bucket 64

@@ -156,19 +156,13 @@ def test_gpu_selections_match_the_registered_triton_candidates():
     pytest.importorskip("detent.kernels.gemm_triton")
     pytest.importorskip("detent.kernels.moe_triton")
     from detent.kernels import registry
-    from detent.selection.programs import gemm as gemm_program
     from detent.selection.programs import moe as moe_program
     assert moe_program.GPU_KEYS == tuple(programs.moe_tiles())
     for n in (128, 4096, 6144, 14336, 28672):
         g = sol("gemm", GPU, dict(GEMM_SITE, n=n, dtype="bfloat16")).compile(mode="pinned")
         for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 1152, 1280, 1281, 5000):
             sel = dict(g(num_tokens=m))
-            head = gemm_program.wave_split(m, n)  # the compiled selector vs Python
-            want = programs.gemm_tile(gemm_program.triton_config(head, n))
-            if head < m:
-                want["split_m"] = head
-                want.update({"tail_" + k: v for k, v in
-                             programs.gemm_tile(gemm_program.triton_config(m - head, n)).items()})
+            want = programs.gemm_triton_params(m, n)  # the compiled selector vs Python
             assert sel.pop("impl") == "triton_persistent" and sel == want, (n, m)
     for fam, facts, site, r in [
             ("attention", GPU, dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128), rt(max_seqlen_k=900)),
