@@ -103,18 +103,18 @@ def _step(query_lens, kv_lens, bs, first_block=1):
     return meta, torch.cat(pos)
 
 
-@pytest.mark.parametrize("query_lens,kv_lens", [((6, 1, 1), (20, 9, 33)),  # 8 tokens -> (16, 4)
-                                                ((3, 2, 1, 1), (3, 40, 12, 7)),  # 2-3-token chunks: (16, 8)
-                                                ((30, 1, 1), (60, 25, 90)),  # 32 tokens: (32, 4), no padding row
-                                                ((20, 17, 1), (20, 50, 2))])  # 38 tokens -> (64, 4)
-def test_a_whole_step_graph_computes_the_steps_rows(query_lens, kv_lens, monkeypatch):
-    """What a replay runs, without the graph: the model at the padded shape with the capture's
-    host values (the longest query the plan captured, the longest KV, S sequences) over the
-    filled static buffers. Under the interpreter, with CUDA facts (the Triton candidates), every
-    real row and the KV cache equal the step run alone (`torch.equal`). The GEMM tiles on
-    CPU are not neutral, so each step stays within one row of the GEMM table (1-16, 17-64)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pytest.importorskip("detent.kernels.attention_triton")
+STEPS = [((6, 1, 1), (20, 9, 33)),  # 8 tokens -> (16, 4)
+         ((3, 2, 1, 1), (3, 40, 12, 7)),  # 2-3-token chunks: (16, 8)
+         ((30, 1, 1), (60, 25, 90)),  # 32 tokens: (32, 4), no padding row
+         ((20, 17, 1), (20, 50, 2)),  # 38 tokens -> (64, 4)
+         ((6, 1, 1), (700, 9, 33))]  # a long KV: stock splits it by the batch (the control below)
+
+
+def _replay_without_graph(query_lens, kv_lens, mode):
+    """(the step alone, what its replay computes, the caches after each): the model at the padded
+    shape with the capture's host values (the longest query the plan captured, the longest KV, S
+    sequences) over the filled static buffers, against the step run alone. Tiny Llama, CUDA facts
+    (the Triton candidates under the interpreter)."""
     from engine_helpers import TINY_LLAMA
     from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches
     from detent.models import ModelConfig, load_model
@@ -122,15 +122,16 @@ def test_a_whole_step_graph_computes_the_steps_rows(query_lens, kv_lens, monkeyp
     from detent.selection.context import ForwardContext, forward_context
     from detent.selection.facts import default_facts_for
 
-    mc = ModelConfig.from_hf(TINY_LLAMA)
+    hf = {**TINY_LLAMA, "max_position_embeddings": 1024}  # rope over the KV lengths below
+    mc = ModelConfig.from_hf(hf)
     model = load_model(mc, device="cpu", dtype="float32", load_format="dummy", seed=0)
-    facts = default_facts_for(TINY_LLAMA, device="cuda", dtype="float32", max_context=128, max_num_batched_tokens=64,
-                              max_num_seqs=8, triton=True, num_sms=8, arch="sm90")
-    d = make_dispatcher(facts, "pinned")
+    facts = default_facts_for(hf, device="cuda", dtype="float32", max_context=1024,
+                              max_num_batched_tokens=64, max_num_seqs=8, triton=True, num_sms=8, arch="sm90")
+    d = make_dispatcher(facts, mode)
     bs = 16
     spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32, bs)
     g = torch.Generator().manual_seed(3)
-    start = [torch.randn(c.shape, generator=g) for c in allocate_kv_caches(spec, 40, torch.device("cpu"))]
+    start = [torch.randn(c.shape, generator=g) for c in allocate_kv_caches(spec, 64, torch.device("cpu"))]
     site = (("num_heads", 4), ("num_kv_heads", 2), ("head_dim", 16), ("block_size", bs), ("dtype", "float32"))
     meta, pos = _step(query_lens, kv_lens, bs)
     ids = torch.randint(2, 160, (meta.num_tokens,), generator=g)
@@ -140,8 +141,8 @@ def test_a_whole_step_graph_computes_the_steps_rows(query_lens, kv_lens, monkeyp
         want = model(ids, pos)
 
     padded = [c.clone() for c in start]
-    r = MixedGraphRunner(model, padded, bs, d, torch.device("cpu"), max_model_len=128, pairs=graph_pairs(64, 8, 64),
-                         attention_site=site)
+    r = MixedGraphRunner(model, padded, bs, d, torch.device("cpu"), max_model_len=1024,
+                         pairs=graph_pairs(64, 8, 64), attention_site=site)
     entry = r.plan_entry(meta)
     assert entry is not None
     t_pad, s_pad, mq = entry
@@ -149,6 +150,30 @@ def test_a_whole_step_graph_computes_the_steps_rows(query_lens, kv_lens, monkeyp
     ctx = ForwardContext(attn=r._meta(t_pad, s_pad, mq), kv_caches=padded, dispatcher=d)  # the capture's host values
     with torch.inference_mode(), forward_context(ctx):
         got = model(r.input_ids[:t_pad], r.positions[:t_pad])
-    assert torch.equal(got[:meta.num_tokens], want)
+    return want, got, alone, padded
+
+
+@pytest.mark.parametrize("query_lens,kv_lens", STEPS)
+def test_a_whole_step_graph_computes_the_steps_rows(query_lens, kv_lens, monkeypatch):
+    """What a replay runs, without the graph (`_replay_without_graph`): under pinned, every real
+    row and the KV cache equal the step run alone (`torch.equal`). The GEMM tiles on CPU are not
+    neutral, so each step stays within one row of the GEMM table (1-16, 17-64)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("detent.kernels.attention_triton")
+    want, got, alone, padded = _replay_without_graph(query_lens, kv_lens, "pinned")
+    assert torch.equal(got[:want.shape[0]], want)
     assert all(torch.equal(a[:, 1:], b[:, 1:]) for a, b in zip(padded, alone))  # the padding: null block only
     assert got.isfinite().all()  # every row the graph computes is finite, the padding's too
+
+
+def test_under_stock_selection_the_padded_shape_moves_bits(monkeypatch):
+    """The control: under stock, the attention's split follows the batch (FA3's heuristic over
+    the sequences and the KV length), so at the padded shape (one more sequence, the longest
+    KV) a long sequence's rows reduce over other splits, and the test above could fail."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("detent.kernels.attention_triton")
+    moved = 0
+    for query_lens, kv_lens in STEPS:
+        want, got, _, _ = _replay_without_graph(query_lens, kv_lens, "stock")
+        moved += not torch.equal(got[:want.shape[0]], want)
+    assert moved

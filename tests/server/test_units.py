@@ -151,7 +151,12 @@ def test_mixed_graph_flag_reaches_the_engine_config():
     assert EngineConfig(mixed_graph_max_tokens=kw["mixed_graph_max_tokens"]).mixed_graph_max_tokens == 512
     assert "mixed_graph_max_tokens" not in engine_kwargs(parse_args([]))  # default: off
     assert EngineConfig().mixed_graph_max_tokens == 0
-    with pytest.raises(SystemExit):
-        parse_args(["--mixed-graph-max-tokens", "-1"])
+    for bad in ("-1", "8", "1024"):
+        with pytest.raises(SystemExit):
+            parse_args(["--mixed-graph-max-tokens", bad])
     with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
         EngineConfig(mixed_graph_max_tokens=True)
+    with pytest.raises(ValueError, match="16 .. 512"):
+        EngineConfig(mixed_graph_max_tokens=1024)  # never silently capped
+    from detent.engine.mixed_graph import TOKENS
+    assert (TOKENS[0], TOKENS[-1]) == (16, 512)  # the bounds the checks name
