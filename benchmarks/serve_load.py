@@ -137,6 +137,39 @@ def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed
     return keep
 
 
+def step_kinds(url: str) -> dict:
+    """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens"}}
+    (empty for a server without those series, e.g. vLLM)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except Exception:  # noqa: BLE001
+        return {}
+    out: dict = {}
+    names = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds": "seconds",
+             "detent:engine_step_tokens": "tokens"}
+    for fam in text_string_to_metric_families(text):
+        if fam.name in names:
+            for smp in fam.samples:
+                if smp.name.endswith("_total"):
+                    out.setdefault(smp.labels["kind"], {})[names[fam.name]] = smp.value
+    return out
+
+
+def kinds_delta(before: dict, after: dict) -> dict:
+    """What one load added, per step kind, with the mean step time and tokens per step."""
+    out = {}
+    for kind, a in after.items():
+        b = before.get(kind, {})
+        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("steps", "seconds", "tokens")}
+        if d["steps"] > 0:
+            d["ms_per_step"] = 1e3 * d["seconds"] / d["steps"]
+            d["tokens_per_step"] = d["tokens"] / d["steps"]
+            out[kind] = d
+    return out
+
+
 def probe_under_load(url: str, stop: threading.Event, results: list) -> None:
     while not stop.is_set():
         try:
@@ -185,9 +218,16 @@ def run(a) -> None:
             if name == "r20":
                 th = threading.Thread(target=probe_under_load, args=(url, stop, probes), daemon=True)
                 th.start()
+            before = step_kinds(url)
             r = bench(a.port, a.model_dir, args, n, ds, seed_for(name), a.out, f"{a.server}-{name}{a.tag}", sharegpt,
                       a.vllm_path)
             stop.set()
+            time.sleep(1.0)  # the idle core's stats snapshot
+            steps = kinds_delta(before, step_kinds(url))
+            if steps:
+                r["steps"] = steps
+                print(name, "steps:", json.dumps({k: {m: round(v, 1) for m, v in d.items()}
+                                                  for k, d in steps.items()}), flush=True)
             if th is not None:
                 th.join(120)
                 ok = [p for p in probes if "error" not in p]

@@ -15,6 +15,7 @@ _LAZY = {
     "CompletionOutput": "detent.engine.outputs",
     "Logprob": "detent.engine.outputs",
     "LLMEngine": "detent.engine.llm_engine",
+    "STEP_KINDS": "detent.engine.llm_engine",
     "EngineConfig": "detent.engine.config",
     "EngineLimits": "detent.engine.config",
     "SELECTION_MODES": "detent.engine.config",

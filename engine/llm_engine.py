@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import deque
 from typing import Any, Sequence
 
@@ -45,6 +46,15 @@ from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams, tokenize_bad_words
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
+
+
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(plan) -> str:
+    """"decode" (every row one token), "prefill" (no one-token row) or "mixed"."""
+    ones = sum(1 for s in plan.seqs if s.num_tokens == 1)
+    return "decode" if ones == len(plan.seqs) else "mixed" if ones else "prefill"
 
 
 class LLMEngine:
@@ -87,6 +97,13 @@ class LLMEngine:
         self._pending_ids: set[str] = set()  # added, not yet drained
         self._live_ids: set[str] = set()  # drained, not yet finished
         self._num_steps = 0
+        # per step kind ("decode": one-token rows only, "mixed": prompt chunks beside one-token
+        # rows, "prefill": prompt chunks only): [steps, seconds, tokens]; a step's seconds run from
+        # its launch, or from the previous step's end if later, to its end (under async scheduling
+        # the time the pipeline spent on it)
+        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0] for k in STEP_KINDS}
+        self._launched_at: dict[int, float] = {}
+        self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
         self.async_scheduling = (self.state.device.type == "cuda" if config.async_scheduling is None
                                  else bool(config.async_scheduling))
@@ -238,7 +255,9 @@ class LLMEngine:
         and plan and launch the others again; prev is then None."""
         while not plan.is_empty:
             try:
-                return self.runner.launch(plan, prev), prev
+                handle = self.runner.launch(plan, prev)
+                self._launched_at[id(handle)] = time.perf_counter()
+                return handle, prev
             except Exception as e:  # noqa: BLE001 - judged below: one request's, or re-raised
                 if prev is not None:
                     results += self._finish_step(prev)
@@ -271,8 +290,18 @@ class LLMEngine:
         """Collect a launched step, advance the requests, emit their outputs."""
         progressed = self.scheduler.update(handle.plan, self.runner.collect(handle))  # every stop decided here
         self._num_steps += 1
+        self._count_step(handle)
         groups = {self.outputs.parent_of[req.request_id]: None for req in progressed}
         return [self._emit(g) for g in groups]
+
+    def _count_step(self, handle) -> None:
+        done = time.perf_counter()
+        start = max(self._launched_at.pop(id(handle), done), self._last_done)
+        self._last_done = done
+        c = self._step_kinds[step_kind(handle.plan)]
+        c[0] += 1
+        c[1] += done - start
+        c[2] += handle.plan.num_batched_tokens
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
         """Finish these requests (finish_reason "error", with the message); the engine goes on."""
@@ -301,6 +330,7 @@ class LLMEngine:
             "prefix_cache_hits": bm.hits,
             "num_preemptions": sch.num_preemptions,
             "num_steps": self._num_steps,
+            "steps_by_kind": {k: tuple(v) for k, v in self._step_kinds.items()},
         }
 
     def update_weights(self, named_tensors) -> int:

@@ -13,8 +13,12 @@ The values come from two places:
   counters, per-request histograms, finish reasons.
 
 Detent's own series: `detent:tuple_info` (the tuple and deployment hashes,
-an info metric), `detent:engine_up`, `detent:engine_step_seconds` and
-`detent:requests_rejected` (requests refused before reaching the engine).
+an info metric), `detent:engine_up`, `detent:engine_step_seconds`,
+`detent:requests_rejected` (requests refused before reaching the engine), and
+per step kind (`kind` = decode: one-token rows only; mixed: prompt chunks
+beside them; prefill: prompt chunks only) `detent:engine_steps_total`,
+`detent:engine_step_time_seconds_total` (the time the step pipeline spent on
+them) and `detent:engine_step_tokens_total`.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from detent.engine import STEP_KINDS
 
 PREFIX = "detent:"
 ENGINE = "0"
@@ -92,6 +98,9 @@ HISTOGRAMS = {
     "request_prefill_kv_computed_tokens": ("Histogram of new KV tokens computed during prefill "
                                            "(excluding cached tokens).", "1-2-5"),
 }
+STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, prefill)."),
+                      ("engine_step_time_seconds", "Time the step pipeline spent on steps, by kind."),
+                      ("engine_step_tokens", "Tokens computed in steps, by kind."))
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
@@ -156,6 +165,9 @@ class Metrics:
         self.rejected = Counter(PREFIX + "requests_rejected", "Generation requests refused before reaching the "
                                 "engine (4xx, 503)", LABELS, registry=r).labels(**lab)
         self._engine_seen = {k: 0.0 for k in ENGINE_COUNTERS}
+        by_kind = [Counter(PREFIX + stem, doc, LABELS + ("kind",), registry=r) for stem, doc in STEP_KIND_COUNTERS]
+        self.step_kinds = {k: [c.labels(**lab, kind=k) for c in by_kind] for k in STEP_KINDS}
+        self._kinds_seen = {k: (0, 0.0, 0) for k in STEP_KINDS}
 
     def token_totals(self) -> tuple[float, float]:
         """(prompt tokens computed, tokens generated) so far: the stats line's throughputs
@@ -179,6 +191,17 @@ class Metrics:
                 now, seen = float(stats[key]), self._engine_seen[key]
                 self.c[key].inc(now - seen if now >= seen else now)
                 self._engine_seen[key] = now
+        self._step_kind_counts(stats)
+
+    def _step_kind_counts(self, stats: dict[str, Any]) -> None:
+        for kind, now in (stats.get("steps_by_kind") or {}).items():
+            if kind not in self.step_kinds:
+                continue
+            seen = self._kinds_seen[kind]
+            restarted = now[0] < seen[0]
+            for c, v, w in zip(self.step_kinds[kind], now, seen):
+                c.inc(v if restarted else v - w)
+            self._kinds_seen[kind] = tuple(now)
 
     def render(self, stats: dict[str, Any], alive: bool, step_times: Any = ()) -> bytes:
         self.engine_stats(stats)

@@ -30,3 +30,38 @@ def test_a_run_in_parts_keeps_every_parts_loads(tmp_path):
     with open(path) as f:
         s = json.load(f)
     assert s["loads"] == {"c1": {"x": 1}, "r20": {"x": 2}} and s["probe"] == {"sent": 3} and s["startup_s"] == 8.0
+
+
+def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monkeypatch):
+    from prometheus_client import generate_latest
+
+    from detent.server.metrics import Metrics
+    m = Metrics("m", 512)
+    pages = []
+    for stats in ({"decode": (10, 0.05, 40), "mixed": (2, 0.06, 2048)},
+                  {"decode": (30, 0.17, 160), "mixed": (5, 0.15, 5200), "prefill": (1, 0.03, 1024)}):
+        m.engine_stats({"steps_by_kind": stats})
+        pages.append(generate_latest(m.registry))
+
+    class Page:
+        def __init__(self, body):
+            self.body = body
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return self.body
+
+    served = iter(pages)
+    monkeypatch.setattr(serve_load.urllib.request, "urlopen", lambda url, timeout: Page(next(served)))
+    before, after = serve_load.step_kinds("http://x"), serve_load.step_kinds("http://x")
+    d = serve_load.kinds_delta(before, after)
+    assert d["decode"]["steps"] == 20 and d["decode"]["tokens_per_step"] == 6.0
+    assert abs(d["decode"]["ms_per_step"] - 6.0) < 1e-9
+    assert d["mixed"]["steps"] == 3 and abs(d["mixed"]["ms_per_step"] - 30.0) < 1e-9
+    assert d["prefill"] == {"steps": 1, "seconds": 0.03, "tokens": 1024, "ms_per_step": 30.0,
+                            "tokens_per_step": 1024.0}

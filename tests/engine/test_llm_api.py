@@ -166,6 +166,24 @@ def test_engine_loop_abort_and_stats():
     assert not eng.has_unfinished_requests() and eng.stats()["kv_cache_usage"] == 0.0
 
 
+def test_steps_are_counted_by_kind_with_their_tokens():
+    b = bundle("llama")
+    eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64, max_num_batched_tokens=32),
+                    model=b.model, model_config=b.config)
+    eng.add_request("a", prompt(1, 40, 160), SamplingParams(max_tokens=4, **G))  # 32 + 8: two chunks
+    for _ in range(3):  # chunk, chunk + first token, then a decode
+        eng.step()
+    eng.add_request("b", prompt(2, 6, 160), SamplingParams(max_tokens=2, **G))  # beside a's decodes: mixed
+    while eng.has_unfinished_requests():
+        eng.step()
+    kinds = eng.stats()["steps_by_kind"]
+    assert kinds["prefill"][0] == 2 and kinds["prefill"][2] == 40
+    assert kinds["mixed"][0] == 1 and kinds["mixed"][2] == 6 + 1
+    assert sum(k[0] for k in kinds.values()) == eng.stats()["num_steps"]
+    assert sum(k[2] for k in kinds.values()) == 40 + 3 + 6 + 1  # every token computed once
+    assert all(k[1] >= 0 for k in kinds.values()) and kinds["decode"][1] > 0
+
+
 def test_add_and_abort_from_another_thread():
     b = bundle("llama")
     eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64),
