@@ -1,4 +1,4 @@
-"""Whole-step CUDA graphs for small steps with prompt tokens (off by default; never run on a GPU yet).
+"""Whole-step CUDA graphs for small steps with prompt tokens (off by default; GPU-tested in lease 7).
 
 Lease 6 measured a step of 16 prompt tokens beside 16 decodes at 11.0 ms of
 device time and 10.9 ms of host time, against 5.4 ms for the decode graph of
@@ -51,6 +51,19 @@ def graph_pairs(max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int)
     ts = [t for t in TOKENS if t <= min(max_tokens, max_num_batched_tokens)]
     ss = sorted({min(s, max_num_seqs) for s in SEQS})
     return [(t, s) for t in ts for s in ss if s <= t]
+
+
+def layout(t: int, s: int, mq: int) -> list[int]:
+    """Query counts of a capture's S sequences over T rows: mq, then decodes, then one
+    sequence with the rest, then empty sequences (zero queries) when the rows run out."""
+    if not 1 <= mq <= t or s < 1 or (s == 1 and mq != t):
+        raise ValueError(f"no layout of {s} sequences over {t} rows with a longest query of {mq}")
+    if s == 1:
+        return [t]
+    rest = t - mq
+    ones = max(0, min(s - 2, rest - 1))
+    q = [mq] + [1] * ones + [rest - ones]
+    return q + [0] * (s - len(q))
 
 
 def pair_for(pairs: list[tuple[int, int]], t: int, n: int) -> tuple[int, int] | None:
@@ -109,9 +122,10 @@ class MixedGraphRunner:
 
     # ------------------------------------------------------------ capture
     def _set_layout(self, t: int, s: int, mq: int) -> None:
-        """The capture's step: sequence 0 with mq queries, decodes, and a last sequence owning
-        the rest of the T rows, all in the null block (every row computes on finite values)."""
-        q = [mq] + [1] * (s - 2) + [t - mq - (s - 2)] if s > 1 else [t]
+        """The capture's step: sequence 0 with mq queries, decodes, a sequence owning the rest of
+        the T rows, and empty sequences where the rows run out, all in the null block (every row
+        computes on finite values; the launches are decided from host values alone)."""
+        q = layout(t, s, mq)
         qsl = [0]
         for n in q:
             qsl.append(qsl[-1] + n)
@@ -119,7 +133,7 @@ class MixedGraphRunner:
         self.positions[:t].copy_(torch.cat([self.pad_positions[:n] for n in q]))
         self.slots[:t].copy_(torch.cat([self.pad_slots[:n] for n in q]))
         self.qsl[:s + 1].copy_(torch.tensor(qsl, dtype=torch.int32))
-        self.seq_lens[:s].copy_(torch.tensor(q, dtype=torch.int32))
+        self.seq_lens[:s].copy_(torch.tensor([max(n, 1) for n in q], dtype=torch.int32))
         self.block_tables[:s].fill_(NULL_BLOCK)
 
     def plan(self) -> list[tuple[int, int, int]]:
@@ -129,11 +143,15 @@ class MixedGraphRunner:
         of 4 sequences never reach 512 tokens)."""
         out = []
         ts = sorted({t for t, _ in self.pairs})
+        ss = sorted({s for _, s in self.pairs})
         for t, s in sorted(self.pairs, reverse=True):
             smaller = max([x for x in ts if x < t], default=0)
+            # the fewest sequences of a step that takes this pair: the next smaller sequence
+            # bucket (it then needs a padding sequence), or one
+            fewest = max([x for x in ss if x < s], default=1)
             reach: dict[tuple, list[int]] = {}
             for mq in PROBE_Q:
-                if mq + s - 1 <= t and mq <= self.max_model_len:
+                if mq + fewest - 1 <= t and mq <= self.max_model_len:
                     reach.setdefault(self.key(t, s, mq), []).append(mq)
             for mqs in reach.values():
                 if max(mqs) * s > smaller:

@@ -2,10 +2,13 @@
 without a GPU. The graphs themselves: tests/gpu/test_gpu_mixed_graph.py.
 
 Comparator: `torch.equal` on the real rows of a padded launch against the step's own."""
+import random
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from detent.engine.mixed_graph import MixedGraphRunner, graph_pairs, pair_for
+from detent.engine.mixed_graph import MixedGraphRunner, graph_pairs, layout, pair_for
 
 
 def test_pairs_and_the_pair_a_step_takes():
@@ -77,8 +80,27 @@ def test_the_capture_plan_on_the_h200_deployment():
     # 4 sequences of <= 4 queries (the 16-row tile) never need 512 tokens; of <= 127 (64 rows) they can
     assert tiles[(512, 4)] == {64, 128} and 16 in tiles[(16, 4)]
     assert tiles[(512, 256)] >= {16, 64, 128}  # 256 sequences: any tile
-    for t, s, mq in plan:  # every graph's step layout fits it
-        assert mq + s - 1 <= t
+    for t, s, mq in plan:  # every graph's capture layout fits it
+        q = layout(t, s, mq)
+        assert len(q) == s and sum(q) == t and q[0] == mq and min(q) >= 0
+    # every step of <= 512 tokens with a prompt chunk has a graph: the longest query, the
+    # sequences, the tokens drawn at random (a step of 17 sequences and 32 tokens takes
+    # (64, 64), which needs a graph for a 16-query chunk beside 16 decodes)
+    rng = random.Random(0)
+    missing = []
+    for _ in range(3000):
+        n = rng.choice([1, 2, 3, 4, 5, 15, 16, 17, 18, 40, 63, 64, 65, 100, 200, 255, 256])
+        mq = rng.randint(2, 512)
+        lo, hi = mq + n - 1, min(512, mq * n)  # one chunk of mq, the others 1 .. mq queries
+        if lo > hi:
+            continue
+        t = rng.randint(lo, hi)
+        if pair_for(r.pairs, t, n) is None:  # no pair holds it (e.g. 511 tokens of 256 sequences)
+            continue
+        meta = SimpleNamespace(num_tokens=t, num_seqs=n, max_seqlen_q=mq, block_tables=torch.zeros(n, 4))
+        if r.plan_entry(meta) is None:
+            missing.append((t, n, mq))
+    assert not missing, missing[:10]
 
 
 def _step(query_lens, kv_lens, bs, first_block=1):
