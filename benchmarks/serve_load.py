@@ -148,7 +148,7 @@ def step_kinds(url: str) -> dict:
         return {}
     out: dict = {}
     names = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds": "seconds",
-             "detent:engine_step_tokens": "tokens"}
+             "detent:engine_step_tokens": "tokens", "detent:engine_step_wait_seconds": "wait_seconds"}
     for fam in text_string_to_metric_families(text):
         if fam.name in names:
             for smp in fam.samples:
@@ -162,10 +162,11 @@ def kinds_delta(before: dict, after: dict) -> dict:
     out = {}
     for kind, a in after.items():
         b = before.get(kind, {})
-        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("steps", "seconds", "tokens")}
+        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("steps", "seconds", "tokens", "wait_seconds")}
         if d["steps"] > 0:
             d["ms_per_step"] = 1e3 * d["seconds"] / d["steps"]
             d["tokens_per_step"] = d["tokens"] / d["steps"]
+            d["wait_ms_per_step"] = 1e3 * d["wait_seconds"] / d["steps"]
             out[kind] = d
     return out
 
@@ -185,6 +186,9 @@ def _bits(choice: dict):
 
 
 def run(a) -> None:
+    # a `timeout` around the run sends SIGTERM: leave through `finally` (stop the server, write
+    # the summary, pack), as the device's call limit would otherwise lose the loads already run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(a.out, exist_ok=True)
     sharegpt = write_sharegpt(os.path.join(a.out, "sharegpt_synthetic.json"))
     proc = start_server(a.server, a.model_dir, a.port, a.server_args.split(), os.path.join(a.out, f"{a.server}{a.tag}.log"),
@@ -234,6 +238,7 @@ def run(a) -> None:
                 summary["probe"] = {"sent": len(probes), "answered": len(ok),
                                     "equal_to_alone": sum(_bits(p) == _bits(alone) for p in ok)}
             summary["loads"][name] = r
+            write_summary(os.path.join(a.out, f"summary-{a.server}{a.tag}.json"), summary)  # kept if cut short
             print(name, json.dumps({k: round(v, 2) for k, v in r.items()
                                     if k in ("output_throughput", "median_tpot_ms", "p99_tpot_ms",
                                              "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")}), flush=True)

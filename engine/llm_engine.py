@@ -98,10 +98,11 @@ class LLMEngine:
         self._live_ids: set[str] = set()  # drained, not yet finished
         self._num_steps = 0
         # per step kind ("decode": one-token rows only, "mixed": prompt chunks beside one-token
-        # rows, "prefill": prompt chunks only): [steps, seconds, tokens]; a step's seconds run from
-        # its launch, or from the previous step's end if later, to its end (under async scheduling
-        # the time the pipeline spent on it)
-        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0] for k in STEP_KINDS}
+        # rows, "prefill": prompt chunks only): [steps, seconds, tokens, seconds waited]; a step's
+        # seconds run from its launch, or from the previous step's end if later, to its end (under
+        # async scheduling the time the pipeline spent on it); the seconds waited are the host's
+        # wait for its results (near 0: the host, not the device, set the pace)
+        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0] for k in STEP_KINDS}
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
@@ -288,13 +289,16 @@ class LLMEngine:
 
     def _finish_step(self, handle) -> list[RequestOutput]:
         """Collect a launched step, advance the requests, emit their outputs."""
-        progressed = self.scheduler.update(handle.plan, self.runner.collect(handle))  # every stop decided here
+        t0 = time.perf_counter()
+        out = self.runner.collect(handle)
+        waited = time.perf_counter() - t0
+        progressed = self.scheduler.update(handle.plan, out)  # every stop decided here
         self._num_steps += 1
-        self._count_step(handle)
+        self._count_step(handle, waited)
         groups = {self.outputs.parent_of[req.request_id]: None for req in progressed}
         return [self._emit(g) for g in groups]
 
-    def _count_step(self, handle) -> None:
+    def _count_step(self, handle, waited: float) -> None:
         done = time.perf_counter()
         start = max(self._launched_at.pop(id(handle), done), self._last_done)
         self._last_done = done
@@ -302,6 +306,7 @@ class LLMEngine:
         c[0] += 1
         c[1] += done - start
         c[2] += handle.plan.num_batched_tokens
+        c[3] += waited
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
         """Finish these requests (finish_reason "error", with the message); the engine goes on."""

@@ -18,7 +18,8 @@ an info metric), `detent:engine_up`, `detent:engine_step_seconds`,
 per step kind (`kind` = decode: one-token rows only; mixed: prompt chunks
 beside them; prefill: prompt chunks only) `detent:engine_steps_total`,
 `detent:engine_step_time_seconds_total` (the time the step pipeline spent on
-them) and `detent:engine_step_tokens_total`.
+them), `detent:engine_step_tokens_total` and
+`detent:engine_step_wait_seconds_total` (the host's wait for their results).
 """
 from __future__ import annotations
 
@@ -100,7 +101,9 @@ HISTOGRAMS = {
 }
 STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, prefill)."),
                       ("engine_step_time_seconds", "Time the step pipeline spent on steps, by kind."),
-                      ("engine_step_tokens", "Tokens computed in steps, by kind."))
+                      ("engine_step_tokens", "Tokens computed in steps, by kind."),
+                      ("engine_step_wait_seconds", "Time the engine waited for steps' results, by kind "
+                       "(near 0: the host set the pace)."))
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
@@ -167,7 +170,7 @@ class Metrics:
         self._engine_seen = {k: 0.0 for k in ENGINE_COUNTERS}
         by_kind = [Counter(PREFIX + stem, doc, LABELS + ("kind",), registry=r) for stem, doc in STEP_KIND_COUNTERS]
         self.step_kinds = {k: [c.labels(**lab, kind=k) for c in by_kind] for k in STEP_KINDS}
-        self._kinds_seen = {k: (0, 0.0, 0) for k in STEP_KINDS}
+        self._kinds_seen = {k: (0,) * len(STEP_KIND_COUNTERS) for k in STEP_KINDS}
 
     def token_totals(self) -> tuple[float, float]:
         """(prompt tokens computed, tokens generated) so far: the stats line's throughputs

@@ -264,10 +264,13 @@ def test_step_kind_counters_advance_by_the_engines_cumulative_counts():
     m = Metrics("m", 512)
     get = lambda stem, kind: m.registry.get_sample_value(  # noqa: E731
         f"detent:{stem}_total", {"model_name": "m", "engine": "0", "kind": kind})
-    m.engine_stats({"steps_by_kind": {"decode": (10, 0.05, 40), "mixed": (2, 0.06, 2048), "prefill": (0, 0.0, 0)}})
-    m.engine_stats({"steps_by_kind": {"decode": (15, 0.08, 60), "mixed": (2, 0.06, 2048), "prefill": (1, 0.02, 9)}})
+    m.engine_stats({"steps_by_kind": {"decode": (10, 0.05, 40, 0.04), "mixed": (2, 0.06, 2048, 0.05),
+                                      "prefill": (0, 0.0, 0, 0.0)}})
+    m.engine_stats({"steps_by_kind": {"decode": (15, 0.08, 60, 0.06), "mixed": (2, 0.06, 2048, 0.05),
+                                      "prefill": (1, 0.02, 9, 0.01)}})
     assert (get("engine_steps", "decode"), get("engine_step_tokens", "decode")) == (15, 60)
+    assert abs(get("engine_step_wait_seconds", "decode") - 0.06) < 1e-12
     assert abs(get("engine_step_time_seconds", "decode") - 0.08) < 1e-12
     assert (get("engine_steps", "mixed"), get("engine_steps", "prefill")) == (2, 1)
-    m.engine_stats({"steps_by_kind": {"decode": (3, 0.01, 3)}})  # a new engine counts from zero
+    m.engine_stats({"steps_by_kind": {"decode": (3, 0.01, 3, 0.0)}})  # a new engine counts from zero
     assert get("engine_steps", "decode") == 18
