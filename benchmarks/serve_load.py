@@ -148,7 +148,8 @@ def step_kinds(url: str) -> dict:
         return {}
     out: dict = {}
     names = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds": "seconds",
-             "detent:engine_step_tokens": "tokens", "detent:engine_step_wait_seconds": "wait_seconds"}
+             "detent:engine_step_tokens": "tokens", "detent:engine_step_wait_seconds": "wait_seconds",
+             "detent:engine_step_launch_seconds": "launch_seconds"}
     for fam in text_string_to_metric_families(text):
         if fam.name in names:
             for smp in fam.samples:
@@ -162,11 +163,13 @@ def kinds_delta(before: dict, after: dict) -> dict:
     out = {}
     for kind, a in after.items():
         b = before.get(kind, {})
-        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("steps", "seconds", "tokens", "wait_seconds")}
+        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("steps", "seconds", "tokens", "wait_seconds",
+                                                        "launch_seconds")}
         if d["steps"] > 0:
             d["ms_per_step"] = 1e3 * d["seconds"] / d["steps"]
             d["tokens_per_step"] = d["tokens"] / d["steps"]
             d["wait_ms_per_step"] = 1e3 * d["wait_seconds"] / d["steps"]
+            d["launch_ms_per_step"] = 1e3 * d["launch_seconds"] / d["steps"]
             out[kind] = d
     return out
 

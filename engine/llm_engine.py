@@ -98,11 +98,13 @@ class LLMEngine:
         self._live_ids: set[str] = set()  # drained, not yet finished
         self._num_steps = 0
         # per step kind ("decode": one-token rows only, "mixed": prompt chunks beside one-token
-        # rows, "prefill": prompt chunks only): [steps, seconds, tokens, seconds waited]; a step's
-        # seconds run from its launch, or from the previous step's end if later, to its end (under
-        # async scheduling the time the pipeline spent on it); the seconds waited are the host's
-        # wait for its results (near 0: the host, not the device, set the pace)
-        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0] for k in STEP_KINDS}
+        # rows, "prefill": prompt chunks only): [steps, seconds, tokens, seconds waited, seconds
+        # launching]. A step's seconds run from its launch, or from the previous step's end if
+        # later, to its end (under async scheduling the time the pipeline spent on it; a step
+        # collected after the next one's launch also holds that launch's host time); waited: the
+        # host's wait for its results (near 0: the host, not the device, set the pace); launching:
+        # the host's time in runner.launch (input copies, graph replays, eager kernels)
+        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0] for k in STEP_KINDS}
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
@@ -256,8 +258,10 @@ class LLMEngine:
         and plan and launch the others again; prev is then None."""
         while not plan.is_empty:
             try:
+                t0 = time.perf_counter()
                 handle = self.runner.launch(plan, prev)
-                self._launched_at[id(handle)] = time.perf_counter()
+                self._launched_at[id(handle)] = t1 = time.perf_counter()
+                self._step_kinds[step_kind(plan)][4] += t1 - t0
                 return handle, prev
             except Exception as e:  # noqa: BLE001 - judged below: one request's, or re-raised
                 if prev is not None:

@@ -19,7 +19,8 @@ per step kind (`kind` = decode: one-token rows only; mixed: prompt chunks
 beside them; prefill: prompt chunks only) `detent:engine_steps_total`,
 `detent:engine_step_time_seconds_total` (the time the step pipeline spent on
 them), `detent:engine_step_tokens_total` and
-`detent:engine_step_wait_seconds_total` (the host's wait for their results).
+`detent:engine_step_wait_seconds_total` (the host's wait for their results)
+and `detent:engine_step_launch_seconds_total` (the host's time launching them).
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, pre
                       ("engine_step_time_seconds", "Time the step pipeline spent on steps, by kind."),
                       ("engine_step_tokens", "Tokens computed in steps, by kind."),
                       ("engine_step_wait_seconds", "Time the engine waited for steps' results, by kind "
-                       "(near 0: the host set the pace)."))
+                       "(near 0: the host set the pace)."),
+                      ("engine_step_launch_seconds", "Host time spent launching steps, by kind."))
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 

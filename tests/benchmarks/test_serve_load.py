@@ -38,8 +38,9 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     from detent.server.metrics import Metrics
     m = Metrics("m", 512)
     pages = []
-    for stats in ({"decode": (10, 0.05, 40, 0.01), "mixed": (2, 0.06, 2048, 0.04)},
-                  {"decode": (30, 0.17, 160, 0.03), "mixed": (5, 0.15, 5200, 0.1), "prefill": (1, 0.03, 1024, 0.02)}):
+    for stats in ({"decode": (10, 0.05, 40, 0.01, 0.02), "mixed": (2, 0.06, 2048, 0.04, 0.02)},
+                  {"decode": (30, 0.17, 160, 0.03, 0.06), "mixed": (5, 0.15, 5200, 0.1, 0.05),
+                   "prefill": (1, 0.03, 1024, 0.02, 0.01)}):
         m.engine_stats({"steps_by_kind": stats})
         pages.append(generate_latest(m.registry))
 
@@ -63,5 +64,7 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     assert d["decode"]["steps"] == 20 and d["decode"]["tokens_per_step"] == 6.0
     assert abs(d["decode"]["ms_per_step"] - 6.0) < 1e-9 and abs(d["decode"]["wait_ms_per_step"] - 1.0) < 1e-9
     assert d["mixed"]["steps"] == 3 and abs(d["mixed"]["ms_per_step"] - 30.0) < 1e-9
-    assert d["prefill"] == {"steps": 1, "seconds": 0.03, "tokens": 1024, "wait_seconds": 0.02, "ms_per_step": 30.0,
-                            "tokens_per_step": 1024.0, "wait_ms_per_step": 20.0}
+    assert abs(d["decode"]["launch_ms_per_step"] - 2.0) < 1e-9
+    assert d["prefill"] == {"steps": 1, "seconds": 0.03, "tokens": 1024, "wait_seconds": 0.02, "launch_seconds": 0.01,
+                            "ms_per_step": 30.0, "tokens_per_step": 1024.0, "wait_ms_per_step": 20.0,
+                            "launch_ms_per_step": 10.0}

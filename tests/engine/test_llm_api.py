@@ -181,7 +181,7 @@ def test_steps_are_counted_by_kind_with_their_tokens():
     assert kinds["mixed"][0] == 1 and kinds["mixed"][2] == 6 + 1
     assert sum(k[0] for k in kinds.values()) == eng.stats()["num_steps"]
     assert sum(k[2] for k in kinds.values()) == 40 + 3 + 6 + 1  # every token computed once
-    assert all(k[1] >= 0 and 0 <= k[3] for k in kinds.values()) and kinds["decode"][1] > 0
+    assert all(k[1] >= 0 and 0 <= k[3] and 0 <= k[4] for k in kinds.values()) and kinds["decode"][4] > 0
 
 
 def test_add_and_abort_from_another_thread():
