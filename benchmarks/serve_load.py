@@ -294,6 +294,13 @@ def report(a) -> None:
             ratio = f"{d / v:.2f}" if v and d else ""
             fmt = (lambda x: f"{x:,.0f}") if key == "output_throughput" else (lambda x: f"{x:.2f}")
             lines.append(f"| {n} | {label} | {fmt(v) if v else ''} | {fmt(d) if d else ''} | {ratio} |")
+    steps = [(n, kind, d) for n in names for kind, d in s.get("detent", {}).get("loads", {}).get(n, {})
+             .get("steps", {}).items()]
+    if steps:  # Detent's steps by kind in each load (detent:engine_step_*_total differences)
+        lines += ["", "| load | step kind | steps | ms/step | tokens/step | wait ms/step | launch ms/step |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {n} | {kind} | {d['steps']:.0f} | {d['ms_per_step']:.2f} | {d['tokens_per_step']:.1f} | "
+                  f"{d.get('wait_ms_per_step', 0):.2f} | {d.get('launch_ms_per_step', 0):.2f} |" for n, kind, d in steps]
     for k, v in s.items():
         if "probe" in v:
             lines.append(f"\n{k} probe under r20 load: {v['probe']}")

@@ -68,3 +68,18 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     assert d["prefill"] == {"steps": 1, "seconds": 0.03, "tokens": 1024, "wait_seconds": 0.02, "launch_seconds": 0.01,
                             "ms_per_step": 30.0, "tokens_per_step": 1024.0, "wait_ms_per_step": 20.0,
                             "launch_ms_per_step": 10.0}
+
+
+def test_the_report_has_the_ratios_and_detents_steps_by_kind(tmp_path, capsys):
+    import json
+    load = {"output_throughput": 100.0, "median_tpot_ms": 6.0, "p99_tpot_ms": 7.0, "median_ttft_ms": 30.0,
+            "p99_ttft_ms": 40.0}
+    (tmp_path / "summary-vllm.json").write_text(json.dumps({"loads": {"s10": load}}))
+    steps = {"decode": {"steps": 100, "ms_per_step": 6.4, "tokens_per_step": 17.4, "wait_ms_per_step": 3.0,
+                        "launch_ms_per_step": 1.2}}
+    (tmp_path / "summary-detent.json").write_text(json.dumps(
+        {"loads": {"s10": {**load, "median_tpot_ms": 7.2, "steps": steps}}}))
+    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    text = (tmp_path / "serve_load.md").read_text()
+    assert "| s10 | TPOT p50 | 6.00 | 7.20 | 1.20 |" in text
+    assert "| s10 | decode | 100 | 6.40 | 17.4 | 3.00 | 1.20 |" in text
