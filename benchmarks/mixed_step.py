@@ -184,6 +184,14 @@ def main() -> None:
         row["hidden_equal"] = all(same)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    # whole-step graphs (engine/mixed_graph.py) for the small steps below: the aligned pairs'
+    # second steps and the small mixed steps
+    from detent.engine.mixed_graph import MixedGraphRunner, graph_pairs
+    t0 = time.time()
+    whole = MixedGraphRunner(runner.model, runner.kv_caches, runner.block_size, pinned, runner.device,
+                             max_model_len=4096, pairs=graph_pairs(512, 256, a.max_tokens),
+                             attention_site=site).capture()
+    whole_capture_s = time.time() - t0
     aligned = []
     for n in (16, 32, 64, 128):
         pair = {}
@@ -194,24 +202,22 @@ def main() -> None:
             meta, pos = _metadata(shape, runner.block_size, nb, runner.device)
             ids = torch.randint(10, mc.vocab_size, (shape.num_tokens,), device="cuda", generator=gen)
 
-            def fwd():
+            def fwd(through=None):
                 c = ForwardContext(attn=meta, kv_caches=runner.kv_caches, dispatcher=pinned)
                 with forward_context(c):
-                    return runner._forward(ids, pos, c)
+                    return runner._forward(ids, pos, c) if through is None else through.run(ids, pos, c)
             pair[name + "_ms"], pair[name + "_host_ms"] = timed(fwd)
+            if name == "aligned_next" and whole.disabled is None and whole.graph_for(meta) is not None:
+                # the aligned pair's small second step through one whole-step graph
+                pair["aligned_next_whole_ms"], pair["aligned_next_whole_host_ms"] = timed(lambda: fwd(whole))
+                pair["aligned_next_whole_equal"] = bool(torch.equal(fwd().clone(), fwd(whole)))
         pair["decodes"] = n
         pair["untrimmed_total_ms"] = pair["untrimmed_ms"] + pair["untrimmed_next_ms"]
         pair["aligned_total_ms"] = pair["aligned_ms"] + pair["aligned_next_ms"]
+        if "aligned_next_whole_ms" in pair:
+            pair["aligned_total_whole_ms"] = pair["aligned_ms"] + pair["aligned_next_whole_ms"]
         print(json.dumps(pair), flush=True)
         aligned.append(pair)
-    # small steps with prompt tokens: the piecewise pieces (attention eager between them, host-bound
-    # in lease 6) against one whole-step graph (engine/mixed_graph.py)
-    from detent.engine.mixed_graph import MixedGraphRunner, graph_pairs
-    t0 = time.time()
-    whole = MixedGraphRunner(runner.model, runner.kv_caches, runner.block_size, pinned, runner.device,
-                             max_model_len=4096, pairs=graph_pairs(512, 256, a.max_tokens),
-                             attention_site=site).capture()
-    whole_capture_s = time.time() - t0
     small = []
     for p_tok, n_dec in ((16, 16), (32, 32), (64, 64), (100, 100), (200, 56), (480, 32)):
         shape = StepShape((p_tok,) + (1,) * n_dec, (1024,) + (CTX,) * n_dec)

@@ -50,10 +50,12 @@ def graph_pairs(max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int)
     """(T, S) pairs to capture: the piecewise graphs' token buckets up to `max_tokens` (16, 24,
     32, 48, ..., 384, 512: lease 7's powers of two padded a 266-token step to 512 rows, and its
     mixed steps took 10.3 ms against 7.9 through the pieces), sequence buckets up to
-    `max_num_seqs`, S <= T (every sequence has a token)."""
+    `max_num_seqs`, S <= 4 T (a step's own sequences are at most its tokens, plus the padding
+    sequence; with S up to 4 T a step of n + n tokens and n + 1 sequences, a chunk's last
+    n tokens beside n decodes, keeps its own token count: (32, 64) for n = 16, (128, 256) for 64)."""
     ts = default_token_buckets(min(max_tokens, max_num_batched_tokens, MAX_TOKENS))
     ss = sorted({min(s, max_num_seqs) for s in SEQS})
-    return [(t, s) for t in ts for s in ss if s <= t]
+    return [(t, s) for t in ts for s in ss if s <= 4 * t]
 
 
 def layout(t: int, s: int, mq: int) -> list[int]:

@@ -13,12 +13,13 @@ from detent.engine.mixed_graph import MixedGraphRunner, graph_pairs, layout, pai
 
 def test_pairs_and_the_pair_a_step_takes():
     pairs = graph_pairs(512, 256, 8192)
-    assert (16, 4) in pairs and (512, 256) in pairs and (16, 64) not in pairs  # S <= T
+    assert (16, 4) in pairs and (512, 256) in pairs and (16, 64) in pairs and (16, 256) not in pairs  # S <= 4 T
     assert max(t for t, _ in graph_pairs(64, 256, 8192)) == 64
     assert {s for _, s in graph_pairs(512, 8, 8192)} == {4, 8}  # capped at max_num_seqs
     assert {t for t, _ in pairs} == {16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512}  # the pieces' ladder
     assert pair_for(pairs, 17, 3) == (24, 4) and pair_for(pairs, 100, 40) == (128, 64)
     assert pair_for(pairs, 16, 4) == (16, 4) and pair_for(pairs, 15, 4) == (16, 16)  # padding takes a sequence
+    assert pair_for(pairs, 32, 17) == (32, 64) and pair_for(pairs, 128, 65) == (128, 256)  # n + n tokens, n + 1 seqs
     assert pair_for(pairs, 513, 1) is None and pair_for(pairs, 16, 300) is None
     assert graph_pairs(8, 256, 8192) == []
 
