@@ -51,10 +51,10 @@ def test_engine_outputs_with_and_without_mixed_graphs(mode):
                for n in (300, 45, 700, 9, 130, 260)]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
 
-    def outputs(mixed: int):
+    def outputs(mixed: int, align: int | None = None):
         model = load_model(cfg, device="cuda", dtype=torch.bfloat16, load_format="dummy", progress=False, seed=0)
         llm = LLM.from_model(model, cfg, selection=mode, max_model_len=1024, max_num_seqs=8,
-                             max_num_batched_tokens=256, max_mixed_batched_tokens=64,
+                             max_num_batched_tokens=256, max_mixed_batched_tokens=64, mixed_token_align=align,
                              mixed_graph_max_tokens=mixed, num_gpu_blocks=512, enable_prefix_caching=False)
         mg = getattr(llm.llm_engine.runner, "mixed_graphs", None)
         assert (mg is not None and mg.disabled is None) == bool(mixed), getattr(mg, "disabled", None)
@@ -62,7 +62,10 @@ def test_engine_outputs_with_and_without_mixed_graphs(mode):
         return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
                 for o in outs]
 
-    same = outputs(64) == outputs(0)
+    base = outputs(0)
+    # the graphs alone, and with the scheduler's alignment (a chunk's tail beside the decodes
+    # in a small step of its own: the step the graphs serve)
+    same = outputs(64) == base and outputs(64, align=48) == base
     if mode == "pinned":
         assert same
     else:
