@@ -203,10 +203,10 @@ class Metrics:
             if kind not in self.step_kinds:
                 continue
             seen = self._kinds_seen[kind]
-            restarted = now[0] < seen[0]
+            restarted = now[0] < seen[0]  # a new engine counts from zero
             for c, v, w in zip(self.step_kinds[kind], now, seen):
-                c.inc(v if restarted else v - w)
-            self._kinds_seen[kind] = tuple(now)
+                c.inc(max(0.0, v if restarted or v < w else v - w))  # a counter never goes down
+            self._kinds_seen[kind] = tuple(now) + seen[len(now):]
 
     def render(self, stats: dict[str, Any], alive: bool, step_times: Any = ()) -> bytes:
         self.engine_stats(stats)
