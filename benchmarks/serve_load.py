@@ -138,8 +138,8 @@ def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed
 
 
 def step_kinds(url: str) -> dict:
-    """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens"}}
-    (empty for a server without those series, e.g. vLLM)."""
+    """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
+    "wait_seconds", "launch_seconds"}} (empty for a server without those series, e.g. vLLM)."""
     from prometheus_client.parser import text_string_to_metric_families
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
