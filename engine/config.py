@@ -45,7 +45,7 @@ class EngineConfig:
     # run eagerly; 0: never
     piecewise_max_tokens: int = 8192
     # GPU, tp = 1: steps with prompt tokens of up to this many tokens (16 .. 512) replay one
-    # whole-step graph, attention inside (engine/mixed_graph.py); 0: off (never run on a GPU yet)
+    # whole-step graph, attention inside (engine/mixed_graph.py); 0: off (GPU-tested, not yet faster)
     mixed_graph_max_tokens: int = 0
     # a step that carries decodes takes at most this many tokens (prompts wait for
     # later steps rather than stall every generating request); None: no cap

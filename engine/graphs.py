@@ -13,9 +13,16 @@ def enable_graphs(runner, config, *, max_model_len: int) -> None:
     decode graphs, and at tp = 1 piecewise graphs for steps with prefill tokens
     (engine/piecewise_graph.py; under tensor parallelism those stay eager) and,
     where `config.mixed_graph_max_tokens` asks for them, whole-step graphs for
-    small such steps in front of those (engine/mixed_graph.py)."""
+    small such steps in front of those (engine/mixed_graph.py). Their captures' compiles are a
+    startup's, not serving's (compile_watch.paused), wherever this runs (startup, the tuner)."""
     if runner.device.type != "cuda" or config.enforce_eager:
         return
+    from detent.engine.compile_watch import paused
+    with paused():
+        _enable(runner, config, max_model_len)
+
+
+def _enable(runner, config, max_model_len: int) -> None:
     enable_cuda_graphs(runner, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
     limit = min(config.piecewise_max_tokens, config.max_num_batched_tokens)
     if config.tensor_parallel_size == 1 and limit >= 16:

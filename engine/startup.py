@@ -139,11 +139,9 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, mc: Any, device: 
             raise FactMismatch(f"{e}\n{matching_tuple_hint(config, facts, e)}", e.fact, e.made_for, e.here) from None
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,
                          dispatcher, device)
-    from detent.engine.compile_watch import paused
     from detent.engine.graphs import enable_graphs
-    with paused():  # a second engine's startup compiles are not "while serving"
-        enable_graphs(runner, config, max_model_len=max_len)
-        warm_start(runner, config, facts, max_len, world=world, group=group)
+    enable_graphs(runner, config, max_model_len=max_len)  # both pause the compile watch:
+    warm_start(runner, config, facts, max_len, world=world, group=group)  # a startup is not serving
     return RankRuntime(runner, state, facts, dispatcher)
 
 
