@@ -21,10 +21,14 @@ CPU_CHUNKS = (1, 16)
 # output width: the fastest of `benchmarks/tune_decode.py` (CUDA-graph timing
 # over 400 MB of weight copies, so no config is helped by weights left in
 # L2). Narrow outputs (N = 4096) need narrow tiles at M <= 256 to give the
-# SMs enough programs without split-K. From M = 17 the tiles move by TMA
-# (`tma=1`): at M = 2048 and 8192 that matches cuBLAS (gate_up at 2048:
+# SMs enough programs without split-K. From M = 17 the mid and wide tiles move
+# by TMA (`tma=1`): at M = 2048 and 8192 that matches cuBLAS (gate_up at 2048:
 # 740 us against 740 us; pointer loads 864 us), and it takes 10-20% off
-# M = 128 and 256. Every config of the table (and of MEASURED) gave identical row bits on the H200
+# M = 128 and 256. M = 17-32 has its own row, and the narrow tiles load by
+# pointer up to M = 64: with the 64-row TMA tiles, o and down at M = 24 took
+# 21.8 and 66.5 us against 12.3 and 33.7 (cuBLAS 14.2, 32.4), which made a
+# 17-row decode step 1.5 ms slower than a 16-row one (docs/performance.md,
+# lease 8). Every config of the table (and of MEASURED) gave identical row bits on the H200
 # for every shape and M tried, with and without TMA (benchmarks/tune_decode.py checks
 # it, and tests/gpu/test_gpu_gemm.py re-checks it on the device), so
 # choosing among them by M does not break batch invariance.
@@ -35,7 +39,8 @@ TINY = (64, 32, 256, 4, 3, 1)
 GEMM_TABLE = (
     (16, {"tiny": (16, 32, 256, 4, 5, 0), "narrow": (16, 32, 256, 4, 5, 0), "mid": (16, 64, 256, 4, 4, 0),
           "wide": (16, 128, 128, 4, 4, 0)}),
-    (64, {"tiny": TINY, "narrow": (64, 32, 128, 4, 5, 1), "mid": (64, 64, 128, 4, 5, 1), "wide": (64, 256, 64, 8, 4, 1)}),
+    (32, {"tiny": TINY, "narrow": (32, 32, 256, 4, 4, 0), "mid": (32, 64, 256, 4, 4, 0), "wide": (64, 256, 64, 8, 4, 1)}),
+    (64, {"tiny": TINY, "narrow": (64, 32, 128, 4, 5, 0), "mid": (64, 64, 128, 4, 5, 1), "wide": (64, 256, 64, 8, 4, 1)}),
     (128, {"tiny": TINY, "narrow": (64, 64, 128, 4, 5, 1), "mid": (128, 64, 128, 4, 4, 1), "wide": WIDE}),
     (256, {"tiny": TINY, "narrow": (128, 64, 128, 4, 4, 1), "mid": (128, 128, 128, 8, 3, 1), "wide": WIDE}),
     (2 ** 30, {"tiny": (128, 64, 128, 4, 4, 1), "narrow": WIDE, "mid": WIDE, "wide": WIDE}),
