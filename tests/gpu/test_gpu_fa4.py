@@ -205,24 +205,24 @@ class PerStepSplit:
         return lambda **rt: a(**rt) if rt["max_seqlen_q"] > 1 else b(**rt)
 
 
-def test_battery_passes_under_the_fa4_tuple_and_fails_when_the_choice_follows_the_step():
+def test_battery_passes_under_the_fa4_tuple_and_fails_under_stock():
+    """The battery (26 + 9 cells) under the FA4 tuple, and under stock as the control.
+
+    The per-step split (FA4 for steps with prefill, Triton for decode-only steps) is not
+    a control here: the battery's target holds at most 72 tokens of context, inside one
+    of Triton's 256-token KV splits, and on the H200 (lease 8) the split gave the alone
+    bits in every cell. The split's controls are the two tests below, whose prompts of
+    130-300 tokens cross it (both fail under the split, as they must)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     from gpu_engine import set_mode  # the benchmarks' mode switch: "pinned+attention.impl=fa4"
 
     from detent.battery import OfflineBackend, run_battery
     from detent.battery_cells import CELLS, STRONG
-    from detent.selection.dispatch import Dispatcher
     llm = _engine()
-    eng = llm.llm_engine
     info = set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
     assert info["knobs"] == {"attention": {"impl": "fa4"}}
     results = run_battery(OfflineBackend(llm), CELLS + STRONG)
     assert [r.cell for r in results if not r.passed] == []
-    fa4_d = eng.dispatcher
-    set_mode(llm, "pinned", graphs=False)
-    split = Dispatcher(PerStepSplit(fa4_d, eng.dispatcher))
-    eng.dispatcher = eng.runner.dispatcher = split
-    assert any(not r.passed for r in run_battery(OfflineBackend(llm), CELLS + STRONG))
     set_mode(llm, "stock", graphs=False)
     assert any(not r.passed for r in run_battery(OfflineBackend(llm), CELLS + STRONG))
 

@@ -51,7 +51,7 @@ def test_tile_configs_give_identical_bits():
     configs = gemm_tile_configs()
     for n, k in ((6144, 4096), (4096, 14336)):
         w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
-        for m in (1, 64, 300):
+        for m in (1, 24, 64, 300):
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             outs = [gemm_triton_persistent(x, w, None, **cfg) for cfg in configs]
             assert all(torch.equal(o, outs[0]) for o in outs[1:]), (n, k, m)

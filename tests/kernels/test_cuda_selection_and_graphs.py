@@ -3,7 +3,12 @@ CPU-checkable parts of the CUDA-graph runner."""
 import pytest
 import torch
 
-from detent.engine.cuda_graph import CudaGraphRunner, _check_graph_safe, default_capture_sizes
+from detent.engine.cuda_graph import (
+    DECODE_GRAPH_SAFE_ATTENTION,
+    CudaGraphRunner,
+    _check_graph_safe,
+    default_capture_sizes,
+)
 from detent.selection.context import ForwardContext
 from detent.selection import make_dispatcher
 from detent.selection.facts import default_facts_for
@@ -56,3 +61,8 @@ def test_graph_runner_refuses_cpu_and_host_metadata_attention():
         _check_graph_safe(ctx)
     ctx.memo[("attention", (), ())] = {"impl": "triton_paged"}
     _check_graph_safe(ctx)
+    # FlashAttention-4: decode graphs only (the replay test on the device covered those)
+    ctx.memo[("attention", (), ())] = {"impl": "fa4"}
+    with pytest.raises(RuntimeError, match="host metadata"):
+        _check_graph_safe(ctx)
+    _check_graph_safe(ctx, DECODE_GRAPH_SAFE_ATTENTION)
