@@ -279,23 +279,36 @@ METRICS = [("output_throughput", "output tok/s"), ("median_tpot_ms", "TPOT p50")
 
 
 def report(a) -> None:
+    """Tables (markdown, also serve_load.md) and serve_load.png from a folder's summaries:
+    vLLM's, Detent's, and each other Detent configuration's (`summary-detent<tag>.json`,
+    from `run --tag`), whose rows are labelled `load (tag)` against the same vLLM run."""
     s = {}
-    for k in ("vllm", "detent"):
+    tags = sorted(f[len("summary-detent"):-len(".json")] for f in os.listdir(a.dir)
+                  if f.startswith("summary-detent") and f.endswith(".json"))
+    for k in ["vllm"] + [f"detent{t}" for t in tags]:
         p = os.path.join(a.dir, f"summary-{k}.json")
         if os.path.exists(p):
             with open(p) as f:
                 s[k] = json.load(f)
+    detents = [k for k in s if k.startswith("detent")]
+
+    def label(n: str, k: str) -> str:
+        return n if k == "detent" else f"{n} ({k[len('detent'):].lstrip('-')})"
+
     names = [n for n in LOADS if any(n in v["loads"] for v in s.values())]
     lines = ["| load | metric | vLLM | Detent | ratio |", "|---|---|---:|---:|---:|"]
     for n in names:
-        for key, label in METRICS:
-            v = s.get("vllm", {}).get("loads", {}).get(n, {}).get(key)
-            d = s.get("detent", {}).get("loads", {}).get(n, {}).get(key)
-            ratio = f"{d / v:.2f}" if v and d else ""
-            fmt = (lambda x: f"{x:,.0f}") if key == "output_throughput" else (lambda x: f"{x:.2f}")
-            lines.append(f"| {n} | {label} | {fmt(v) if v else ''} | {fmt(d) if d else ''} | {ratio} |")
-    steps = [(n, kind, d) for n in names for kind, d in s.get("detent", {}).get("loads", {}).get(n, {})
-             .get("steps", {}).items()]
+        for k in detents or ["detent"]:
+            if k != "detent" and n not in s[k]["loads"]:
+                continue
+            for key, metric in METRICS:
+                v = s.get("vllm", {}).get("loads", {}).get(n, {}).get(key)
+                d = s.get(k, {}).get("loads", {}).get(n, {}).get(key)
+                ratio = f"{d / v:.2f}" if v and d else ""
+                fmt = (lambda x: f"{x:,.0f}") if key == "output_throughput" else (lambda x: f"{x:.2f}")
+                lines.append(f"| {label(n, k)} | {metric} | {fmt(v) if v else ''} | {fmt(d) if d else ''} | {ratio} |")
+    steps = [(label(n, k), kind, d) for n in names for k in detents
+             for kind, d in s[k].get("loads", {}).get(n, {}).get("steps", {}).items()]
     if steps:  # Detent's steps by kind in each load (detent:engine_step_*_total differences)
         lines += ["", "| load | step kind | steps | ms/step | tokens/step | wait ms/step | launch ms/step |",
                   "|---|---|---:|---:|---:|---:|---:|"]

@@ -83,3 +83,21 @@ def test_the_report_has_the_ratios_and_detents_steps_by_kind(tmp_path, capsys):
     text = (tmp_path / "serve_load.md").read_text()
     assert "| s10 | TPOT p50 | 6.00 | 7.20 | 1.20 |" in text
     assert "| s10 | decode | 100 | 6.40 | 17.4 | 3.00 | 1.20 |" in text
+
+
+def test_the_report_has_a_row_block_for_each_tagged_detent_run(tmp_path):
+    import json
+    load = {"output_throughput": 100.0, "median_tpot_ms": 6.0, "p99_tpot_ms": 7.0, "median_ttft_ms": 30.0,
+            "p99_ttft_ms": 40.0}
+    (tmp_path / "summary-vllm.json").write_text(json.dumps({"loads": {"r20": load, "s10": load}}))
+    (tmp_path / "summary-detent.json").write_text(json.dumps({"loads": {"r20": {**load, "median_tpot_ms": 6.6}}}))
+    steps = {"mixed": {"steps": 5, "ms_per_step": 15.0, "tokens_per_step": 455.0}}
+    (tmp_path / "summary-detent-graphs.json").write_text(json.dumps(
+        {"loads": {"r20": {**load, "median_tpot_ms": 6.3, "steps": steps}}}))
+    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    text = (tmp_path / "serve_load.md").read_text()
+    assert "| r20 | TPOT p50 | 6.00 | 6.60 | 1.10 |" in text
+    assert "| r20 (graphs) | TPOT p50 | 6.00 | 6.30 | 1.05 |" in text
+    assert "| r20 (graphs) | mixed | 5 | 15.00 | 455.0 | 0.00 | 0.00 |" in text
+    assert "s10 (graphs)" not in text  # a tagged run shows only the loads it ran
+
