@@ -139,7 +139,8 @@ def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed
 
 def step_kinds(url: str) -> dict:
     """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
-    "wait_seconds", "launch_seconds"}} (empty for a server without those series, e.g. vLLM)."""
+    "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds"}} (the last two: the
+    launch's input preparation and model call; empty for a server without those series, e.g. vLLM)."""
     from prometheus_client.parser import text_string_to_metric_families
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
@@ -149,7 +150,9 @@ def step_kinds(url: str) -> dict:
     out: dict = {}
     names = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds": "seconds",
              "detent:engine_step_tokens": "tokens", "detent:engine_step_wait_seconds": "wait_seconds",
-             "detent:engine_step_launch_seconds": "launch_seconds"}
+             "detent:engine_step_launch_seconds": "launch_seconds",
+             "detent:engine_step_launch_prepare_seconds": "prepare_seconds",
+             "detent:engine_step_launch_forward_seconds": "forward_seconds"}
     for fam in text_string_to_metric_families(text):
         if fam.name in names:
             for smp in fam.samples:
@@ -164,12 +167,12 @@ def kinds_delta(before: dict, after: dict) -> dict:
     for kind, a in after.items():
         b = before.get(kind, {})
         d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("steps", "seconds", "tokens", "wait_seconds",
-                                                        "launch_seconds")}
+                                                        "launch_seconds", "prepare_seconds", "forward_seconds")}
         if d["steps"] > 0:
             d["ms_per_step"] = 1e3 * d["seconds"] / d["steps"]
             d["tokens_per_step"] = d["tokens"] / d["steps"]
-            d["wait_ms_per_step"] = 1e3 * d["wait_seconds"] / d["steps"]
-            d["launch_ms_per_step"] = 1e3 * d["launch_seconds"] / d["steps"]
+            for k in ("wait", "launch", "prepare", "forward"):
+                d[f"{k}_ms_per_step"] = 1e3 * d[f"{k}_seconds"] / d["steps"]
             out[kind] = d
     return out
 
@@ -310,10 +313,12 @@ def report(a) -> None:
     steps = [(label(n, k), kind, d) for n in names for k in detents
              for kind, d in s[k].get("loads", {}).get(n, {}).get("steps", {}).items()]
     if steps:  # Detent's steps by kind in each load (detent:engine_step_*_total differences)
-        lines += ["", "| load | step kind | steps | ms/step | tokens/step | wait ms/step | launch ms/step |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "| load | step kind | steps | ms/step | tokens/step | wait ms/step | launch ms/step | "
+                  "of which prepare / forward |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {n} | {kind} | {d['steps']:.0f} | {d['ms_per_step']:.2f} | {d['tokens_per_step']:.1f} | "
-                  f"{d.get('wait_ms_per_step', 0):.2f} | {d.get('launch_ms_per_step', 0):.2f} |" for n, kind, d in steps]
+                  f"{d.get('wait_ms_per_step', 0):.2f} | {d.get('launch_ms_per_step', 0):.2f} | "
+                  + (f"{d['prepare_ms_per_step']:.2f} / {d['forward_ms_per_step']:.2f} |" if "prepare_ms_per_step" in d
+                     else " |") for n, kind, d in steps]
     for k, v in s.items():
         if "probe" in v:
             lines.append(f"\n{k} probe under r20 load: {v['probe']}")

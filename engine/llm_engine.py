@@ -103,8 +103,9 @@ class LLMEngine:
         # later, to its end (under async scheduling the time the pipeline spent on it; a step
         # collected after the next one's launch also holds that launch's host time); waited: the
         # host's wait for its results (near 0: the host, not the device, set the pace); launching:
-        # the host's time in runner.launch (input copies, graph replays, eager kernels)
-        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0] for k in STEP_KINDS}
+        # the host's time in runner.launch (input copies, graph replays, eager kernels), and of
+        # that, preparing the inputs and the model call (the rest: sampling, prompt logprobs)
+        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0] for k in STEP_KINDS}
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
@@ -261,7 +262,12 @@ class LLMEngine:
                 t0 = time.perf_counter()
                 handle = self.runner.launch(plan, prev)
                 self._launched_at[id(handle)] = t1 = time.perf_counter()
-                self._step_kinds[step_kind(plan)][4] += t1 - t0
+                c = self._step_kinds[step_kind(plan)]
+                c[4] += t1 - t0
+                split = getattr(self.runner, "launch_split", None)  # ModelRunner's; not every runner's
+                if split is not None:
+                    c[5] += split[0]
+                    c[6] += split[1]
                 return handle, prev
             except Exception as e:  # noqa: BLE001 - judged below: one request's, or re-raised
                 if prev is not None:

@@ -12,6 +12,7 @@ The runner never allocates blocks: block tables arrive in the plan.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,12 +67,18 @@ class ModelRunner:
         Input tokens the host does not know yet (`PLACEHOLDER`, the tokens `prev`
         sampled) are taken from `prev`'s device tensor. Prompt logprobs, top-k/p
         truncation and grammar masks still wait for the device inside."""
+        t0 = time.perf_counter()
         batch = self.prepare(plan, prev)
         ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches, dispatcher=self.dispatcher)
+        t1 = time.perf_counter()
         with forward_context(ctx):
             hidden = self._forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+            t2 = time.perf_counter()
             sampled = self._sample(plan, hidden, batch)
             prompt_lps = self._prompt_logprobs(plan, hidden, batch)
+        # host seconds of this launch's parts: inputs (prepare), the model call (graph
+        # replays, eager kernels between pieces); the rest is sampling and prompt logprobs
+        self.launch_split = (t1 - t0, t2 - t1)
         ids = [s.request_id for s in plan.seqs if s.sample is not None]
         return StepHandle(plan, sampled, {rid: i for i, rid in enumerate(ids)}, prompt_lps)
 

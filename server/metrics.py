@@ -105,7 +105,11 @@ STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, pre
                       ("engine_step_tokens", "Tokens computed in steps, by kind."),
                       ("engine_step_wait_seconds", "Time the engine waited for steps' results, by kind "
                        "(near 0: the host set the pace)."),
-                      ("engine_step_launch_seconds", "Host time spent launching steps, by kind."))
+                      ("engine_step_launch_seconds", "Host time spent launching steps, by kind."),
+                      ("engine_step_launch_prepare_seconds", "Of the launch time, preparing the step's inputs "
+                       "(flattening, one host-to-device copy), by kind."),
+                      ("engine_step_launch_forward_seconds", "Of the launch time, the model call (graph replays, "
+                       "eager kernels between pieces), by kind; the rest is sampling and prompt logprobs."))
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
