@@ -142,7 +142,9 @@ class Scheduler:
             hits = [] if req.wants_prompt_logprobs else self.bm.find_cached_blocks(req)
             done = len(hits) * self.bm.block_size
             n = min(req.num_tokens - done, budget)
-            cut = self._aligned(planned, n, align)
+            more = align and budget > n and len(self.running) + 1 < self.limits.max_num_seqs and any(
+                r is not req and (r.grammar is None or r.grammar.ready) and not r.num_pending for r in self.waiting)
+            cut = n if more else self._aligned(planned, n, align)
             if not self.bm.allocate(req, cut, hits):
                 break
             self.waiting.remove(req)
@@ -168,11 +170,14 @@ class Scheduler:
     def _plan_running(self, reqs: list[Request], budget: int, planned: dict[str, int],
                       preempted: list[str], align: int | None = None) -> int:
         """Plan running requests in order (preempting the newest when blocks run out); the budget left."""
-        for req in reqs:
+        for i, req in enumerate(reqs):
             if req.status != RequestStatus.RUNNING or budget == 0 or not self._plannable(req):
                 continue
             want = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
-            n = self._aligned(planned, want, align)
+            # only the step's last chunk is cut (a chunk another can follow is taken whole)
+            more = align and budget > want and (bool(self.waiting) or any(
+                r.status == RequestStatus.RUNNING and self._plannable(r) for r in reqs[i + 1:]))
+            n = want if more else self._aligned(planned, want, align)
             while not self.bm.allocate(req, n):
                 victim = self.running[-1]  # the most recently admitted
                 self._preempt(victim)
@@ -187,10 +192,12 @@ class Scheduler:
 
     @staticmethod
     def _aligned(planned: dict[str, int], n: int, align: int | None) -> int:
-        """How many of a chunk's `n` tokens to take after those `planned`: all, or fewer so
-        that a step past `align` tokens ends on a multiple of it (mixed_token_align). A
-        chunk that would be cut to nothing is taken whole: it must not wait behind decodes
-        that alone pass a multiple."""
+        """How many of the step's last chunk's `n` tokens to take after those `planned`: all,
+        or fewer so that a step past `align` tokens ends on a multiple of it
+        (mixed_token_align). A chunk another chunk can follow in the same step is taken
+        whole (the callers' `more`): under a queue of prompts the step then fills its
+        budget instead of ending at the first multiple. A chunk that would be cut to
+        nothing is taken whole: it must not wait behind decodes that alone pass a multiple."""
         if not align:
             return n
         used = sum(planned.values())

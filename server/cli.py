@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--max-num-batched-tokens)")
     p.add_argument("--mixed-token-align", type=int, default=None,
                    help="a step that carries decodes and passes this many tokens ends on a multiple of it, "
-                        "its last prompt chunk leaving the rest to the next step (GEMM shapes; no bits "
-                        "change; default off)")
+                        "its last prompt chunk leaving the rest to the next step (a chunk another prompt "
+                        "follows is taken whole; GEMM shapes; no bits change; default off)")
     p.add_argument("--mixed-graph-max-tokens", type=int, default=None,
                    help="GPU: steps with prompt tokens of up to this many tokens (16 to 512) replay one "
                         "whole-step CUDA graph, attention inside, as vLLM's full graphs do (no bits change; "

@@ -233,20 +233,25 @@ def test_mixed_budget_caps_steps_that_carry_decodes():
 
 def test_mixed_token_align_ends_steps_with_decodes_on_a_multiple():
     """mixed_token_align: a step that carries decodes and passes the multiple gives its
-    last prompt chunk's overshoot to the next step, and a cut chunk ends the step; steps
-    without decodes, and steps under the multiple, are not cut."""
+    last prompt chunk's overshoot to the next step, and a cut chunk ends the step; a chunk
+    another prompt can follow is taken whole (the step fills its budget); steps without
+    decodes, and steps under the multiple, are not cut."""
     s = Scheduler(SchedulerLimits(8, 32, 128, mixed_token_align=8), 64, BS, True)
     s.add(req("a", 5))
     assert [(q.request_id, q.num_tokens) for q in run_step(s).seqs] == [("a", 5)]  # no decodes
     s.add(req("b", 20, first=40))
-    s.add(req("c", 3, first=70))
-    p = run_step(s)  # 1 decode + 20 = 21 tokens: b takes 15, the step ends at 16; c waits
+    p = run_step(s)  # 1 decode + 20 = 21 tokens, b is the last chunk: it takes 15, the step ends at 16
     assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 15)]
     assert p.num_batched_tokens == 16
-    p = run_step(s)  # 1 + 5 + 3 = 9: c's chunk is cut to 2
-    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 5), ("c", 2)]
-    p = run_step(s)  # 1 + 1 + 1 = 3 tokens: under the multiple
-    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 1), ("c", 1)]
+    p = run_step(s)  # 1 + 5 = 6 tokens: under the multiple
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 5)]
+    s.add(req("c", 20, first=70))
+    s.add(req("d", 7, first=100))
+    p = run_step(s)  # 2 decodes; d follows c, so c is whole (22); d is last: 22 + 7 = 29, cut to 2
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 1), ("c", 20), ("d", 2)]
+    assert p.num_batched_tokens == 24
+    p = run_step(s)  # 3 decodes + d's 5 = 8
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 1), ("c", 1), ("d", 5)]
     with pytest.raises(ValueError, match="mixed_token_align"):
         SchedulerLimits(8, 16, 64, mixed_token_align=0)
 
