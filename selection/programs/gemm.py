@@ -21,11 +21,11 @@ CPU_CHUNKS = (1, 16)
 # output width: the fastest of `benchmarks/tune_decode.py` (CUDA-graph timing
 # over 400 MB of weight copies, so no config is helped by weights left in
 # L2). Narrow outputs (N = 4096) need narrow tiles at M <= 256 to give the
-# SMs enough programs without split-K. From M = 17 the mid and wide tiles move
-# by TMA (`tma=1`): at M = 2048 and 8192 that matches cuBLAS (gate_up at 2048:
-# 740 us against 740 us; pointer loads 864 us), and it takes 10-20% off
-# M = 128 and 256. M = 17-32 has its own row, and the narrow tiles load by
-# pointer up to M = 64: with the 64-row TMA tiles, o and down at M = 24 took
+# SMs enough programs without split-K. Tiles move by TMA (`tma=1`) where that
+# measured faster: the wide and tiny ones from M = 17, the mid from M = 33, the narrow from
+# M = 65. At M = 2048 and 8192 that matches cuBLAS (gate_up at 2048: 740 us
+# against 740 us; pointer loads 864 us), and it takes 10-20% off M = 128 and
+# 256. M = 17-32 has its own row: with the 64-row TMA tiles, o and down at M = 24 took
 # 21.8 and 66.5 us against 12.3 and 33.7 (cuBLAS 14.2, 32.4), which made a
 # 17-row decode step 1.5 ms slower than a 16-row one (docs/performance.md,
 # lease 8). Every config of the table (and of MEASURED) gave identical row bits on the H200
