@@ -212,7 +212,7 @@ def test_battery_passes_under_the_fa4_tuple_and_fails_under_stock():
     a control here: the battery's target holds at most 72 tokens of context, inside one
     of Triton's 256-token KV splits, and on the H200 (lease 8) the split gave the alone
     bits in every cell. The split's controls are the two tests below, whose prompts of
-    130-300 tokens cross it (both fail under the split, as they must)."""
+    up to 200 and 300 tokens cross it (both fail under the split, as they must)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     from gpu_engine import set_mode  # the benchmarks' mode switch: "pinned+attention.impl=fa4"
 
