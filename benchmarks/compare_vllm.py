@@ -299,6 +299,7 @@ def build_specs(a) -> list[dict]:
                                            else a.cells_max_num_batched_tokens)}
         if engine == "detent":
             args["max_num_seqs"] = max(batches) if group == "perf" else 64
+            args["max_mixed_batched_tokens"] = a.max_mixed_batched_tokens or None
         for ms in ([[m] for m in modes] if engine == "vllm" else [modes]):
             specs.append({**common, "group": group, "parts": want, "modes": ms, "engine_args": dict(args)})
     return specs
@@ -348,6 +349,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cell-short-len", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="decode and prefill runs")
     ap.add_argument("--cells-max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-mixed-batched-tokens", type=int, default=2048,
+                    help="Detent: a step that carries decodes takes at most this many tokens (the engine's "
+                         "default; 0: off, vLLM's one budget)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: what the workload needs, to 64")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     ap.add_argument("--no-prefix-caching", action="store_true", help="decode/prefill runs without prefix caching")
