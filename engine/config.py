@@ -80,9 +80,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.mixed_graph_max_tokens and not 16 <= self.mixed_graph_max_tokens <= 512:
-            # the token buckets of engine/mixed_graph.py: 16 .. 512
-            raise ValueError(f"mixed_graph_max_tokens must be 0 (off) or 16 .. 512 (the largest whole-step "
+        if self.mixed_graph_max_tokens and not 16 <= self.mixed_graph_max_tokens <= 2048:
+            # the token buckets of engine/mixed_graph.py: 16 .. MAX_TOKENS (2,048)
+            raise ValueError(f"mixed_graph_max_tokens must be 0 (off) or 16 .. 2048 (the largest whole-step "
                              f"graph), got {self.mixed_graph_max_tokens}")
         if self.selection not in SELECTION_MODES:
             raise ValueError(f"selection must be one of {SELECTION_MODES}, got {self.selection!r}")

@@ -1,11 +1,12 @@
-"""Whole-step CUDA graphs for small steps with prompt tokens (off by default; GPU-tested in lease 7).
+"""Whole-step CUDA graphs for steps with prompt tokens (off by default; GPU-tested in lease 7 up to 512 tokens).
 
 Lease 6 measured a step of 16 prompt tokens beside 16 decodes at 11.0 ms of
 device time and 10.9 ms of host time, against 5.4 ms for the decode graph of
 16: the piecewise graphs (engine/piecewise_graph.py) run attention eagerly
 between their pieces, and for a small step the host's 32 attention calls are
 the step. vLLM replays one whole graph, attention inside, for every step of
-up to 512 tokens. This does the same.
+up to 512 tokens. This does the same, up to `--mixed-graph-max-tokens` (at most
+2,048; the graphs above 512 tokens have not run on a GPU yet).
 
 A graph is captured for T tokens and S sequences (`pairs`) and for one
 attention selection. A step of t <= T tokens and n <= S sequences replays it
@@ -39,7 +40,10 @@ from detent.selection.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 512  # vLLM's largest whole-step capture
+# the largest whole-step capture: vLLM's is 512; 2,048 (the default mixed cap) so that a
+# 1,024-token chunk beside decodes is one replay too (lease 8: such a step took 9.5 ms of
+# host time through the pieces against a 5.8 ms decode step before it)
+MAX_TOKENS = 2048
 SEQS = (4, 16, 64, 256)
 # longest queries tried at capture: one per attention selection they reach (tile heights
 # change at powers of two over the heads per KV head)

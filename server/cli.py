@@ -41,9 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "its last prompt chunk leaving the rest to the next step (a chunk another prompt "
                         "follows is taken whole; GEMM shapes; no bits change; default off)")
     p.add_argument("--mixed-graph-max-tokens", type=int, default=None,
-                   help="GPU: steps with prompt tokens of up to this many tokens (16 to 512) replay one "
-                        "whole-step CUDA graph, attention inside, as vLLM's full graphs do (no bits change; "
-                        "default 0: off; not yet measured faster under load)")
+                   help="GPU: steps with prompt tokens of up to this many tokens (16 to 2048) replay one "
+                        "whole-step CUDA graph, attention inside, as vLLM's full graphs do up to 512 (no bits "
+                        "change; default 0: off; above 512 not yet run on a GPU)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process, so HTTP work never holds the GIL the step "
                         "loop needs (default: on)")
@@ -83,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--allowed-weight-dir {d!r} is not a directory")
     if a.mixed_token_align is not None and a.mixed_token_align < 1:
         p.error(f"--mixed-token-align must be >= 1, got {a.mixed_token_align}")
-    if a.mixed_graph_max_tokens and not 16 <= a.mixed_graph_max_tokens <= 512:
-        p.error(f"--mixed-graph-max-tokens must be 0 (off) or 16 to 512, got {a.mixed_graph_max_tokens}")
+    if a.mixed_graph_max_tokens and not 16 <= a.mixed_graph_max_tokens <= 2048:
+        p.error(f"--mixed-graph-max-tokens must be 0 (off) or 16 to 2048, got {a.mixed_graph_max_tokens}")
     if a.max_mixed_batched_tokens is not None and a.max_mixed_batched_tokens < 0:
         p.error(f"--max-mixed-batched-tokens must be >= 0, got {a.max_mixed_batched_tokens}")
     for name in ("tp", "max_queue_len", "port"):

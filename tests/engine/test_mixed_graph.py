@@ -63,7 +63,8 @@ def test_capture_needs_cuda():
         r.capture()
 
 
-def test_the_capture_plan_on_the_h200_deployment():
+@pytest.mark.parametrize("max_tokens,most", [(512, 80), (2048, 170)])
+def test_the_capture_plan_on_the_h200_deployment(max_tokens, most):
     # Llama-3.1-8B shapes, pinned, selectors only (no GPU): one graph per attention selection
     # a step can need at (T, S)
     from detent.models.presets import preset
@@ -74,9 +75,9 @@ def test_the_capture_plan_on_the_h200_deployment():
                               max_num_seqs=256, num_sms=132, arch="sm90", triton=True)
     site = (("num_heads", 32), ("num_kv_heads", 8), ("head_dim", 128), ("block_size", 16), ("dtype", "bfloat16"))
     r = MixedGraphRunner(None, [], 16, make_dispatcher(facts, "pinned", None), torch.device("cpu"),
-                         max_model_len=4096, pairs=graph_pairs(512, 256, 8192), attention_site=site)
+                         max_model_len=4096, pairs=graph_pairs(max_tokens, 256, 8192), attention_site=site)
     plan = r.plan()
-    assert len(plan) == len(set(plan)) and 20 <= len(plan) <= 80, len(plan)
+    assert len(plan) == len(set(plan)) and 20 <= len(plan) <= most, len(plan)
     tiles = {(t, s): {dict(r.key(t, s, mq))["block_m"] for tt, ss, mq in plan if (tt, ss) == (t, s)}
              for t, s in graph_pairs(512, 256, 8192)}
     # 4 sequences of <= 4 queries (the 16-row tile) never need 512 tokens; of <= 127 (64 rows) they can
@@ -85,15 +86,15 @@ def test_the_capture_plan_on_the_h200_deployment():
     for t, s, mq in plan:  # every graph's capture layout fits it
         q = layout(t, s, mq)
         assert len(q) == s and sum(q) == t and q[0] == mq and min(q) >= 0
-    # every step of <= 512 tokens with a prompt chunk has a graph: the longest query, the
-    # sequences, the tokens drawn at random (a step of 17 sequences and 32 tokens takes
+    # every step of <= max_tokens tokens with a prompt chunk has a graph: the longest query,
+    # the sequences, the tokens drawn at random (a step of 17 sequences and 32 tokens takes
     # (64, 64), which needs a graph for a 16-query chunk beside 16 decodes)
     rng = random.Random(0)
     missing = []
     for _ in range(3000):
         n = rng.choice([1, 2, 3, 4, 5, 15, 16, 17, 18, 40, 63, 64, 65, 100, 200, 255, 256])
-        mq = rng.randint(2, 512)
-        lo, hi = mq + n - 1, min(512, mq * n)  # one chunk of mq, the others 1 .. mq queries
+        mq = rng.randint(2, max_tokens)
+        lo, hi = mq + n - 1, min(max_tokens, mq * n)  # one chunk of mq, the others 1 .. mq queries
         if lo > hi:
             continue
         t = rng.randint(lo, hi)

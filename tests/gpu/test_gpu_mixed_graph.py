@@ -51,10 +51,10 @@ def test_engine_outputs_with_and_without_mixed_graphs(mode):
                for n in (300, 45, 700, 9, 130, 260)]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
 
-    def outputs(mixed: int, align: int | None = None):
+    def outputs(mixed: int, align: int | None = None, budget: int = 256, cap: int = 64):
         model = load_model(cfg, device="cuda", dtype=torch.bfloat16, load_format="dummy", progress=False, seed=0)
         llm = LLM.from_model(model, cfg, selection=mode, max_model_len=1024, max_num_seqs=8,
-                             max_num_batched_tokens=256, max_mixed_batched_tokens=64, mixed_token_align=align,
+                             max_num_batched_tokens=budget, max_mixed_batched_tokens=cap, mixed_token_align=align,
                              mixed_graph_max_tokens=mixed, num_gpu_blocks=512, enable_prefix_caching=False)
         mg = getattr(llm.llm_engine.runner, "mixed_graphs", None)
         assert (mg is not None and mg.disabled is None) == bool(mixed), getattr(mg, "disabled", None)
@@ -64,8 +64,10 @@ def test_engine_outputs_with_and_without_mixed_graphs(mode):
 
     base = outputs(0)
     # the graphs alone, and with the scheduler's alignment (a chunk's tail beside the decodes
-    # in a small step of its own: the step the graphs serve)
+    # in a small step of its own: the step the graphs serve); then graphs above 512 tokens
+    # (steps of up to 1,024 tokens, chunks beside decodes), against the same budgets eagerly
     same = outputs(64) == base and outputs(64, align=48) == base
+    same = same and outputs(1024, budget=1024, cap=1024) == base
     if mode == "pinned":
         assert same
     else:

@@ -151,13 +151,14 @@ def test_mixed_graph_flag_reaches_the_engine_config():
     assert EngineConfig(mixed_graph_max_tokens=kw["mixed_graph_max_tokens"]).mixed_graph_max_tokens == 512
     assert "mixed_graph_max_tokens" not in engine_kwargs(parse_args([]))  # default: off
     assert EngineConfig().mixed_graph_max_tokens == 0
-    for bad in ("-1", "8", "1024"):
+    for bad in ("-1", "8", "4096"):
         with pytest.raises(SystemExit):
             parse_args(["--mixed-graph-max-tokens", bad])
     with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
         EngineConfig(mixed_graph_max_tokens=True)
-    with pytest.raises(ValueError, match="16 .. 512"):
-        EngineConfig(mixed_graph_max_tokens=1024)  # never silently capped
+    with pytest.raises(ValueError, match="16 .. 2048"):
+        EngineConfig(mixed_graph_max_tokens=4096)  # never silently capped
+    assert EngineConfig(mixed_graph_max_tokens=2048).mixed_graph_max_tokens == 2048
     from detent.engine.mixed_graph import graph_pairs
     ts = [t for t, _ in graph_pairs(10 ** 6, 256, 10 ** 6)]
-    assert (min(ts), max(ts)) == (16, 512)  # the bounds the checks name
+    assert (min(ts), max(ts)) == (16, 2048)  # the bounds the checks name
