@@ -51,7 +51,8 @@ class EngineConfig:
     # later steps rather than stall every generating request); None: no cap
     max_mixed_batched_tokens: int | None = 2048
     # a step that carries decodes and passes this many tokens ends on a multiple of it
-    # (scheduler.SchedulerLimits.mixed_token_align; None: off: mixed under load, docs/performance.md)
+    # (scheduler.SchedulerLimits.mixed_token_align; None: off, as its effect under load was
+    # mixed: docs/performance.md)
     mixed_token_align: int | None = None
     # plan and launch step N+1 while step N runs on the device (None: on for CUDA)
     async_scheduling: bool | None = None
