@@ -137,6 +137,14 @@ def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed
     return keep
 
 
+# Detent's step-kind series in /metrics (server/metrics.py STEP_KIND_COUNTERS) and their keys here
+STEP_SERIES = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds": "seconds",
+               "detent:engine_step_tokens": "tokens", "detent:engine_step_wait_seconds": "wait_seconds",
+               "detent:engine_step_launch_seconds": "launch_seconds",
+               "detent:engine_step_launch_prepare_seconds": "prepare_seconds",
+               "detent:engine_step_launch_forward_seconds": "forward_seconds"}
+
+
 def step_kinds(url: str) -> dict:
     """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
     "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds"}} (the last two: the
@@ -148,16 +156,11 @@ def step_kinds(url: str) -> dict:
     except Exception:  # noqa: BLE001
         return {}
     out: dict = {}
-    names = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds": "seconds",
-             "detent:engine_step_tokens": "tokens", "detent:engine_step_wait_seconds": "wait_seconds",
-             "detent:engine_step_launch_seconds": "launch_seconds",
-             "detent:engine_step_launch_prepare_seconds": "prepare_seconds",
-             "detent:engine_step_launch_forward_seconds": "forward_seconds"}
     for fam in text_string_to_metric_families(text):
-        if fam.name in names:
+        if fam.name in STEP_SERIES:
             for smp in fam.samples:
                 if smp.name.endswith("_total"):
-                    out.setdefault(smp.labels["kind"], {})[names[fam.name]] = smp.value
+                    out.setdefault(smp.labels["kind"], {})[STEP_SERIES[fam.name]] = smp.value
     return out
 
 
@@ -166,8 +169,7 @@ def kinds_delta(before: dict, after: dict) -> dict:
     out = {}
     for kind, a in after.items():
         b = before.get(kind, {})
-        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("steps", "seconds", "tokens", "wait_seconds",
-                                                        "launch_seconds", "prepare_seconds", "forward_seconds")}
+        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in STEP_SERIES.values()}
         if d["steps"] > 0:
             d["ms_per_step"] = 1e3 * d["seconds"] / d["steps"]
             d["tokens_per_step"] = d["tokens"] / d["steps"]

@@ -19,6 +19,7 @@ _LAZY = {
     "EngineConfig": "detent.engine.config",
     "EngineLimits": "detent.engine.config",
     "SELECTION_MODES": "detent.engine.config",
+    "MIXED_GRAPH_MAX_TOKENS": "detent.engine.config",
     "Fingerprint": "detent.engine.fingerprint",
     "TrainerForward": "detent.engine.trainer",
     "WeightUpdateBusy": "detent.engine.weight_update",

@@ -20,6 +20,11 @@ from detent.selection.compiler.solver import MODES as SELECTION_MODES
 # load formats (models/loader.py).
 
 
+# the largest whole-step graph (engine/mixed_graph.py): vLLM's is 512; 2,048 (the default
+# mixed cap) so that a 1,024-token chunk beside decodes is one replay too (lease 8: such a
+# step took 9.5 ms of host time through the pieces against a 5.8 ms decode step before it)
+MIXED_GRAPH_MAX_TOKENS = 2048
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path, HF cache name or preset; None: the embedded SmolLM2
@@ -44,7 +49,7 @@ class EngineConfig:
     # attention) up to this many tokens (and max_num_batched_tokens); larger steps
     # run eagerly; 0: never
     piecewise_max_tokens: int = 8192
-    # GPU, tp = 1: steps with prompt tokens of up to this many tokens (16 .. 512) replay one
+    # GPU, tp = 1: steps with prompt tokens of up to this many tokens (16 .. MIXED_GRAPH_MAX_TOKENS) replay one
     # whole-step graph, attention inside (engine/mixed_graph.py); 0: off (GPU-tested, not yet faster)
     mixed_graph_max_tokens: int = 0
     # a step that carries decodes takes at most this many tokens (prompts wait for
@@ -81,10 +86,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.mixed_graph_max_tokens and not 16 <= self.mixed_graph_max_tokens <= 2048:
-            # the token buckets of engine/mixed_graph.py: 16 .. MAX_TOKENS (2,048)
-            raise ValueError(f"mixed_graph_max_tokens must be 0 (off) or 16 .. 2048 (the largest whole-step "
-                             f"graph), got {self.mixed_graph_max_tokens}")
+        if self.mixed_graph_max_tokens and not 16 <= self.mixed_graph_max_tokens <= MIXED_GRAPH_MAX_TOKENS:
+            # the token buckets of engine/mixed_graph.py
+            raise ValueError(f"mixed_graph_max_tokens must be 0 (off) or 16 .. {MIXED_GRAPH_MAX_TOKENS} (the "
+                             f"largest whole-step graph), got {self.mixed_graph_max_tokens}")
         if self.selection not in SELECTION_MODES:
             raise ValueError(f"selection must be one of {SELECTION_MODES}, got {self.selection!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -33,6 +33,7 @@ import logging
 
 import torch
 
+from detent.engine.config import MIXED_GRAPH_MAX_TOKENS
 from detent.engine.cuda_graph import NULL_BLOCK, capture_whole_model
 from detent.engine.piecewise_graph import default_token_buckets
 from detent.selection.context import AttentionMetadata, ForwardContext
@@ -40,10 +41,7 @@ from detent.selection.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
-# the largest whole-step capture: vLLM's is 512; 2,048 (the default mixed cap) so that a
-# 1,024-token chunk beside decodes is one replay too (lease 8: such a step took 9.5 ms of
-# host time through the pieces against a 5.8 ms decode step before it)
-MAX_TOKENS = 2048
+MAX_TOKENS = MIXED_GRAPH_MAX_TOKENS  # the largest whole-step capture (engine/config.py says why)
 SEQS = (4, 16, 64, 256)
 # longest queries tried at capture: one per attention selection they reach (tile heights
 # change at powers of two over the heads per KV head)

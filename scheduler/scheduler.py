@@ -134,8 +134,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             # a request whose grammar is still compiling waits; the ready ones behind it go first
             # (a preempted request whose last token is still on the device waits for it too)
-            req = next((r for r in self.waiting if (r.grammar is None or r.grammar.ready) and not r.num_pending),
-                       None)
+            req = next((r for r in self.waiting if self._admittable(r)), None)
             if req is None:
                 break
             # prompt logprobs need every prompt row computed, so they skip the cache
@@ -143,7 +142,7 @@ class Scheduler:
             done = len(hits) * self.bm.block_size
             n = min(req.num_tokens - done, budget)
             more = align and budget > n and len(self.running) + 1 < self.limits.max_num_seqs and any(
-                r is not req and (r.grammar is None or r.grammar.ready) and not r.num_pending for r in self.waiting)
+                r is not req and self._admittable(r) for r in self.waiting)
             cut = n if more else self._aligned(planned, n, align)
             if not self.bm.allocate(req, cut, hits):
                 break
@@ -213,6 +212,12 @@ class Scheduler:
             return budget
         used = self.limits.max_num_batched_tokens - budget
         return max(0, min(budget, cap - used))
+
+    @staticmethod
+    def _admittable(req: Request) -> bool:
+        """A waiting request that can be admitted now: its grammar compiled, and (preempted) its
+        last token no longer on the device."""
+        return (req.grammar is None or req.grammar.ready) and not req.num_pending
 
     def _plannable(self, req: Request) -> bool:
         """False while its pending token is needed on the host first, or will be its last."""

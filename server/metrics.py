@@ -18,9 +18,11 @@ an info metric), `detent:engine_up`, `detent:engine_step_seconds`,
 per step kind (`kind` = decode: one-token rows only; mixed: prompt chunks
 beside them; prefill: prompt chunks only) `detent:engine_steps_total`,
 `detent:engine_step_time_seconds_total` (the time the step pipeline spent on
-them), `detent:engine_step_tokens_total` and
-`detent:engine_step_wait_seconds_total` (the host's wait for their results)
-and `detent:engine_step_launch_seconds_total` (the host's time launching them).
+them), `detent:engine_step_tokens_total`,
+`detent:engine_step_wait_seconds_total` (the host's wait for their results),
+`detent:engine_step_launch_seconds_total` (the host's time launching them) and,
+of that, `detent:engine_step_launch_prepare_seconds_total` (the inputs) and
+`detent:engine_step_launch_forward_seconds_total` (the model call).
 """
 from __future__ import annotations
 
