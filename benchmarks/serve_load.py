@@ -142,13 +142,17 @@ STEP_SERIES = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds"
                "detent:engine_step_tokens": "tokens", "detent:engine_step_wait_seconds": "wait_seconds",
                "detent:engine_step_launch_seconds": "launch_seconds",
                "detent:engine_step_launch_prepare_seconds": "prepare_seconds",
-               "detent:engine_step_launch_forward_seconds": "forward_seconds"}
+               "detent:engine_step_launch_forward_seconds": "forward_seconds",
+               "detent:engine_step_whole_graph_steps": "whole_graph_steps",
+               "detent:engine_step_piecewise_steps": "piecewise_steps"}
 
 
 def step_kinds(url: str) -> dict:
     """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
-    "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds"}} (the last two: the
-    launch's input preparation and model call; empty for a server without those series, e.g. vLLM)."""
+    "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds", "whole_graph_steps",
+    "piecewise_steps"}} (prepare and forward: the launch's input preparation and model call; the
+    last two: how many steps replayed one CUDA graph, and how many the piecewise graphs); empty
+    for a server without those series, e.g. vLLM."""
     from prometheus_client.parser import text_string_to_metric_families
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
@@ -316,11 +320,14 @@ def report(a) -> None:
              for kind, d in s[k].get("loads", {}).get(n, {}).get("steps", {}).items()]
     if steps:  # Detent's steps by kind in each load (detent:engine_step_*_total differences)
         lines += ["", "| load | step kind | steps | ms/step | tokens/step | wait ms/step | launch ms/step | "
-                  "of which prepare / forward |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "of which prepare / forward | of the steps, one graph / pieces |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {n} | {kind} | {d['steps']:.0f} | {d['ms_per_step']:.2f} | {d['tokens_per_step']:.1f} | "
                   f"{d.get('wait_ms_per_step', 0):.2f} | {d.get('launch_ms_per_step', 0):.2f} | "
                   + (f"{d['prepare_ms_per_step']:.2f} / {d['forward_ms_per_step']:.2f} |" if "prepare_ms_per_step" in d
-                     else " |") for n, kind, d in steps]
+                     else " |")
+                  + (f" {d['whole_graph_steps']:.0f} / {d['piecewise_steps']:.0f} |" if "whole_graph_steps" in d
+                     else "  |") for n, kind, d in steps]
     for k, v in s.items():
         if "probe" in v:
             lines.append(f"\n{k} probe under r20 load: {v['probe']}")

@@ -179,7 +179,10 @@ def enable_cuda_graphs(runner, *, max_num_seqs: int, max_model_len: int,
     if g.disabled is None:
         def forward(input_ids, positions, ctx):
             out = g.run(input_ids, positions, ctx.attn)
-            return eager(input_ids, positions, ctx) if out is None else out
+            if out is None:
+                return eager(input_ids, positions, ctx)
+            runner.forward_path = "decode_graph"
+            return out
         runner._forward = forward
     runner.cuda_graphs = g
     return g

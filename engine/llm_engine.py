@@ -104,8 +104,10 @@ class LLMEngine:
         # collected after the next one's launch also holds that launch's host time); waited: the
         # host's wait for its results (near 0: the host, not the device, set the pace); launching:
         # the host's time in runner.launch (input copies, graph replays, eager kernels), and of
-        # that, preparing the inputs and the model call (the rest: sampling, prompt logprobs)
-        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0] for k in STEP_KINDS}
+        # that, preparing the inputs and the model call (the rest: sampling, prompt logprobs);
+        # then how many of the steps replayed one whole graph (a decode graph or a whole-step
+        # graph) and how many the piecewise graphs (the rest ran eagerly)
+        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0] for k in STEP_KINDS}
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
@@ -268,6 +270,9 @@ class LLMEngine:
                 if split is not None:
                     c[5] += split[0]
                     c[6] += split[1]
+                path = getattr(self.runner, "forward_path", None)
+                c[7] += path in ("decode_graph", "whole_graph")
+                c[8] += path == "pieces"
                 return handle, prev
             except Exception as e:  # noqa: BLE001 - judged below: one request's, or re-raised
                 if prev is not None:

@@ -268,7 +268,10 @@ def enable_mixed_graphs(runner, *, max_tokens: int, max_num_seqs: int, max_num_b
     if g.disabled is None:
         def forward(input_ids, positions, ctx):
             out = g.run(input_ids, positions, ctx)
-            return inner(input_ids, positions, ctx) if out is None else out
+            if out is None:
+                return inner(input_ids, positions, ctx)
+            runner.forward_path = "whole_graph"
+            return out
         runner._forward = forward
     runner.mixed_graphs = g
     return g

@@ -71,6 +71,7 @@ class ModelRunner:
         batch = self.prepare(plan, prev)
         ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches, dispatcher=self.dispatcher)
         t1 = time.perf_counter()
+        self.forward_path = "eager"  # a graph runner in front of _forward names its own path
         with forward_context(ctx):
             hidden = self._forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
             t2 = time.perf_counter()

@@ -221,7 +221,10 @@ def enable_piecewise_graphs(runner, *, max_tokens: int, buckets: list[int] | Non
             if decode is not None and decode.size_for(ctx.attn) is not None:
                 return inner(input_ids, positions, ctx)
             out = g.run(input_ids, positions, ctx)
-            return inner(input_ids, positions, ctx) if out is None else out
+            if out is None:
+                return inner(input_ids, positions, ctx)
+            runner.forward_path = "pieces"
+            return out
         runner._forward = forward
     runner.piecewise_graphs = g
     return g

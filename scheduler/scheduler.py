@@ -141,8 +141,7 @@ class Scheduler:
             hits = [] if req.wants_prompt_logprobs else self.bm.find_cached_blocks(req)
             done = len(hits) * self.bm.block_size
             n = min(req.num_tokens - done, budget)
-            more = align and budget > n and len(self.running) + 1 < self.limits.max_num_seqs and any(
-                r is not req and self._admittable(r) for r in self.waiting)
+            more = align and budget > n and self._can_admit_another(req, 1)
             cut = n if more else self._aligned(planned, n, align)
             if not self.bm.allocate(req, cut, hits):
                 break
@@ -174,7 +173,7 @@ class Scheduler:
                 continue
             want = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             # only the step's last chunk is cut (a chunk another can follow is taken whole)
-            more = align and budget > want and (bool(self.waiting) or any(
+            more = align and budget > want and (self._can_admit_another(None, 0) or any(
                 r.status == RequestStatus.RUNNING and self._plannable(r) for r in reqs[i + 1:]))
             n = want if more else self._aligned(planned, want, align)
             while not self.bm.allocate(req, n):
@@ -212,6 +211,12 @@ class Scheduler:
             return budget
         used = self.limits.max_num_batched_tokens - budget
         return max(0, min(budget, cap - used))
+
+    def _can_admit_another(self, but: Request | None, admitting: int) -> bool:
+        """Could this step admit a waiting request other than `but`, with `admitting` more about
+        to run (a sequence slot left and one ready to take it)?"""
+        return len(self.running) + admitting < self.limits.max_num_seqs and any(
+            r is not but and self._admittable(r) for r in self.waiting)
 
     @staticmethod
     def _admittable(req: Request) -> bool:

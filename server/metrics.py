@@ -111,7 +111,11 @@ STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, pre
                       ("engine_step_launch_prepare_seconds", "Of the launch time, preparing the step's inputs "
                        "(flattening, one host-to-device copy), by kind."),
                       ("engine_step_launch_forward_seconds", "Of the launch time, the model call (graph replays, "
-                       "eager kernels between pieces), by kind; the rest is sampling and prompt logprobs."))
+                       "eager kernels between pieces), by kind; the rest is sampling and prompt logprobs."),
+                      ("engine_step_whole_graph_steps", "Steps whose model call replayed one CUDA graph (a decode "
+                       "graph or a whole-step graph), by kind."),
+                      ("engine_step_piecewise_steps", "Steps whose model call replayed the piecewise CUDA graphs "
+                       "(attention eager between them), by kind; the rest ran eagerly."))
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 

@@ -256,6 +256,20 @@ def test_mixed_token_align_ends_steps_with_decodes_on_a_multiple():
         SchedulerLimits(8, 16, 64, mixed_token_align=0)
 
 
+def test_mixed_token_align_cuts_a_running_prefill_no_waiting_prompt_can_follow():
+    """A running prefill's chunk is the step's last when the waiting prompt cannot be admitted
+    (every sequence slot taken): it is cut to end the step on the multiple."""
+    s = Scheduler(SchedulerLimits(2, 32, 128, mixed_token_align=8), 64, BS, True)
+    s.add(req("a", 5))
+    run_step(s)
+    s.add(req("b", 40, first=40))
+    p = run_step(s)  # 1 + 31 = 32: on the multiple
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 31)]
+    s.add(req("c", 5, first=90))  # waits: max_num_seqs = 2
+    p = run_step(s)  # b's last 9 would end the step at 10: cut to 7, the step ends at 8
+    assert [(q.request_id, q.num_tokens) for q in p.seqs] == [("a", 1), ("b", 7)]
+
+
 def test_mixed_token_align_never_starves_a_short_prompt():
     """5 decodes already pass a multiple of 4: a 2-token prompt cannot end the step on
     one, so it is taken whole rather than left waiting behind the decodes."""

@@ -59,6 +59,8 @@ def test_engine_outputs_with_and_without_mixed_graphs(mode):
         mg = getattr(llm.llm_engine.runner, "mixed_graphs", None)
         assert (mg is not None and mg.disabled is None) == bool(mixed), getattr(mg, "disabled", None)
         outs = llm.generate(prompts, params, use_tqdm=False)
+        mixed_steps = llm.llm_engine.stats()["steps_by_kind"]["mixed"]
+        assert mixed_steps[0] > 0 and (mixed_steps[7] > 0) == bool(mixed), mixed_steps  # steps that replayed one graph
         return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
                 for o in outs]
 
