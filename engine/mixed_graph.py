@@ -234,14 +234,14 @@ class MixedGraphRunner:
             self.input_ids[t:t_pad].zero_()
             self.positions[t:t_pad].copy_(self.pad_positions[:pad])
             self.slots[t:t_pad].copy_(self.pad_slots[:pad])
-            self.qsl[n + 1] = t_pad
-            self.seq_lens[n] = pad
+            self.qsl[n + 1:n + 2].fill_(t_pad)  # fill_, not `[i] = v`: that copies from the host and waits
+            self.seq_lens[n:n + 1].fill_(pad)
             self.block_tables[n].fill_(NULL_BLOCK)
             k = n + 1
         if s_pad > k:  # empty sequences: no query
             self.qsl[k + 1:s_pad + 1].fill_(t_pad)
             self.seq_lens[k:s_pad].fill_(1)
-            self.block_tables[k:s_pad, 0] = NULL_BLOCK
+            self.block_tables[k:s_pad, 0].fill_(NULL_BLOCK)
         return AttentionMetadata(
             query_start_loc=self.qsl[:s_pad + 1], seq_lens=self.seq_lens[:s_pad],
             block_tables=self.block_tables[:s_pad], slot_mapping=self.slots[:t_pad], num_seqs=s_pad,

@@ -36,7 +36,8 @@ def _meta(tables, chunks, dev):
 def tiny_mixed_steps(arch: str):
     """A tiny Llama or Qwen3 on the GPU, pinned, three sequences' tables and token ids, and
     `run(chunks, graphs=None)`: the step whose sequence b contributes tokens [s_b, e_b), run
-    eagerly or through a graph runner's `run` (None when that runner takes no such step)."""
+    eagerly or through a graph runner's `run` (None when that runner takes no such step);
+    `no_sync=True` makes any device synchronization inside that `run` raise."""
     dev = torch.device("cuda")
     hf = dict(CFG)
     if arch == "qwen3":
@@ -49,13 +50,21 @@ def tiny_mixed_steps(arch: str):
     tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     ids = [torch.randint(3, 1000, (n + 1,), device=dev) for n in (40, 17, 60)]
 
-    def run(chunks, graphs=None):
+    def run(chunks, graphs=None, no_sync=False):
         meta = _meta(tables, chunks, dev)
         tok = torch.cat([ids[b][s:e] for b, (s, e) in enumerate(chunks)])
         pos = torch.cat([torch.arange(s, e, device=dev) for s, e in chunks])
         ctx = ForwardContext(attn=meta, kv_caches=caches, dispatcher=disp)
         with forward_context(ctx):
-            out = model(tok, pos) if graphs is None else graphs.run(tok, pos, ctx)
+            if graphs is None:
+                out = model(tok, pos)
+            else:  # no_sync: the graph runner's host side must not wait for the device
+                before = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error" if no_sync else before)
+                try:
+                    out = graphs.run(tok, pos, ctx)
+                finally:
+                    torch.cuda.set_sync_debug_mode(before)
         return None if out is None else out.clone()
     return cfg, model, caches, disp, run
 
