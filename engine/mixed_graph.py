@@ -1,4 +1,4 @@
-"""Whole-step CUDA graphs for steps with prompt tokens (off by default; GPU-tested in lease 7 up to 512 tokens).
+"""Whole-step CUDA graphs for steps with prompt tokens (off by default; GPU-tested up to 1,024 tokens, served to 2,048).
 
 Lease 6 measured a step of 16 prompt tokens beside 16 decodes at 11.0 ms of
 device time and 10.9 ms of host time, against 5.4 ms for the decode graph of
@@ -6,7 +6,8 @@ device time and 10.9 ms of host time, against 5.4 ms for the decode graph of
 between their pieces, and for a small step the host's 32 attention calls are
 the step. vLLM replays one whole graph, attention inside, for every step of
 up to 512 tokens. This does the same, up to `--mixed-graph-max-tokens` (at most
-2,048; the graphs above 512 tokens have not run on a GPU yet).
+2,048). Under load (docs/performance.md, lease 9) a graph's launch is ~3 ms where the
+pieces' is 9-13 ms, but its steps take 1-2 ms more on the device, so the default stays off.
 
 A graph is captured for T tokens and S sequences (`pairs`) and for one
 attention selection. A step of t <= T tokens and n <= S sequences replays it
