@@ -17,6 +17,11 @@ file (log-normal prompt and output lengths, benchmarks/loadgen.sharegpt_like).
 The model is a Llama-3.1-8B-shaped directory with a word-level tokenizer
 (benchmarks/wordlevel_model.py), so prompt lengths are exact.
 
+The load generator is imported once per run: `BenchWorker` keeps one process
+that calls `vllm.benchmarks.serve`'s `main` (what `vllm bench serve` calls)
+for every load, started beside the server so its import overlaps the
+server's startup; a load it fails runs through the CLI instead.
+
 While the server is loaded at `r20`, a seeded probe request (logprobs 5) is
 sent again and again; its token ids and logprobs are compared with `==`
 against the same request sent to the idle server (the invariance battery
@@ -120,16 +125,80 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+# `vllm bench serve` in one long-lived process: each call through the CLI spent 19-26 s
+# beyond its load (lease 9, `wall_s` against `duration`), most of it importing vLLM
+BENCH_MODULE = "vllm.benchmarks.serve"  # its add_cli_args(parser) and main(args), as `vllm bench serve` calls
+WORKER = r"""
+import argparse, json, sys
+from {module} import add_cli_args, main
+out, sys.stdout = sys.stdout, sys.stderr  # the benchmark's own prints go to the log
+for line in sys.stdin:
+    try:
+        p = argparse.ArgumentParser()
+        add_cli_args(p)
+        main(p.parse_args(json.loads(line)))
+        reply = {{"ok": True}}
+    except BaseException as e:  # argparse's SystemExit too: report it, keep serving
+        reply = {{"ok": False, "error": f"{{type(e).__name__}}: {{e}}"}}
+    out.write(json.dumps(reply) + "\n")
+    out.flush()
+"""
+
+
+class BenchWorker:
+    """One process that imports the load generator once and runs each load's arguments."""
+
+    def __init__(self, env: dict | None, log_path: str, module: str = BENCH_MODULE):
+        self.log = open(log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER.format(module=module)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
+
+    def run(self, argv: list[str]) -> None:
+        """Run `vllm bench serve ARGV`; raises RuntimeError if it failed or the worker is gone."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"bench worker exited ({self.proc.returncode})")
+        try:
+            self.proc.stdin.write(json.dumps(argv) + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:  # it died since the check
+            raise RuntimeError(f"bench worker exited ({e})") from e
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench worker exited ({self.proc.wait()})")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise RuntimeError(reply["error"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
 def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed: int, out_dir: str,
-          name: str, sharegpt: str, vllm_path: str) -> dict:
+          name: str, sharegpt: str, vllm_path: str, worker: BenchWorker | None = None) -> dict:
     data = RANDOM if dataset == "random" else ["--dataset-name", "sharegpt", "--dataset-path", sharegpt]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
-           "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", model_dir, *data,
-           "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--seed", str(seed), "--num-prompts", str(n), *args, "--save-result", "--result-dir", out_dir,
-           "--result-filename", name + ".json"]
+    argv = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", model_dir,
+            *data, "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--seed", str(seed), "--num-prompts", str(n), *args, "--save-result", "--result-dir", out_dir,
+            "--result-filename", name + ".json"]
     t0 = time.time()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=vllm_env(vllm_path))
+    try:
+        if worker is None:
+            raise RuntimeError("no bench worker")
+        worker.run(argv)
+    except RuntimeError as e:  # the CLI, as before
+        if worker is not None:
+            print(f"{name}: bench worker failed ({e}); running `vllm bench serve`", flush=True)
+        subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *argv], check=True,
+                       stdout=subprocess.DEVNULL, env=vllm_env(vllm_path))
     with open(os.path.join(out_dir, name + ".json")) as f:
         r = json.load(f)
     keep = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -205,18 +274,20 @@ def run(a) -> None:
     sharegpt = write_sharegpt(os.path.join(a.out, "sharegpt_synthetic.json"))
     proc = start_server(a.server, a.model_dir, a.port, a.server_args.split(), os.path.join(a.out, f"{a.server}{a.tag}.log"),
                         a.vllm_path)
+    worker = BenchWorker(vllm_env(a.vllm_path), os.path.join(a.out, f"bench{a.tag}.log"))  # imports meanwhile
     url = f"http://127.0.0.1:{a.port}"
     t0 = time.time()
     while _get(url + "/health") != 200:
         if proc.poll() is not None or time.time() - t0 > a.startup_timeout:
             stop_server(proc)
+            worker.close()
             raise SystemExit(f"{a.server} did not start; see {a.server}{a.tag}.log")
         time.sleep(1)
     summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": a.server_args, "loads": {}}
     try:
         alone = _post(url + "/v1/completions", PROBE)["choices"][0]
         for name, (args, n, ds) in (("warmup", (["--max-concurrency", "64"], 192, "random")),):
-            bench(a.port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path)
+            bench(a.port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path, worker)
         for name in a.loads.split(","):
             args, n, ds = LOADS[name]
             if args is None:  # r80: 80% of vLLM's maximum request throughput (C = 128)
@@ -236,7 +307,7 @@ def run(a) -> None:
                 th.start()
             before = step_kinds(url)
             r = bench(a.port, a.model_dir, args, n, ds, seed_for(name), a.out, f"{a.server}-{name}{a.tag}", sharegpt,
-                      a.vllm_path)
+                      a.vllm_path, worker)
             stop.set()
             time.sleep(1.0)  # the idle core's stats snapshot
             steps = kinds_delta(before, step_kinds(url))
@@ -258,6 +329,7 @@ def run(a) -> None:
             print("probe under load:", summary["probe"], flush=True)
     finally:
         stop_server(proc)
+        worker.close()
         write_summary(os.path.join(a.out, f"summary-{a.server}{a.tag}.json"), summary)
         if a.pack:
             pack(a.out, a.pack)

@@ -103,3 +103,56 @@ def test_the_report_has_a_row_block_for_each_tagged_detent_run(tmp_path):
     assert "| r20 (graphs) | mixed | 5 | 15.00 | 455.0 | 0.00 | 0.00 |  |  |" in text
     assert "s10 (graphs)" not in text  # a tagged run shows only the loads it ran
 
+
+
+FAKE_BENCH = '''
+import json, os
+FLAGS = ("--ignore-eos", "--save-result")
+OPTS = ("--backend", "--base-url", "--model", "--tokenizer", "--dataset-name", "--random-input-len",
+        "--random-output-len", "--percentile-metrics", "--metric-percentiles", "--seed", "--num-prompts",
+        "--max-concurrency", "--result-dir", "--result-filename")
+RUNS = []
+def add_cli_args(p):
+    for f in FLAGS:
+        p.add_argument(f, action="store_true")
+    for o in OPTS:
+        p.add_argument(o)
+def main(args):
+    RUNS.append(args.num_prompts)  # one process for every run: the count survives
+    with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
+        json.dump({"completed": int(args.num_prompts), "runs_in_this_process": len(RUNS), "label": "x"}, f)
+'''
+
+
+def test_the_bench_worker_runs_every_load_in_one_process_and_survives_a_bad_one(tmp_path):
+    (tmp_path / "fakebench.py").write_text(FAKE_BENCH)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    w = serve_load.BenchWorker(env, str(tmp_path / "bench.log"), module="fakebench")
+    try:
+        r = serve_load.bench(8100, "/m", ["--max-concurrency", "4"], 7, "random", 1, str(tmp_path), "a", "", "",
+                             worker=w)
+        assert r["completed"] == 7 and r["runs_in_this_process"] == 1 and "label" not in r and r["wall_s"] >= 0
+        try:
+            w.run(["--no-such-flag"])
+            raise AssertionError("a bad argument must raise")
+        except RuntimeError as e:
+            assert "SystemExit" in str(e)
+        r = serve_load.bench(8100, "/m", [], 9, "random", 2, str(tmp_path), "b", "", "", worker=w)
+        assert r["completed"] == 9 and r["runs_in_this_process"] == 2  # the same process, after the error
+    finally:
+        w.close()
+    assert w.proc.returncode == 0
+
+
+def test_a_dead_bench_worker_raises_so_bench_falls_back_to_the_cli(tmp_path):
+    w = serve_load.BenchWorker({**os.environ, "PYTHONPATH": str(tmp_path)}, str(tmp_path / "bench.log"),
+                               module="no_such_module")
+    try:
+        try:
+            w.run(["--num-prompts", "1"])
+            raise AssertionError("a dead worker must raise")
+        except RuntimeError as e:
+            assert "exited" in str(e)
+    finally:
+        w.close()
+    assert "ModuleNotFoundError" in (tmp_path / "bench.log").read_text()
