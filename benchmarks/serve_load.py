@@ -213,7 +213,9 @@ STEP_SERIES = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds"
                "detent:engine_step_launch_prepare_seconds": "prepare_seconds",
                "detent:engine_step_launch_forward_seconds": "forward_seconds",
                "detent:engine_step_whole_graph_steps": "whole_graph_steps",
-               "detent:engine_step_piecewise_steps": "piecewise_steps"}
+               "detent:engine_step_piecewise_steps": "piecewise_steps",
+               "detent:engine_step_device_seconds": "device_seconds",
+               "detent:engine_step_device_idle_seconds": "device_idle_seconds"}
 
 
 def step_kinds(url: str) -> dict:
@@ -246,7 +248,7 @@ def kinds_delta(before: dict, after: dict) -> dict:
         if d["steps"] > 0:
             d["ms_per_step"] = 1e3 * d["seconds"] / d["steps"]
             d["tokens_per_step"] = d["tokens"] / d["steps"]
-            for k in ("wait", "launch", "prepare", "forward"):
+            for k in ("wait", "launch", "prepare", "forward", "device", "device_idle"):
                 d[f"{k}_ms_per_step"] = 1e3 * d[f"{k}_seconds"] / d["steps"]
             out[kind] = d
     return out
@@ -355,6 +357,23 @@ def pack(out_dir: str, path: str) -> None:
                 t.add(os.path.join(out_dir, name), arcname=name)
 
 
+def _pair(d: dict, a: str, b: str, fmt: str) -> str:
+    return f"{d[a]:{fmt}} / {d[b]:{fmt}}" if a in d and b in d else ""
+
+
+# the report's step table: (header, cell) per column; a cell is empty where a run did not record it
+STEP_COLUMNS = [
+    ("steps", lambda d: f"{d['steps']:.0f}"), ("ms/step", lambda d: f"{d['ms_per_step']:.2f}"),
+    ("tokens/step", lambda d: f"{d['tokens_per_step']:.1f}"),
+    ("wait ms/step", lambda d: f"{d.get('wait_ms_per_step', 0):.2f}"),
+    ("launch ms/step", lambda d: f"{d.get('launch_ms_per_step', 0):.2f}"),
+    ("of which prepare / forward", lambda d: _pair(d, "prepare_ms_per_step", "forward_ms_per_step", ".2f")),
+    ("of the steps, one graph / pieces", lambda d: _pair(d, "whole_graph_steps", "piecewise_steps", ".0f")),
+    ("device ms/step: span / idle before",
+     lambda d: _pair(d, "device_ms_per_step", "device_idle_ms_per_step", ".2f") if d.get("device_seconds") else ""),
+]
+
+
 METRICS = [("output_throughput", "output tok/s"), ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"),
            ("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99")]
 
@@ -391,15 +410,9 @@ def report(a) -> None:
     steps = [(label(n, k), kind, d) for n in names for k in detents
              for kind, d in s[k].get("loads", {}).get(n, {}).get("steps", {}).items()]
     if steps:  # Detent's steps by kind in each load (detent:engine_step_*_total differences)
-        lines += ["", "| load | step kind | steps | ms/step | tokens/step | wait ms/step | launch ms/step | "
-                  "of which prepare / forward | of the steps, one graph / pieces |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {n} | {kind} | {d['steps']:.0f} | {d['ms_per_step']:.2f} | {d['tokens_per_step']:.1f} | "
-                  f"{d.get('wait_ms_per_step', 0):.2f} | {d.get('launch_ms_per_step', 0):.2f} | "
-                  + (f"{d['prepare_ms_per_step']:.2f} / {d['forward_ms_per_step']:.2f} |" if "prepare_ms_per_step" in d
-                     else " |")
-                  + (f" {d['whole_graph_steps']:.0f} / {d['piecewise_steps']:.0f} |" if "whole_graph_steps" in d
-                     else "  |") for n, kind, d in steps]
+        lines += ["", "| load | step kind | " + " | ".join(h for h, _ in STEP_COLUMNS) + " |",
+                  "|---|---|" + "---:|" * len(STEP_COLUMNS)]
+        lines += [f"| {n} | {kind} | " + " | ".join(cell(d) for _, cell in STEP_COLUMNS) + " |" for n, kind, d in steps]
     for k, v in s.items():
         if "probe" in v:
             lines.append(f"\n{k} probe under r20 load: {v['probe']}")

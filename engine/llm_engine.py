@@ -106,8 +106,13 @@ class LLMEngine:
         # the host's time in runner.launch (input copies, graph replays, eager kernels), and of
         # that, preparing the inputs and the model call (the rest: sampling, prompt logprobs);
         # then how many of the steps replayed one whole graph (a decode graph or a whole-step
-        # graph) and how many the piecewise graphs (the rest ran eagerly)
-        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0] for k in STEP_KINDS}
+        # graph) and how many the piecewise graphs (the rest ran eagerly); on CUDA, the
+        # device's span of the steps (their first to last kernel, CUDA events) and the device's
+        # idle time before each (from the previous step's end)
+        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0]
+                                             for k in STEP_KINDS}
+        self._device_pending: deque = deque()  # (kind, start event, end event) of collected steps
+        self._device_last_end = None
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
@@ -322,6 +327,21 @@ class LLMEngine:
         c[1] += done - start
         c[2] += handle.plan.num_batched_tokens
         c[3] += waited
+        events = getattr(handle, "events", None)
+        if events is not None:
+            self._device_pending.append((c, *events))
+        self._count_device_time()
+
+    def _count_device_time(self) -> None:
+        """Device span and idle time of the collected steps whose events have completed, in
+        order (a step collected without waiting, e.g. a prompt chunk that samples nothing, is
+        counted at a later step; never waited for)."""
+        while self._device_pending and self._device_pending[0][2].query():
+            c, start, end = self._device_pending.popleft()
+            c[9] += start.elapsed_time(end) / 1e3
+            if self._device_last_end is not None:
+                c[10] += max(0.0, self._device_last_end.elapsed_time(start) / 1e3)
+            self._device_last_end = end
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
         """Finish these requests (finish_reason "error", with the message); the engine goes on."""

@@ -34,6 +34,8 @@ class StepHandle:
     sampled: "sampling.PendingSample | None"
     sample_row: dict[str, int]  # request id -> its row in `sampled`
     prompt_logprobs: dict
+    # CUDA events around the step's work on the device stream (timing only), or None
+    events: "tuple[torch.cuda.Event, torch.cuda.Event] | None" = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class ModelRunner:
         sampled) are taken from `prev`'s device tensor. Prompt logprobs, top-k/p
         truncation and grammar masks still wait for the device inside."""
         t0 = time.perf_counter()
+        events = None
+        if self.device.type == "cuda":  # the step's span on the device, for the engine's counters
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         batch = self.prepare(plan, prev)
         ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches, dispatcher=self.dispatcher)
         t1 = time.perf_counter()
@@ -77,11 +83,13 @@ class ModelRunner:
             t2 = time.perf_counter()
             sampled = self._sample(plan, hidden, batch)
             prompt_lps = self._prompt_logprobs(plan, hidden, batch)
+        if events is not None:
+            events[1].record()
         # host seconds of this launch's parts: inputs (prepare), the model call (graph
         # replays, eager kernels between pieces); the rest is sampling and prompt logprobs
         self.launch_split = (t1 - t0, t2 - t1)
         ids = [s.request_id for s in plan.seqs if s.sample is not None]
-        return StepHandle(plan, sampled, {rid: i for i, rid in enumerate(ids)}, prompt_lps)
+        return StepHandle(plan, sampled, {rid: i for i, rid in enumerate(ids)}, prompt_lps, events)
 
     @staticmethod
     def collect(handle: "StepHandle") -> ModelOutput:

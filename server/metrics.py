@@ -115,7 +115,11 @@ STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, pre
                       ("engine_step_whole_graph_steps", "Steps whose model call replayed one CUDA graph (a decode "
                        "graph or a whole-step graph), by kind."),
                       ("engine_step_piecewise_steps", "Steps whose model call replayed the piecewise CUDA graphs "
-                       "(attention eager between them), by kind; the rest ran eagerly."))
+                       "(attention eager between them), by kind; the rest ran eagerly."),
+                      ("engine_step_device_seconds", "CUDA: the device's span of the steps (from the stream "
+                       "reaching a step's first work to its last, CUDA events), by kind."),
+                      ("engine_step_device_idle_seconds", "CUDA: the device's idle time before the steps (from "
+                       "the previous step's end to the step's start), by kind."))
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 

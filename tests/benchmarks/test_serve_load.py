@@ -40,7 +40,7 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     pages = []
     for stats in ({"decode": (10, 0.05, 40, 0.01, 0.02, 0.005, 0.01), "mixed": (2, 0.06, 2048, 0.04, 0.02, 0.0, 0.0)},
                   {"decode": (30, 0.17, 160, 0.03, 0.06, 0.015, 0.03), "mixed": (5, 0.15, 5200, 0.1, 0.05, 0.0, 0.0),
-                   "prefill": (1, 0.03, 1024, 0.02, 0.01, 0.004, 0.005, 0, 1)}):
+                   "prefill": (1, 0.03, 1024, 0.02, 0.01, 0.004, 0.005, 0, 1, 0.025, 0.002)}):
         m.engine_stats({"steps_by_kind": stats})
         pages.append(generate_latest(m.registry))
 
@@ -68,8 +68,9 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     assert abs(d["decode"]["prepare_ms_per_step"] - 0.5) < 1e-9 and abs(d["decode"]["forward_ms_per_step"] - 1.0) < 1e-9
     assert d["prefill"] == {"steps": 1, "seconds": 0.03, "tokens": 1024, "wait_seconds": 0.02, "launch_seconds": 0.01,
                             "prepare_seconds": 0.004, "forward_seconds": 0.005, "whole_graph_steps": 0,
-                            "piecewise_steps": 1, "ms_per_step": 30.0, "tokens_per_step": 1024.0, "wait_ms_per_step": 20.0,
-                            "launch_ms_per_step": 10.0, "prepare_ms_per_step": 4.0, "forward_ms_per_step": 5.0}
+                            "piecewise_steps": 1, "device_seconds": 0.025, "device_idle_seconds": 0.002, "ms_per_step": 30.0, "tokens_per_step": 1024.0, "wait_ms_per_step": 20.0,
+                            "launch_ms_per_step": 10.0, "prepare_ms_per_step": 4.0, "forward_ms_per_step": 5.0,
+                            "device_ms_per_step": 25.0, "device_idle_ms_per_step": 2.0}
 
 
 def test_the_report_has_the_ratios_and_detents_steps_by_kind(tmp_path, capsys):
@@ -84,7 +85,15 @@ def test_the_report_has_the_ratios_and_detents_steps_by_kind(tmp_path, capsys):
     serve_load.report(type("A", (), {"dir": str(tmp_path)}))
     text = (tmp_path / "serve_load.md").read_text()
     assert "| s10 | TPOT p50 | 6.00 | 7.20 | 1.20 |" in text
-    assert "| s10 | decode | 100 | 6.40 | 17.4 | 3.00 | 1.20 |  |  |" in text  # no launch split, no graph counts
+    assert "| s10 | decode | 100 | 6.40 | 17.4 | 3.00 | 1.20 |  |  |  |" in text  # no split, graphs or device
+    steps["mixed"] = {"steps": 4, "ms_per_step": 20.0, "tokens_per_step": 900.0, "prepare_ms_per_step": 0.9,
+                      "forward_ms_per_step": 8.1, "whole_graph_steps": 0, "piecewise_steps": 4,
+                      "device_seconds": 0.07, "device_ms_per_step": 17.5, "device_idle_ms_per_step": 1.25}
+    (tmp_path / "summary-detent.json").write_text(json.dumps(
+        {"loads": {"s10": {**load, "median_tpot_ms": 7.2, "steps": steps}}}))
+    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    text = (tmp_path / "serve_load.md").read_text()
+    assert "| s10 | mixed | 4 | 20.00 | 900.0 | 0.00 | 0.00 | 0.90 / 8.10 | 0 / 4 | 17.50 / 1.25 |" in text
 
 
 def test_the_report_has_a_row_block_for_each_tagged_detent_run(tmp_path):
@@ -100,7 +109,7 @@ def test_the_report_has_a_row_block_for_each_tagged_detent_run(tmp_path):
     text = (tmp_path / "serve_load.md").read_text()
     assert "| r20 | TPOT p50 | 6.00 | 6.60 | 1.10 |" in text
     assert "| r20 (graphs) | TPOT p50 | 6.00 | 6.30 | 1.05 |" in text
-    assert "| r20 (graphs) | mixed | 5 | 15.00 | 455.0 | 0.00 | 0.00 |  |  |" in text
+    assert "| r20 (graphs) | mixed | 5 | 15.00 | 455.0 | 0.00 | 0.00 |  |  |  |" in text
     assert "s10 (graphs)" not in text  # a tagged run shows only the loads it ran
 
 

@@ -4,6 +4,8 @@ the same bits as eager steps.
 The graph runs at T tokens and S sequences >= the step's (the extra rows one more sequence's
 in the null block, then empty sequences), attention inside, its selections made at that padded shape; a row's bits must not
 see the padding (`torch.equal`). Written before any GPU run (lease 6 built it on CPU)."""
+import time
+
 import pytest
 import torch
 
@@ -63,8 +65,17 @@ def test_engine_outputs_with_and_without_mixed_graphs(mode):
         mg = getattr(llm.llm_engine.runner, "mixed_graphs", None)
         assert (mg is not None and mg.disabled is None) == bool(mixed), getattr(mg, "disabled", None)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        mixed_steps = llm.llm_engine.stats()["steps_by_kind"]["mixed"]
+        spans_before = sum(k[9] + k[10] for k in llm.llm_engine.stats()["steps_by_kind"].values())
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        kinds = llm.llm_engine.stats()["steps_by_kind"]
+        mixed_steps = kinds["mixed"]
         assert mixed_steps[0] > 0 and (mixed_steps[7] > 0) == bool(mixed), mixed_steps  # steps that replayed one graph
+        # the device's span and idle time (CUDA events): every kind that ran has a span, and the
+        # second generate's spans and gaps fit inside its wall time
+        assert all(k[9] > 0 for k in kinds.values() if k[0]), kinds
+        assert sum(k[9] + k[10] for k in kinds.values()) - spans_before <= wall * 1.05 + 0.05
         return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
                 for o in outs]
 

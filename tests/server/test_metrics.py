@@ -275,7 +275,9 @@ def test_step_kind_counters_advance_by_the_engines_cumulative_counts():
     m.engine_stats({"steps_by_kind": {"decode": (3, 0.01, 3, 0.0)}})  # a new engine counts from zero
     assert get("engine_steps", "decode") == 18
     # which graphs the steps replayed: one whole graph, or the pieces
-    m.engine_stats({"steps_by_kind": {"decode": (5, 0.02, 5, 0.0, 0.01, 0.0, 0.0, 5, 0),
-                                      "mixed": (4, 0.08, 2100, 0.06, 0.02, 0.0, 0.0, 3, 1)}})
+    m.engine_stats({"steps_by_kind": {"decode": (5, 0.02, 5, 0.0, 0.01, 0.0, 0.0, 5, 0, 0.018, 0.001),
+                                      "mixed": (4, 0.08, 2100, 0.06, 0.02, 0.0, 0.0, 3, 1, 0.07, 0.004)}})
     assert (get("engine_step_whole_graph_steps", "decode"), get("engine_step_whole_graph_steps", "mixed"),
             get("engine_step_piecewise_steps", "mixed")) == (5, 3, 1)
+    assert abs(get("engine_step_device_seconds", "mixed") - 0.07) < 1e-12
+    assert abs(get("engine_step_device_idle_seconds", "decode") - 0.001) < 1e-12
