@@ -111,8 +111,9 @@ class LLMEngine:
         # idle time before each (from the previous step's end)
         self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0]
                                              for k in STEP_KINDS}
-        self._device_pending: deque = deque()  # (kind, start event, end event) of collected steps
-        self._device_last_end = None
+        # (kind's counters, start event, end event, work left after it) of collected steps
+        self._device_pending: deque = deque()
+        self._device_last = None  # (end event, work left after it) of the last step counted
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
@@ -329,19 +330,21 @@ class LLMEngine:
         c[3] += waited
         events = getattr(handle, "events", None)
         if events is not None:
-            self._device_pending.append((c, *events))
+            busy = bool(self.scheduler.running or self.scheduler.waiting)
+            self._device_pending.append((c, *events, busy))
         self._count_device_time()
 
     def _count_device_time(self) -> None:
         """Device span and idle time of the collected steps whose events have completed, in
         order (a step collected without waiting, e.g. a prompt chunk that samples nothing, is
-        counted at a later step; never waited for)."""
+        counted at a later step; never waited for). The idle time before a step counts only
+        when the step before it left work (the engine had no request in between otherwise)."""
         while self._device_pending and self._device_pending[0][2].query():
-            c, start, end = self._device_pending.popleft()
+            c, start, end, busy = self._device_pending.popleft()
             c[9] += start.elapsed_time(end) / 1e3
-            if self._device_last_end is not None:
-                c[10] += max(0.0, self._device_last_end.elapsed_time(start) / 1e3)
-            self._device_last_end = end
+            if self._device_last is not None and self._device_last[1]:
+                c[10] += max(0.0, self._device_last[0].elapsed_time(start) / 1e3)
+            self._device_last = (end, busy)
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
         """Finish these requests (finish_reason "error", with the message); the engine goes on."""

@@ -189,6 +189,45 @@ def test_steps_are_counted_by_kind_with_their_tokens():
     assert all(k[7] == 0 and k[8] == 0 and k[9] == 0.0 and k[10] == 0.0 for k in kinds.values())
 
 
+class _Event:
+    """A stand-in for a CUDA timing event: a device time in seconds, completed or not."""
+
+    def __init__(self, t: float, done: bool = True):
+        self.t, self.done = t, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, other: "_Event") -> float:  # milliseconds, as torch.cuda.Event's
+        return (other.t - self.t) * 1e3
+
+
+def test_device_spans_and_idle_gaps_are_counted_in_order_once_their_events_complete():
+    """steps_by_kind fields 9-10 (CUDA events; stand-ins here): a step's span, and the device's
+    idle time before it, counted only after the step before left work; a step whose events
+    have not completed waits for a later count, never for the device."""
+    from types import SimpleNamespace
+    b = bundle("llama")
+    eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64),
+                    model=b.model, model_config=b.config)
+    one = SimpleNamespace(seqs=(SimpleNamespace(num_tokens=1),), num_batched_tokens=1)  # a decode step's plan
+    kinds = eng._step_kinds["decode"]
+
+    def count(t0, t1, done=True, busy=True):
+        eng.scheduler.running[:] = [object()] if busy else []
+        eng._count_step(SimpleNamespace(plan=one, events=(_Event(t0), _Event(t1, done))), 0.0)
+        eng.scheduler.running[:] = []
+
+    count(0.0, 0.010)  # span 10 ms; nothing before it
+    count(0.012, 0.020, done=False)  # not complete: counted later
+    assert (round(kinds[9], 6), round(kinds[10], 6)) == (0.010, 0.0)
+    eng._device_pending[0][2].done = True
+    count(0.020, 0.025, busy=False)  # counts both: spans 8 + 5 ms, idle 2 ms before the second
+    assert (round(kinds[9], 6), round(kinds[10], 6)) == (0.023, 0.002)
+    count(5.0, 5.004)  # the engine had no work after the last step: its 4.975 s gap is not idle time
+    assert (round(kinds[9], 6), round(kinds[10], 6)) == (0.027, 0.002)
+
+
 def test_add_and_abort_from_another_thread():
     b = bundle("llama")
     eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64),
