@@ -222,7 +222,8 @@ def step_kinds(url: str) -> dict:
     """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
     "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds", "whole_graph_steps",
     "piecewise_steps"}} (prepare and forward: the launch's input preparation and model call; the
-    last two: how many steps replayed one CUDA graph, and how many the piecewise graphs); empty
+    last two: how many steps replayed one CUDA graph, and how many the piecewise graphs), and
+    under "host" the step loop's host seconds by part (detent:engine_host_seconds_total); empty
     for a server without those series, e.g. vLLM."""
     from prometheus_client.parser import text_string_to_metric_families
     try:
@@ -236,7 +237,18 @@ def step_kinds(url: str) -> dict:
             for smp in fam.samples:
                 if smp.name.endswith("_total"):
                     out.setdefault(smp.labels["kind"], {})[STEP_SERIES[fam.name]] = smp.value
+        elif fam.name == "detent:engine_host_seconds":
+            for smp in fam.samples:
+                if smp.name.endswith("_total"):
+                    out.setdefault("host", {})[smp.labels["part"]] = smp.value
     return out
+
+
+def host_delta(before: dict, after: dict, steps: dict) -> dict:
+    """The step loop's host milliseconds per step (all kinds) that one load added, by part."""
+    n = sum(d["steps"] for d in steps.values())
+    a, b = after.get("host", {}), before.get("host", {})
+    return {p: 1e3 * (v - b.get(p, 0.0)) / n for p, v in a.items()} if n else {}
 
 
 def kinds_delta(before: dict, after: dict) -> dict:
@@ -312,9 +324,11 @@ def run(a) -> None:
                       a.vllm_path, worker)
             stop.set()
             time.sleep(1.0)  # the idle core's stats snapshot
-            steps = kinds_delta(before, step_kinds(url))
+            after = step_kinds(url)
+            steps = kinds_delta(before, after)
             if steps:
                 r["steps"] = steps
+                r["host_ms_per_step"] = host_delta(before, after, steps)
                 print(name, "steps:", json.dumps({k: {m: round(v, 1) for m, v in d.items()}
                                                   for k, d in steps.items()}), flush=True)
             if th is not None:
@@ -413,6 +427,12 @@ def report(a) -> None:
         lines += ["", "| load | step kind | " + " | ".join(h for h, _ in STEP_COLUMNS) + " |",
                   "|---|---|" + "---:|" * len(STEP_COLUMNS)]
         lines += [f"| {n} | {kind} | " + " | ".join(cell(d) for _, cell in STEP_COLUMNS) + " |" for n, kind, d in steps]
+    host = [(label(n, k), h) for n in names for k in detents
+            if (h := s[k].get("loads", {}).get(n, {}).get("host_ms_per_step"))]
+    if host:  # the step loop's host time per step (all kinds), by part
+        from detent.engine import HOST_PARTS as parts
+        lines += ["", "| load | host ms/step: " + " | ".join(parts) + " |", "|---|" + "---:|" * len(parts)]
+        lines += [f"| {n} | " + " | ".join(f"{h.get(p, 0.0):.2f}" for p in parts) + " |" for n, h in host]
     for k, v in s.items():
         if "probe" in v:
             lines.append(f"\n{k} probe under r20 load: {v['probe']}")

@@ -16,6 +16,7 @@ _LAZY = {
     "Logprob": "detent.engine.outputs",
     "LLMEngine": "detent.engine.llm_engine",
     "STEP_KINDS": "detent.engine.llm_engine",
+    "HOST_PARTS": "detent.engine.llm_engine",
     "EngineConfig": "detent.engine.config",
     "EngineLimits": "detent.engine.config",
     "SELECTION_MODES": "detent.engine.config",

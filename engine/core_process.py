@@ -195,10 +195,12 @@ def _call(fn: Callable, engine: Any, args: tuple) -> tuple[bool, Any]:
 def _loop(conn, engine) -> None:
     enc = DeltaEncoder()
     last_stats = 0.0
+    host = getattr(engine, "host_seconds", None)  # the step loop's host time, by part (LLMEngine)
     while True:
         busy = engine.has_unfinished_requests()
         timeout = 0.0 if busy else 0.5
         while conn.poll(timeout):
+            t_in = time.perf_counter()
             msg = conn.recv()
             kind = msg[0]
             if kind == "add":
@@ -215,6 +217,8 @@ def _loop(conn, engine) -> None:
                 conn.send(("result", msg[1], *_call(msg[2], engine, msg[3])))
             elif kind == "stop":
                 return
+            if busy and host is not None:  # taking requests in while others run
+                host["ipc_in"] += time.perf_counter() - t_in
             timeout = 0.0
         if engine.has_unfinished_requests():
             t0 = time.perf_counter()
@@ -225,7 +229,10 @@ def _loop(conn, engine) -> None:
             if now - last_stats >= STATS_EVERY_S:
                 stats, last_stats = engine.stats(), now
             if outs or stats is not None:
+                t_out = time.perf_counter()
                 conn.send(("out", [enc.encode(o) for o in outs], dt, stats))
+                if host is not None:
+                    host["ipc_out"] += time.perf_counter() - t_out
         else:
             conn.send(("out", [], None, engine.stats()))
             last_stats = time.monotonic()

@@ -51,6 +51,12 @@ from detent.scheduler.scheduler import Scheduler, SchedulerLimits
 STEP_KINDS = ("decode", "mixed", "prefill")
 
 
+# where the step loop's host time goes (stats()["host_seconds"], /metrics engine_host_seconds):
+# taking in new requests, planning, launching, waiting for results, advancing the requests,
+# building their outputs; the engine core process adds its pipe traffic (engine/core_process.py)
+HOST_PARTS = ("inbox", "schedule", "launch", "wait", "update", "outputs", "ipc_in", "ipc_out")
+
+
 def step_kind(plan) -> str:
     """"decode" (every row one token), "prefill" (no one-token row) or "mixed"."""
     ones = sum(1 for s in plan.seqs if s.num_tokens == 1)
@@ -114,6 +120,7 @@ class LLMEngine:
         # (kind's counters, start event, end event, work left after it) of collected steps
         self._device_pending: deque = deque()
         self._device_last = None  # (end event, work left after it) of the last step counted
+        self.host_seconds = dict.fromkeys(HOST_PARTS, 0.0)
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
@@ -244,14 +251,21 @@ class LLMEngine:
         With async scheduling the tokens returned are those of the step
         launched by the previous call."""
         with self._step_lock:
+            host = self.host_seconds
+            t0 = time.perf_counter()
             results = self._drain_inbox()
             failed = {self.outputs.parent_of[r.request_id]: None for r in self.scheduler.fail_grammar_errors()}
             results += [self._emit(g) for g in failed]
+            t1 = time.perf_counter()
+            host["inbox"] += t1 - t0
             prev, self._inflight = self._inflight, None
             if prev is not None and self._needs_tokens_first(prev):
                 results += self._finish_step(prev)
                 prev = None
-            handle, prev = self._launch(self.scheduler.schedule(), prev, results)
+            t1 = time.perf_counter()
+            plan = self.scheduler.schedule()
+            host["schedule"] += time.perf_counter() - t1
+            handle, prev = self._launch(plan, prev, results)
             if prev is not None:
                 results += self._finish_step(prev)
             if handle is not None:
@@ -270,6 +284,7 @@ class LLMEngine:
                 t0 = time.perf_counter()
                 handle = self.runner.launch(plan, prev)
                 self._launched_at[id(handle)] = t1 = time.perf_counter()
+                self.host_seconds["launch"] += t1 - t0
                 c = self._step_kinds[step_kind(plan)]
                 c[4] += t1 - t0
                 split = getattr(self.runner, "launch_split", None)  # ModelRunner's; not every runner's
@@ -312,12 +327,19 @@ class LLMEngine:
         """Collect a launched step, advance the requests, emit their outputs."""
         t0 = time.perf_counter()
         out = self.runner.collect(handle)
-        waited = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        waited = t1 - t0
         progressed = self.scheduler.update(handle.plan, out)  # every stop decided here
         self._num_steps += 1
         self._count_step(handle, waited)
         groups = {self.outputs.parent_of[req.request_id]: None for req in progressed}
-        return [self._emit(g) for g in groups]
+        t2 = time.perf_counter()
+        outs = [self._emit(g) for g in groups]
+        host = self.host_seconds
+        host["wait"] += waited
+        host["update"] += t2 - t1
+        host["outputs"] += time.perf_counter() - t2
+        return outs
 
     def _count_step(self, handle, waited: float) -> None:
         done = time.perf_counter()
@@ -374,6 +396,7 @@ class LLMEngine:
             "num_preemptions": sch.num_preemptions,
             "num_steps": self._num_steps,
             "steps_by_kind": {k: tuple(v) for k, v in self._step_kinds.items()},
+            "host_seconds": dict(self.host_seconds),
         }
 
     def update_weights(self, named_tensors) -> int:

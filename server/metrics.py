@@ -31,7 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from detent.engine import STEP_KINDS
+from detent.engine import HOST_PARTS, STEP_KINDS
 
 PREFIX = "detent:"
 ENGINE = "0"
@@ -187,6 +187,12 @@ class Metrics:
         by_kind = [Counter(PREFIX + stem, doc, LABELS + ("kind",), registry=r) for stem, doc in STEP_KIND_COUNTERS]
         self.step_kinds = {k: [c.labels(**lab, kind=k) for c in by_kind] for k in STEP_KINDS}
         self._kinds_seen = {k: (0,) * len(STEP_KIND_COUNTERS) for k in STEP_KINDS}
+        by_part = Counter(PREFIX + "engine_host_seconds", "The step loop's host time by part: inbox (new "
+                          "requests), schedule, launch, wait (for the device's results), update (advancing the "
+                          "requests), outputs (building them), ipc_in / ipc_out (the engine core's pipe, while "
+                          "requests run).", LABELS + ("part",), registry=r)
+        self.host_parts = {p: by_part.labels(**lab, part=p) for p in HOST_PARTS}
+        self._host_seen = dict.fromkeys(HOST_PARTS, 0.0)
 
     def token_totals(self) -> tuple[float, float]:
         """(prompt tokens computed, tokens generated) so far: the stats line's throughputs
@@ -211,6 +217,11 @@ class Metrics:
                 self.c[key].inc(now - seen if now >= seen else now)
                 self._engine_seen[key] = now
         self._step_kind_counts(stats)
+        for part, now in (stats.get("host_seconds") or {}).items():
+            if part in self.host_parts:
+                seen = self._host_seen[part]
+                self.host_parts[part].inc(now - seen if now >= seen else now)  # lower: a new engine
+                self._host_seen[part] = now
 
     def _step_kind_counts(self, stats: dict[str, Any]) -> None:
         for kind, now in (stats.get("steps_by_kind") or {}).items():

@@ -165,3 +165,45 @@ def test_a_dead_bench_worker_raises_so_bench_falls_back_to_the_cli(tmp_path):
     finally:
         w.close()
     assert "ModuleNotFoundError" in (tmp_path / "bench.log").read_text()
+
+
+def test_the_step_loops_host_time_is_read_by_part_and_reported_per_step(tmp_path, monkeypatch):
+    import json
+
+    from prometheus_client import generate_latest
+
+    from detent.server.metrics import Metrics
+    m = Metrics("m", 512)
+    pages = []
+    for host, decode in (({"schedule": 0.01, "wait": 0.02}, (10, 0.1, 10)),
+                         ({"schedule": 0.03, "wait": 0.05, "ipc_out": 0.004}, (30, 0.3, 30))):
+        m.engine_stats({"steps_by_kind": {"decode": decode}, "host_seconds": host})
+        pages.append(generate_latest(m.registry))
+
+    class Page:
+        def __init__(self, body):
+            self.body = body
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return self.body
+
+    served = iter(pages)
+    monkeypatch.setattr(serve_load.urllib.request, "urlopen", lambda url, timeout: Page(next(served)))
+    before, after = serve_load.step_kinds("http://x"), serve_load.step_kinds("http://x")
+    assert abs(after["host"]["wait"] - 0.05) < 1e-12 and "host" not in serve_load.kinds_delta(before, after)
+    h = serve_load.host_delta(before, after, serve_load.kinds_delta(before, after))  # 20 steps
+    assert abs(h["schedule"] - 1.0) < 1e-9 and abs(h["wait"] - 1.5) < 1e-9 and abs(h["ipc_out"] - 0.2) < 1e-9
+    load = {"output_throughput": 100.0, "median_tpot_ms": 6.0, "p99_tpot_ms": 7.0, "median_ttft_ms": 30.0,
+            "p99_ttft_ms": 40.0}
+    (tmp_path / "summary-vllm.json").write_text(json.dumps({"loads": {"r20": load}}))
+    (tmp_path / "summary-detent.json").write_text(json.dumps({"loads": {"r20": {**load, "host_ms_per_step": h}}}))
+    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    text = (tmp_path / "serve_load.md").read_text()
+    assert "| load | host ms/step: inbox | schedule | launch | wait | update | outputs | ipc_in | ipc_out |" in text
+    assert "| r20 | 0.00 | 1.00 | 0.00 | 1.50 | 0.00 | 0.00 | 0.00 | 0.20 |" in text

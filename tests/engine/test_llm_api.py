@@ -187,6 +187,11 @@ def test_steps_are_counted_by_kind_with_their_tokens():
     # on the CPU no step replays a graph and none has CUDA events (tests/gpu/test_gpu_mixed_graph.py
     # counts the GPU's)
     assert all(k[7] == 0 and k[8] == 0 and k[9] == 0.0 and k[10] == 0.0 for k in kinds.values())
+    # the step loop's host time by part: planning, launching and advancing took time; no pipe here
+    host = eng.stats()["host_seconds"]
+    assert set(host) == {"inbox", "schedule", "launch", "wait", "update", "outputs", "ipc_in", "ipc_out"}
+    assert all(host[p] > 0 for p in ("schedule", "launch", "update", "outputs")) and host["ipc_out"] == 0.0
+    assert abs(host["launch"] - sum(k[4] for k in kinds.values())) < 1e-9  # the launches the kinds count
 
 
 class _Event:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -112,6 +113,14 @@ def test_engine_runs_in_a_child_and_none_outlives_the_server(own_server):
                    json={"prompt": "Hi", "max_tokens": 8, "temperature": 0,
                          "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
     assert r.status_code == 200
+    # the step loop's host time reaches /metrics by part, the core's pipe traffic included
+    deadline, seen = time.time() + 10, {}
+    while time.time() < deadline and not (seen.get("schedule", 0) > 0 and seen.get("ipc_out", 0) > 0):
+        time.sleep(0.2)
+        text = httpx.get(own_server.url + "/metrics", headers=AUTH, timeout=10).text
+        seen = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^detent:engine_host_seconds_total\{[^}]*part="(\w+)"[^}]*\} (\S+)$', text, re.M)}
+    assert seen.get("schedule", 0) > 0 and seen.get("outputs", 0) > 0 and seen.get("ipc_out", 0) > 0, seen
     kids += _children(core)
     t0 = time.time()
     assert own_server.stop() == 0
