@@ -32,6 +32,28 @@ def test_a_run_in_parts_keeps_every_parts_loads(tmp_path):
     assert s["loads"] == {"c1": {"x": 1}, "r20": {"x": 2}} and s["probe"] == {"sent": 3} and s["startup_s"] == 8.0
 
 
+class _Page:
+    """urlopen's reply: one /metrics page."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read(self):
+        return self.body
+
+
+def _serve_pages(monkeypatch, pages: list) -> None:
+    """serve_load's /metrics reads get these pages, one per read, in order."""
+    served = iter(pages)
+    monkeypatch.setattr(serve_load.urllib.request, "urlopen", lambda url, timeout: _Page(next(served)))
+
+
 def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monkeypatch):
     from prometheus_client import generate_latest
 
@@ -44,21 +66,7 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
         m.engine_stats({"steps_by_kind": stats})
         pages.append(generate_latest(m.registry))
 
-    class Page:
-        def __init__(self, body):
-            self.body = body
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def read(self):
-            return self.body
-
-    served = iter(pages)
-    monkeypatch.setattr(serve_load.urllib.request, "urlopen", lambda url, timeout: Page(next(served)))
+    _serve_pages(monkeypatch, pages)
     before, after = serve_load.step_kinds("http://x"), serve_load.step_kinds("http://x")
     d = serve_load.kinds_delta(before, after)
     assert d["decode"]["steps"] == 20 and d["decode"]["tokens_per_step"] == 6.0
@@ -180,21 +188,7 @@ def test_the_step_loops_host_time_is_read_by_part_and_reported_per_step(tmp_path
         m.engine_stats({"steps_by_kind": {"decode": decode}, "host_seconds": host})
         pages.append(generate_latest(m.registry))
 
-    class Page:
-        def __init__(self, body):
-            self.body = body
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def read(self):
-            return self.body
-
-    served = iter(pages)
-    monkeypatch.setattr(serve_load.urllib.request, "urlopen", lambda url, timeout: Page(next(served)))
+    _serve_pages(monkeypatch, pages)
     before, after = serve_load.step_kinds("http://x"), serve_load.step_kinds("http://x")
     assert abs(after["host"]["wait"] - 0.05) < 1e-12 and "host" not in serve_load.kinds_delta(before, after)
     h = serve_load.host_delta(before, after, serve_load.kinds_delta(before, after))  # 20 steps
