@@ -131,10 +131,17 @@ BENCH_MODULE = "vllm.benchmarks.serve"  # its add_cli_args(parser) and main(args
 WORKER = r"""
 import argparse, json, sys
 from {module} import add_cli_args, main
+try:  # the parser class `vllm bench` builds its arguments on, where this vLLM has it
+    from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser
+except ImportError:
+    try:
+        from vllm.utils import FlexibleArgumentParser as Parser
+    except ImportError:
+        Parser = argparse.ArgumentParser
 out, sys.stdout = sys.stdout, sys.stderr  # the benchmark's own prints go to the log
 for line in sys.stdin:
     try:
-        p = argparse.ArgumentParser()
+        p = Parser()
         add_cli_args(p)
         main(p.parse_args(json.loads(line)))
         reply = {{"ok": True}}
