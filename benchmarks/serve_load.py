@@ -228,8 +228,9 @@ STEP_SERIES = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds"
 def step_kinds(url: str) -> dict:
     """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
     "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds", "whole_graph_steps",
-    "piecewise_steps"}} (prepare and forward: the launch's input preparation and model call; the
-    last two: how many steps replayed one CUDA graph, and how many the piecewise graphs), and
+    "piecewise_steps", "device_seconds", "device_idle_seconds"}} (prepare and forward: the launch's
+    input preparation and model call; then how many steps replayed one CUDA graph and how many the
+    piecewise graphs; then the device's span of the steps and its idle time before them), and
     under "host" the step loop's host seconds by part (detent:engine_host_seconds_total); empty
     for a server without those series, e.g. vLLM."""
     from prometheus_client.parser import text_string_to_metric_families
