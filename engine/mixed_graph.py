@@ -8,7 +8,8 @@ the step. vLLM replays one whole graph, attention inside, for every step of
 up to 512 tokens. This does the same, up to `--mixed-graph-max-tokens` (at most
 2,048). Under load (docs/performance.md, lease 9) a graph's launch is ~3 ms where the
 pieces' is 9-13 ms, but TPOT moved both ways (better at 80 % of vLLM's maximum, worse
-at C = 128), so the default stays off.
+at C = 128, where `fill` still waited for the device: fixed since, not yet measured), so the
+default stays off.
 
 A graph is captured for T tokens and S sequences (`pairs`) and for one
 attention selection. A step of t <= T tokens and n <= S sequences replays it
