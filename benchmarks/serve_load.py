@@ -5,6 +5,9 @@ one lease, on the same prompts.
     # on the GPU machine, after installing the vLLM peer (docs/performance.md):
     python3 benchmarks/serve_load.py run --server vllm   --out $OUT/load
     python3 benchmarks/serve_load.py run --server detent --out $OUT/load
+    # several configurations, one server after the other (files suffixed by each TAG):
+    python3 benchmarks/serve_load.py run --server detent --out $OUT/load --loads r20,c128 \
+        --arm = --arm '-g2048=--mixed-graph-max-tokens 2048' --arm '-cap0=--max-mixed-batched-tokens 0'
     python3 benchmarks/serve_load.py report $OUT/load    # table (markdown) + serve_load.png
 
 Loads (each with its own seeded prompts, identical for both servers):
@@ -294,22 +297,33 @@ def run(a) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(a.out, exist_ok=True)
     sharegpt = write_sharegpt(os.path.join(a.out, "sharegpt_synthetic.json"))
-    proc = start_server(a.server, a.model_dir, a.port, a.server_args.split(), os.path.join(a.out, f"{a.server}{a.tag}.log"),
+    arms = [tuple(x.split("=", 1)) if "=" in x else (x, "") for x in a.arm] or [(a.tag, a.server_args)]
+    worker = BenchWorker(vllm_env(a.vllm_path), os.path.join(a.out, "bench.log"))  # imports while a server starts
+    try:
+        for i, (tag, server_args) in enumerate(arms):  # one server after the other, a port each
+            run_arm(a, tag, server_args, a.port + i, sharegpt, worker)
+    finally:
+        worker.close()
+        if a.pack:
+            pack(a.out, a.pack)
+
+
+def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: BenchWorker) -> None:
+    """One server configuration (`tag`: its files' suffix) over the loads."""
+    proc = start_server(a.server, a.model_dir, port, server_args.split(), os.path.join(a.out, f"{a.server}{tag}.log"),
                         a.vllm_path)
-    worker = BenchWorker(vllm_env(a.vllm_path), os.path.join(a.out, f"bench{a.tag}.log"))  # imports meanwhile
-    url = f"http://127.0.0.1:{a.port}"
+    url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while _get(url + "/health") != 200:
         if proc.poll() is not None or time.time() - t0 > a.startup_timeout:
             stop_server(proc)
-            worker.close()
-            raise SystemExit(f"{a.server} did not start; see {a.server}{a.tag}.log")
+            raise SystemExit(f"{a.server} did not start; see {a.server}{tag}.log")
         time.sleep(1)
-    summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": a.server_args, "loads": {}}
+    summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": server_args, "loads": {}}
     try:
         alone = _post(url + "/v1/completions", PROBE)["choices"][0]
         for name, (args, n, ds) in (("warmup", (["--max-concurrency", "64"], 192, "random")),):
-            bench(a.port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path, worker)
+            bench(port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path, worker)
         for name in a.loads.split(","):
             args, n, ds = LOADS[name]
             if args is None:  # r80: 80% of vLLM's maximum request throughput (C = 128)
@@ -328,7 +342,7 @@ def run(a) -> None:
                 th = threading.Thread(target=probe_under_load, args=(url, stop, probes), daemon=True)
                 th.start()
             before = step_kinds(url)
-            r = bench(a.port, a.model_dir, args, n, ds, seed_for(name), a.out, f"{a.server}-{name}{a.tag}", sharegpt,
+            r = bench(port, a.model_dir, args, n, ds, seed_for(name), a.out, f"{a.server}-{name}{tag}", sharegpt,
                       a.vllm_path, worker)
             stop.set()
             time.sleep(1.0)  # the idle core's stats snapshot
@@ -345,7 +359,7 @@ def run(a) -> None:
                 summary["probe"] = {"sent": len(probes), "answered": len(ok),
                                     "equal_to_alone": sum(_bits(p) == _bits(alone) for p in ok)}
             summary["loads"][name] = r
-            write_summary(os.path.join(a.out, f"summary-{a.server}{a.tag}.json"), summary)  # kept if cut short
+            write_summary(os.path.join(a.out, f"summary-{a.server}{tag}.json"), summary)  # kept if cut short
             print(name, json.dumps({k: round(v, 2) for k, v in r.items()
                                     if k in ("output_throughput", "median_tpot_ms", "p99_tpot_ms",
                                              "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")}), flush=True)
@@ -353,10 +367,7 @@ def run(a) -> None:
             print("probe under load:", summary["probe"], flush=True)
     finally:
         stop_server(proc)
-        worker.close()
-        write_summary(os.path.join(a.out, f"summary-{a.server}{a.tag}.json"), summary)
-        if a.pack:
-            pack(a.out, a.pack)
+        write_summary(os.path.join(a.out, f"summary-{a.server}{tag}.json"), summary)
 
 
 def write_summary(path: str, summary: dict) -> None:
@@ -482,6 +493,9 @@ def main() -> None:
     r.add_argument("--startup-timeout", type=float, default=600)
     r.add_argument("--vllm-path", default="/tmp/vsite", help="where the vLLM bundle is installed")
     r.add_argument("--tag", default="", help="suffix of this run's files (another configuration)")
+    r.add_argument("--arm", action="append", default=[], metavar="TAG=SERVER_ARGS",
+                   help="a server configuration to run after the others, on the next port (repeatable; "
+                        "instead of --tag / --server-args), e.g. --arm = --arm '-g2048=--mixed-graph-max-tokens 2048'")
     r.add_argument("--pack", default="", help="also write every result and log to this .tgz (e.g. $OUT/load.tgz)")
     rep = sub.add_parser("report")
     rep.add_argument("dir")

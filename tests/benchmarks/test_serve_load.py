@@ -201,3 +201,44 @@ def test_the_step_loops_host_time_is_read_by_part_and_reported_per_step(tmp_path
     text = (tmp_path / "serve_load.md").read_text()
     assert "| load | host ms/step: inbox | schedule | launch | wait | update | outputs | ipc_in | ipc_out |" in text
     assert "| r20 | 0.00 | 1.00 | 0.00 | 1.50 | 0.00 | 0.00 | 0.00 | 0.20 |" in text
+
+
+def test_arms_run_one_server_after_the_other_with_one_bench_worker(tmp_path, monkeypatch):
+    import json
+    started, stopped, benched, workers = [], [], [], []
+
+    class Proc:
+        def poll(self):
+            return None
+
+    class Worker:
+        def __init__(self, env, log_path):
+            self.closed = False
+            workers.append(self)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(serve_load, "start_server", lambda kind, model, port, extra, log, vp: started.append(
+        (port, extra, os.path.basename(log))) or Proc())
+    monkeypatch.setattr(serve_load, "stop_server", lambda proc: stopped.append(proc))
+    monkeypatch.setattr(serve_load, "BenchWorker", Worker)
+    monkeypatch.setattr(serve_load, "_get", lambda url, timeout=5.0: 200)
+    monkeypatch.setattr(serve_load, "_post", lambda url, body: {"choices": [{"text": "x"}]})
+    monkeypatch.setattr(serve_load, "step_kinds", lambda url: {})
+    monkeypatch.setattr(serve_load.time, "sleep", lambda s: None)
+    monkeypatch.setattr(serve_load, "bench", lambda port, md, args, n, ds, seed, out, name, sg, vp, worker: benched.append(
+        (port, name, worker)) or {"output_throughput": float(port)})
+    monkeypatch.setattr(serve_load, "write_sharegpt", lambda path: path)
+    monkeypatch.setattr(serve_load.signal, "signal", lambda *args: None)  # keep pytest's own SIGTERM handler
+    a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1",
+                                      server_args="", tag="", vllm_path="", startup_timeout=5, pack="",
+                                      arm=["=", "-g=--mixed-graph-max-tokens 2048"])
+    serve_load.run(a)
+    assert started == [(8100, [], "detent.log"), (8101, ["--mixed-graph-max-tokens", "2048"], "detent-g.log")]
+    assert len(stopped) == 2 and len(workers) == 1 and workers[0].closed
+    assert [(p, n) for p, n, _ in benched] == [(8100, "detent-warmup"), (8100, "detent-c1"),
+                                               (8101, "detent-warmup"), (8101, "detent-c1-g")]
+    assert all(w is workers[0] for _, _, w in benched)
+    s = json.loads((tmp_path / "summary-detent-g.json").read_text())
+    assert s["server_args"] == "--mixed-graph-max-tokens 2048" and s["loads"]["c1"]["output_throughput"] == 8101.0
