@@ -287,11 +287,11 @@ class LLMEngine:
                 self.host_seconds["launch"] += t1 - t0
                 c = self._step_kinds[step_kind(plan)]
                 c[4] += t1 - t0
-                split = getattr(self.runner, "launch_split", None)  # ModelRunner's; not every runner's
+                split = getattr(handle, "launch_split", None)  # ModelRunner's StepHandle; not every runner's
                 if split is not None:
                     c[5] += split[0]
                     c[6] += split[1]
-                path = getattr(self.runner, "forward_path", None)
+                path = getattr(handle, "forward_path", None)
                 c[7] += path in ("decode_graph", "whole_graph")
                 c[8] += path == "pieces"
                 return handle, prev

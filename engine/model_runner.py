@@ -36,6 +36,11 @@ class StepHandle:
     prompt_logprobs: dict
     # CUDA events around the step's work on the device stream (timing only), or None
     events: "tuple[torch.cuda.Event, torch.cuda.Event] | None" = None
+    # host seconds of the launch's parts: preparing the inputs, the model call (graph replays,
+    # eager kernels between pieces); the rest of the launch is sampling and prompt logprobs
+    launch_split: tuple[float, float] | None = None
+    # what served the model call: "eager", "pieces", "decode_graph" or "whole_graph"
+    forward_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,11 +90,9 @@ class ModelRunner:
             prompt_lps = self._prompt_logprobs(plan, hidden, batch)
         if events is not None:
             events[1].record()
-        # host seconds of this launch's parts: inputs (prepare), the model call (graph
-        # replays, eager kernels between pieces); the rest is sampling and prompt logprobs
-        self.launch_split = (t1 - t0, t2 - t1)
         ids = [s.request_id for s in plan.seqs if s.sample is not None]
-        return StepHandle(plan, sampled, {rid: i for i, rid in enumerate(ids)}, prompt_lps, events)
+        return StepHandle(plan, sampled, {rid: i for i, rid in enumerate(ids)}, prompt_lps, events,
+                          (t1 - t0, t2 - t1), self.forward_path)
 
     @staticmethod
     def collect(handle: "StepHandle") -> ModelOutput:
