@@ -21,6 +21,7 @@ _LAZY = {
     "EngineLimits": "detent.engine.config",
     "SELECTION_MODES": "detent.engine.config",
     "MIXED_GRAPH_MAX_TOKENS": "detent.engine.config",
+    "MIXED_GRAPH_MIN_TOKENS": "detent.engine.config",
     "Fingerprint": "detent.engine.fingerprint",
     "TrainerForward": "detent.engine.trainer",
     "WeightUpdateBusy": "detent.engine.weight_update",

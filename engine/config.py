@@ -24,6 +24,7 @@ from detent.selection.compiler.solver import MODES as SELECTION_MODES
 # mixed cap) so that a 1,024-token chunk beside decodes is one replay too (lease 8: such a
 # step took 9.5 ms of host time through the pieces against a 5.8 ms decode step before it)
 MIXED_GRAPH_MAX_TOKENS = 2048
+MIXED_GRAPH_MIN_TOKENS = 16  # the smallest (the token buckets start at 16)
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -86,10 +87,12 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.mixed_graph_max_tokens and not 16 <= self.mixed_graph_max_tokens <= MIXED_GRAPH_MAX_TOKENS:
+        if self.mixed_graph_max_tokens and not (MIXED_GRAPH_MIN_TOKENS <= self.mixed_graph_max_tokens
+                                                <= MIXED_GRAPH_MAX_TOKENS):
             # the token buckets of engine/mixed_graph.py
-            raise ValueError(f"mixed_graph_max_tokens must be 0 (off) or 16 .. {MIXED_GRAPH_MAX_TOKENS} (the "
-                             f"largest whole-step graph), got {self.mixed_graph_max_tokens}")
+            raise ValueError(f"mixed_graph_max_tokens must be 0 (off) or {MIXED_GRAPH_MIN_TOKENS} .. "
+                             f"{MIXED_GRAPH_MAX_TOKENS} (the largest whole-step graph), "
+                             f"got {self.mixed_graph_max_tokens}")
         if self.selection not in SELECTION_MODES:
             raise ValueError(f"selection must be one of {SELECTION_MODES}, got {self.selection!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

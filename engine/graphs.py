@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from detent.engine.config import MIXED_GRAPH_MIN_TOKENS
 from detent.engine.cuda_graph import enable_cuda_graphs
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def _enable(runner, config, max_model_len: int) -> None:
     if config.tensor_parallel_size == 1 and limit >= 16:
         from detent.engine.piecewise_graph import enable_piecewise_graphs
         enable_piecewise_graphs(runner, max_tokens=limit)
-    if config.tensor_parallel_size == 1 and config.mixed_graph_max_tokens >= 16:
+    if config.tensor_parallel_size == 1 and config.mixed_graph_max_tokens >= MIXED_GRAPH_MIN_TOKENS:
         sites = [site for fam, site in runner.dispatcher.built() if fam == "attention"]
         if len(sites) != 1:  # the captures above ran every layer: one attention shape is ours
             log.warning("mixed-step graphs off: %d attention call sites, expected 1", len(sites))

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from detent.engine import MIXED_GRAPH_MAX_TOKENS, SELECTION_MODES
+from detent.engine import MIXED_GRAPH_MAX_TOKENS, MIXED_GRAPH_MIN_TOKENS, SELECTION_MODES
 from detent.server.vllm_flags import add_vllm_flags, resolve_model, server_tokenizer
 
 
@@ -83,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--allowed-weight-dir {d!r} is not a directory")
     if a.mixed_token_align is not None and a.mixed_token_align < 1:
         p.error(f"--mixed-token-align must be >= 1, got {a.mixed_token_align}")
-    if a.mixed_graph_max_tokens and not 16 <= a.mixed_graph_max_tokens <= MIXED_GRAPH_MAX_TOKENS:
-        p.error(f"--mixed-graph-max-tokens must be 0 (off) or 16 to {MIXED_GRAPH_MAX_TOKENS}, "
+    if a.mixed_graph_max_tokens and not MIXED_GRAPH_MIN_TOKENS <= a.mixed_graph_max_tokens <= MIXED_GRAPH_MAX_TOKENS:
+        p.error(f"--mixed-graph-max-tokens must be 0 (off) or {MIXED_GRAPH_MIN_TOKENS} to {MIXED_GRAPH_MAX_TOKENS}, "
                 f"got {a.mixed_graph_max_tokens}")
     if a.max_mixed_batched_tokens is not None and a.max_mixed_batched_tokens < 0:
         p.error(f"--max-mixed-batched-tokens must be >= 0, got {a.max_mixed_batched_tokens}")
