@@ -132,7 +132,9 @@ def stop_server(proc: subprocess.Popen) -> None:
 # beyond its load (lease 9, `wall_s` against `duration`), most of it importing vLLM
 BENCH_MODULE = "vllm.benchmarks.serve"  # its add_cli_args(parser) and main(args), as `vllm bench serve` calls
 WORKER = r"""
-import argparse, json, sys
+import argparse, json, os, sys
+out = os.fdopen(os.dup(1), "w")  # the replies' own channel; then fd 1 (print, logging, C code) goes to the log
+os.dup2(2, 1)
 from {module} import add_cli_args, main
 try:  # the parser class `vllm bench` builds its arguments on, where this vLLM has it
     from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser
@@ -141,7 +143,6 @@ except ImportError:
         from vllm.utils import FlexibleArgumentParser as Parser
     except ImportError:
         Parser = argparse.ArgumentParser
-out, sys.stdout = sys.stdout, sys.stderr  # the benchmark's own prints go to the log
 for line in sys.stdin:
     try:
         p = Parser()
@@ -175,7 +176,10 @@ class BenchWorker:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"bench worker exited ({self.proc.wait()})")
-        reply = json.loads(line)
+        try:
+            reply = json.loads(line)
+        except ValueError as e:
+            raise RuntimeError(f"bench worker: not a reply: {line[:200]!r}") from e
         if not reply["ok"]:
             raise RuntimeError(reply["error"])
 

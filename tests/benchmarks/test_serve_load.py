@@ -124,6 +124,7 @@ def test_the_report_has_a_row_block_for_each_tagged_detent_run(tmp_path):
 
 FAKE_BENCH = '''
 import json, os
+print("a benchmark that talks on stdout at import")  # vLLM's logging does (lease 9's first run beside it)
 FLAGS = ("--ignore-eos", "--save-result")
 OPTS = ("--backend", "--base-url", "--model", "--tokenizer", "--dataset-name", "--random-input-len",
         "--random-output-len", "--percentile-metrics", "--metric-percentiles", "--seed", "--num-prompts",
@@ -135,6 +136,8 @@ def add_cli_args(p):
     for o in OPTS:
         p.add_argument(o)
 def main(args):
+    print(args)
+    os.write(1, b"and below Python too\\n")
     RUNS.append(args.num_prompts)  # one process for every run: the count survives
     with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
         json.dump({"completed": int(args.num_prompts), "runs_in_this_process": len(RUNS), "label": "x"}, f)
