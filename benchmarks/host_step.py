@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
         eng.step()
     enc = DeltaEncoder()
     step_s = encode_s = 0.0
-    host0 = dict(eng.host_seconds)  # the step loop's own split of its time (LLMEngine.host_seconds)
+    host0 = eng.host_time()  # the step loop's own split of its time
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     res = {"batch": args.batch, "prompt": args.prompt, "steps": args.steps, "logprobs": args.logprobs,
            "engine_step_ms": 1e3 * step_s / args.steps, "encode_ms": 1e3 * encode_s / args.steps,
-           "host_ms_per_step": {k: 1e3 * (v - host0[k]) / args.steps for k, v in eng.host_seconds.items()}}
+           "host_ms_per_step": {k: 1e3 * (v - host0[k]) / args.steps for k, v in eng.host_time().items()}}
     print(json.dumps(res))
     if args.out:
         with open(args.out, "w") as f:

@@ -20,10 +20,11 @@ file (log-normal prompt and output lengths, benchmarks/loadgen.sharegpt_like).
 The model is a Llama-3.1-8B-shaped directory with a word-level tokenizer
 (benchmarks/wordlevel_model.py), so prompt lengths are exact.
 
-The load generator is imported once per run: `BenchWorker` keeps one process
-that calls `vllm.benchmarks.serve`'s `main` (what `vllm bench serve` calls)
-for every load, started beside the server so its import overlaps the
-server's startup; a load it fails runs through the CLI instead.
+The load generator is imported once per run: `BenchWorker`
+(benchmarks/bench_worker.py) keeps one process that calls
+`vllm.benchmarks.serve`'s `main` for every load, started beside the server
+so its import overlaps the server's startup; a load it fails runs through
+the CLI instead.
 
 While the server is loaded at `r20`, a seeded probe request (logprobs 5) is
 sent again and again; its token ids and logprobs are compared with `==`
@@ -45,6 +46,7 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_worker import BenchWorker  # noqa: E402
 
 RANDOM = ["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "128"]
 LOADS = {  # name: (arguments, number of prompts, dataset)
@@ -126,74 +128,6 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-# `vllm bench serve` in one long-lived process: each call through the CLI spent 19-26 s
-# beyond its load (lease 9, `wall_s` against `duration`), most of it importing vLLM
-BENCH_MODULE = "vllm.benchmarks.serve"  # its add_cli_args(parser) and main(args), as `vllm bench serve` calls
-WORKER = r"""
-import argparse, json, os, sys
-out = os.fdopen(os.dup(1), "w")  # the replies' own channel; then fd 1 (print, logging, C code) goes to the log
-os.dup2(2, 1)
-from {module} import add_cli_args, main
-try:  # the parser class `vllm bench` builds its arguments on, where this vLLM has it
-    from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser
-except ImportError:
-    try:
-        from vllm.utils import FlexibleArgumentParser as Parser
-    except ImportError:
-        Parser = argparse.ArgumentParser
-for line in sys.stdin:
-    try:
-        p = Parser()
-        add_cli_args(p)
-        main(p.parse_args(json.loads(line)))
-        reply = {{"ok": True}}
-    except BaseException as e:  # argparse's SystemExit too: report it, keep serving
-        reply = {{"ok": False, "error": f"{{type(e).__name__}}: {{e}}"}}
-    out.write(json.dumps(reply) + "\n")
-    out.flush()
-"""
-
-
-class BenchWorker:
-    """One process that imports the load generator once and runs each load's arguments."""
-
-    def __init__(self, env: dict | None, log_path: str, module: str = BENCH_MODULE):
-        self.log = open(log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER.format(module=module)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
-
-    def run(self, argv: list[str]) -> None:
-        """Run `vllm bench serve ARGV`; raises RuntimeError if it failed or the worker is gone."""
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"bench worker exited ({self.proc.returncode})")
-        try:
-            self.proc.stdin.write(json.dumps(argv) + "\n")
-            self.proc.stdin.flush()
-        except OSError as e:  # it died since the check
-            raise RuntimeError(f"bench worker exited ({e})") from e
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"bench worker exited ({self.proc.wait()})")
-        try:
-            reply = json.loads(line)
-        except ValueError as e:
-            raise RuntimeError(f"bench worker: not a reply: {line[:200]!r}") from e
-        if not reply["ok"]:
-            raise RuntimeError(reply["error"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
 
 
 def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed: int, out_dir: str,

@@ -120,7 +120,8 @@ class LLMEngine:
         # (kind's counters, start event, end event, work left after it) of collected steps
         self._device_pending: deque = deque()
         self._device_last = None  # (end event, work left after it) of the last step counted
-        self.host_seconds = dict.fromkeys(HOST_PARTS, 0.0)
+        # the host parts the step kinds do not already count (launch and wait are theirs: host_time)
+        self.host_seconds = dict.fromkeys((p for p in HOST_PARTS if p not in ("launch", "wait")), 0.0)
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
@@ -284,7 +285,6 @@ class LLMEngine:
                 t0 = time.perf_counter()
                 handle = self.runner.launch(plan, prev)
                 self._launched_at[id(handle)] = t1 = time.perf_counter()
-                self.host_seconds["launch"] += t1 - t0
                 c = self._step_kinds[step_kind(plan)]
                 c[4] += t1 - t0
                 split = getattr(handle, "launch_split", None)  # ModelRunner's StepHandle; not every runner's
@@ -336,7 +336,6 @@ class LLMEngine:
         t2 = time.perf_counter()
         outs = [self._emit(g) for g in groups]
         host = self.host_seconds
-        host["wait"] += waited
         host["update"] += t2 - t1
         host["outputs"] += time.perf_counter() - t2
         return outs
@@ -396,8 +395,14 @@ class LLMEngine:
             "num_preemptions": sch.num_preemptions,
             "num_steps": self._num_steps,
             "steps_by_kind": {k: tuple(v) for k, v in self._step_kinds.items()},
-            "host_seconds": dict(self.host_seconds),
+            "host_seconds": self.host_time(),
         }
+
+    def host_time(self) -> dict[str, float]:
+        """The step loop's host seconds by part (HOST_PARTS); launch and wait summed over the step kinds."""
+        kinds = list(self._step_kinds.values())
+        derived = {"launch": sum(k[4] for k in kinds), "wait": sum(k[3] for k in kinds)}
+        return {p: derived[p] if p in derived else self.host_seconds[p] for p in HOST_PARTS}
 
     def update_weights(self, named_tensors) -> int:
         """Copy new weights (checkpoint names) into the model in place; see engine/weight_update.py."""

@@ -150,6 +150,14 @@ def metric_label(served_name: str) -> str:
     return served_name
 
 
+def _advance(counter, seen: dict, key: str, now: float) -> None:
+    """Advance `counter` by how much the cumulative count `now` grew since `seen[key]`; a count
+    that went down was reset (reset_prefix_cache, a new engine): it advances by its new value."""
+    last = seen[key]
+    counter.inc(now - last if now >= last else now)
+    seen[key] = now
+
+
 class Metrics:
     """One registry per server; `m.c[stem]`, `m.h[stem]`, `m.g[stem]` are the labelled children."""
 
@@ -213,15 +221,11 @@ class Metrics:
         self.g["kv_cache_usage_perc"].set(kv_usage(stats))
         for key in ENGINE_COUNTERS:
             if stats.get(key) is not None:
-                now, seen = float(stats[key]), self._engine_seen[key]
-                self.c[key].inc(now - seen if now >= seen else now)
-                self._engine_seen[key] = now
+                _advance(self.c[key], self._engine_seen, key, float(stats[key]))
         self._step_kind_counts(stats)
         for part, now in (stats.get("host_seconds") or {}).items():
             if part in self.host_parts:
-                seen = self._host_seen[part]
-                self.host_parts[part].inc(now - seen if now >= seen else now)  # lower: a new engine
-                self._host_seen[part] = now
+                _advance(self.host_parts[part], self._host_seen, part, now)
 
     def _step_kind_counts(self, stats: dict[str, Any]) -> None:
         for kind, now in (stats.get("steps_by_kind") or {}).items():
