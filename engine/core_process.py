@@ -39,6 +39,7 @@ from detent.engine.outputs import CompletionOutput, RequestOutput
 log = logging.getLogger("detent.engine.core")
 
 STATS_EVERY_S = 0.1  # stats ride along with outputs at most this often (and when idle)
+SLOW_STEP_S = 10.0  # a step that takes longer is logged (what it carried): on any machine something is wrong
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ def _call(fn: Callable, engine: Any, args: tuple) -> tuple[bool, Any]:
 def _loop(conn, engine) -> None:
     enc = DeltaEncoder()
     last_stats = 0.0
+    warned_idle = False
     host = getattr(engine, "host_seconds", None)  # the step loop's host time, by part (LLMEngine)
     while True:
         busy = engine.has_unfinished_requests()
@@ -224,6 +226,8 @@ def _loop(conn, engine) -> None:
             t0 = time.perf_counter()
             outs = engine.step()
             dt = time.perf_counter() - t0
+            if dt > SLOW_STEP_S:
+                log.warning("engine step took %.1f s; %s", dt, _held(engine))
             now = time.monotonic()
             stats = None
             if now - last_stats >= STATS_EVERY_S:
@@ -234,8 +238,23 @@ def _loop(conn, engine) -> None:
                 if host is not None:
                     host["ipc_out"] += time.perf_counter() - t_out
         else:
+            held = getattr(getattr(engine, "scheduler", None), "requests", None)
+            if held and not warned_idle:  # the engine says it has nothing to do, yet its scheduler holds requests
+                log.error("engine idle with requests in its scheduler; %s", _held(engine))
+            warned_idle = bool(held)
             conn.send(("out", [], None, engine.stats()))
             last_stats = time.monotonic()
+
+
+def _held(engine) -> str:
+    """The scheduler's requests and their counters, for a log line (the first 8)."""
+    sch = getattr(engine, "scheduler", None)
+    if sch is None:
+        return "no scheduler to show"
+    reqs = list(sch.requests.values())
+    shown = ", ".join(f"{r.request_id} {r.status.value} computed={r.num_computed_tokens} tokens={r.num_tokens} "
+                      f"pending={r.num_pending} blocks={len(r.block_ids)}" for r in reqs[:8])
+    return f"{len(reqs)} request(s) held: {shown or '-'}; running {len(sch.running)}, waiting {len(sch.waiting)}"
 
 
 class CoreProcess:

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator
 from detent.server.errors import APIError, EngineDead, Overloaded
 
 log = logging.getLogger("detent.server")
+CORE_SILENT_S = 5.0  # the core sends at least its stats every 0.5 s: this long without a message is logged
 
 
 def short_reason(why: str, limit: int = 300) -> str:
@@ -374,6 +375,12 @@ class AsyncCoreEngine(AsyncEngine):
         why = None
         try:
             while True:
+                if not self.core.conn.poll(CORE_SILENT_S):  # an idle core still sends its stats twice a second
+                    if self._stop:
+                        continue
+                    log.warning("no message from the engine core for %.0f s (alive: %s)", CORE_SILENT_S,
+                                self.core.alive())
+                    continue
                 msg = self.core.recv()
                 if msg[0] == "dead":
                     why = msg[1]

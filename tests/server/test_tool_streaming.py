@@ -158,7 +158,8 @@ def test_client_leaving_mid_call_frees_the_request(server):
              if k.startswith(("detent:num_requests", "detent:kv_cache_usage", "detent:request_success_total",
                               "detent:engine_steps_total"))}
     assert server.metric("detent:num_requests_running") == 0 and server.metric("detent:kv_cache_usage_perc") == 0, \
-        state
+        (f"{state}\nthe server's log (its core logs a slow step or an idle engine that holds requests; the "
+         f"server, a silent core):\n{server.output()[-3000:]}")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
