@@ -45,16 +45,22 @@ class NullModel(torch.nn.Module):
         return (2, num_blocks, block_size, 1, 8)
 
 
+def _room(args) -> int:
+    """Tokens a request may generate: the measured steps plus those it decodes while the others'
+    prompts fill (one budget of prompt tokens per step), so that the batch stays whole throughout."""
+    return args.steps + args.batch * args.prompt // max(8192, args.prompt) + 64
+
+
 def build(args):
     from detent.engine import LLM
     from detent.models import ModelConfig
     mc = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                               "vocab_size": args.vocab, "hidden_size": 8, "intermediate_size": 16,
                               "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-                              "head_dim": 8, "max_position_embeddings": args.prompt + args.steps + 64,
+                              "head_dim": 8, "max_position_embeddings": args.prompt + _room(args),
                               "eos_token_id": 1, "torch_dtype": "float32"})
-    blocks = args.batch * ((args.prompt + args.steps + 64) // 16 + 2)
-    return LLM.from_model(NullModel(args.vocab), mc, None, device="cpu", max_model_len=args.prompt + args.steps + 64,
+    blocks = args.batch * ((args.prompt + _room(args)) // 16 + 2)
+    return LLM.from_model(NullModel(args.vocab), mc, None, device="cpu", max_model_len=args.prompt + _room(args),
                           num_gpu_blocks=blocks, max_num_seqs=max(args.batch, 1),
                           max_num_batched_tokens=max(8192, args.prompt)).llm_engine
 
@@ -66,6 +72,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--logprobs", type=int, default=None)
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave the startup heap in the garbage collector's scans (the core freezes it)")
     ap.add_argument("--profile", type=int, default=0, help="print the N functions with the most own time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -74,12 +82,16 @@ def main(argv=None) -> dict:
     from detent.engine.core_process import DeltaEncoder
 
     eng = build(args)
-    params = SamplingParams(temperature=1.0, seed=1, max_tokens=args.steps + 8, ignore_eos=True,
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=_room(args), ignore_eos=True,
                             logprobs=args.logprobs)
     for i in range(args.batch):
         eng.add_request(f"r{i}", [2 + (i * 131 + j) % (args.vocab - 2) for j in range(args.prompt)], params)
     while any(r.is_prefill for r in eng.scheduler.requests.values()) or not eng.scheduler.running:
         eng.step()
+    eng.outputs.share_lists = True  # as in the engine core: each step's outputs are encoded before the next
+    if not args.no_freeze:
+        from detent.engine.core_process import freeze_startup_heap
+        freeze_startup_heap()  # as the engine core does once it is built
     enc = DeltaEncoder()
     step_s = encode_s = 0.0
     host0 = eng.host_time()  # the step loop's own split of its time
@@ -87,6 +99,7 @@ def main(argv=None) -> dict:
     if prof:
         prof.enable()
     for _ in range(args.steps):
+        assert len(eng.scheduler.running) == args.batch, "a request finished while measured"
         t0 = time.process_time()
         outs = eng.step()
         t1 = time.process_time()
@@ -98,6 +111,7 @@ def main(argv=None) -> dict:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     res = {"batch": args.batch, "prompt": args.prompt, "steps": args.steps, "logprobs": args.logprobs,
+           "frozen_heap": not args.no_freeze,
            "engine_step_ms": 1e3 * step_s / args.steps, "encode_ms": 1e3 * encode_s / args.steps,
            "host_ms_per_step": {k: 1e3 * (v - host0[k]) / args.steps for k, v in eng.host_time().items()}}
     print(json.dumps(res))

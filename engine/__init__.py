@@ -31,6 +31,7 @@ _LAZY = {
     "CoreProcess": "detent.engine.core_process",
     "DeltaDecoder": "detent.engine.core_process",
     "build_engine": "detent.engine.core_process",
+    "freeze_startup_heap": "detent.engine.core_process",
     "load_tokenizer": "detent.engine.loader",
     "update_weights_from_file": "detent.engine.weight_update",
     # the request log and its re-execution (docs/verify.md)

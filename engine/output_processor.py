@@ -19,6 +19,8 @@ class _Sample:
     text: str = ""
     frozen: bool = False  # text cut at a stop string
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # the chosen tokens' logprobs summed in order, one addition per new token (as vLLM's)
+    cumulative_logprob: float = 0.0
 
 
 @dataclass
@@ -38,8 +40,13 @@ def _earliest(times) -> float | None:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, share_lists: bool = False):
+        """`share_lists`: an output's token ids and logprobs are the request's own lists, which
+        later steps extend (no O(length) copy per step); for a caller that reads each output
+        before the next step, as the engine core does when it encodes the step's deltas.
+        Otherwise every output owns its lists."""
         self.tokenizer = tokenizer
+        self.share_lists = share_lists
         self.groups: dict[str, _Group] = {}
         self.parent_of: dict[str, str] = {}  # child request id -> group id
 
@@ -100,6 +107,7 @@ class OutputProcessor:
             tok = req.output_token_ids[j]
             lp, rank, ids, vals = req.output_logprobs[j]
             s.logprobs.append(self._position(tok, lp, rank, ids, vals))
+            s.cumulative_logprob += lp
 
     def _position(self, tok, lp, rank, ids, vals) -> dict[int, Logprob]:
         d = {tok: Logprob(lp, rank, self._decode([tok], False) or None)}
@@ -120,13 +128,15 @@ class OutputProcessor:
     def make_output(self, request_id: str) -> RequestOutput:
         g = self.groups[request_id]
         outs = []
+        own = list if not self.share_lists else (lambda xs: xs)
         for i, s in enumerate(g.samples):
             r = s.req
             want_lp = r.params.logprobs is not None
+            self._extend_logprobs(s)  # a no-op once update_text has seen the step
             outs.append(CompletionOutput(
-                index=i, text=s.text, token_ids=list(r.output_token_ids),
-                cumulative_logprob=sum(x[0] for x in r.output_logprobs) if want_lp else None,
-                logprobs=list(s.logprobs) if want_lp else None,
+                index=i, text=s.text, token_ids=own(r.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if want_lp else None,
+                logprobs=own(s.logprobs) if want_lp else None,
                 finish_reason=r.status.value if r.is_finished else None,
                 stop_reason=r.stop_reason, seed=r.seed))
         finished = all(s.req.is_finished for s in g.samples)

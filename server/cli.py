@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # a bad tuple, model or flag: say why and refuse to start
         print(f"detent-serve: refusing to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    from detent.engine import freeze_startup_heap
+    freeze_startup_heap()  # the API process's startup heap, as the core freezes its own
     serve(state, a.host, a.port, a.uvicorn_log_level or a.log_level, a.graceful_timeout)
     print("detent-serve: stopped", file=sys.stderr, flush=True)
 

@@ -3,6 +3,8 @@ this issue, RequestOutput/CompletionOutput/Logprob, and LLMEngine's
 add/step/abort loop (also driven from a second thread)."""
 from __future__ import annotations
 
+import functools
+import operator
 import re
 import threading
 import time
@@ -86,7 +88,9 @@ def test_logprobs_include_chosen_token(llm):
         assert ranks == [2, 3]
         lps = [v.logprob for v in pos.values()]
         assert lps == sorted(lps, reverse=True)
-    assert c.cumulative_logprob == sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs))
+    # the chosen tokens' logprobs added in order (as vLLM's; Python 3.12's sum() compensates, so not sum())
+    assert c.cumulative_logprob == functools.reduce(operator.add, (p[t].logprob for t, p in
+                                                                   zip(c.token_ids, c.logprobs)), 0.0)
     c0 = llm.generate(["logprobs"], SamplingParams(max_tokens=2, logprobs=0, **G), use_tqdm=False)[0].outputs[0]
     assert [list(p) for p in c0.logprobs] == [[t] for t in c0.token_ids]
 
@@ -347,3 +351,34 @@ def test_progress_bar_shows_input_and_output_tokens_per_second(llm, capsys):
     assert speeds, err
     inp, out = map(float, speeds[-1])
     assert inp > 0 and out > 0 and inp / out == pytest.approx(40 / 16, rel=0.01)  # one clock for both
+
+
+def _step_outputs(engine, rid: str) -> list:
+    """Every output `engine.step()` gives for `rid`, as given (not copied)."""
+    got = []
+    while engine.has_unfinished_requests():
+        got += [o for o in engine.step() if o.request_id == rid]
+    return got
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_step_outputs_own_their_lists_unless_shared(llm, share):
+    """By default each cumulative output keeps what it had when given; with share_lists (the
+    engine core's setting: it encodes each step's deltas before the next step) outputs are views
+    of the request's lists, which later steps extend. Tokens and logprobs are the same either way."""
+    engine = llm.llm_engine
+    engine.outputs.share_lists = share
+    try:
+        engine.add_request("own", [5, 6, 7], SamplingParams(max_tokens=6, logprobs=2, **G))
+        outs = _step_outputs(engine, "own")
+    finally:
+        engine.outputs.share_lists = False
+    final = outs[-1].outputs[0]
+    assert len(outs) == 6 and len(final.token_ids) == len(final.logprobs) == 6
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == ([6] * 6 if share else [1, 2, 3, 4, 5, 6])
+    ref = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=6, logprobs=2, **G),
+                       use_tqdm=False)[0].outputs[0]
+    assert (final.token_ids, final.logprobs, final.cumulative_logprob) == (ref.token_ids, ref.logprobs,
+                                                                          ref.cumulative_logprob)
+
