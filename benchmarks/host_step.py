@@ -54,13 +54,14 @@ def _room(args) -> int:
 def build(args):
     from detent.engine import LLM
     from detent.models import ModelConfig
+    room = _room(args)
     mc = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                               "vocab_size": args.vocab, "hidden_size": 8, "intermediate_size": 16,
                               "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-                              "head_dim": 8, "max_position_embeddings": args.prompt + _room(args),
+                              "head_dim": 8, "max_position_embeddings": args.prompt + room,
                               "eos_token_id": 1, "torch_dtype": "float32"})
-    blocks = args.batch * ((args.prompt + _room(args)) // 16 + 2)
-    return LLM.from_model(NullModel(args.vocab), mc, None, device="cpu", max_model_len=args.prompt + _room(args),
+    blocks = args.batch * ((args.prompt + room) // 16 + 2)
+    return LLM.from_model(NullModel(args.vocab), mc, None, device="cpu", max_model_len=args.prompt + room,
                           num_gpu_blocks=blocks, max_num_seqs=max(args.batch, 1),
                           max_num_batched_tokens=max(8192, args.prompt)).llm_engine
 

@@ -40,13 +40,13 @@ def _earliest(times) -> float | None:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, share_lists: bool = False):
-        """`share_lists`: an output's token ids and logprobs are the request's own lists, which
-        later steps extend (no O(length) copy per step); for a caller that reads each output
-        before the next step, as the engine core does when it encodes the step's deltas.
-        Otherwise every output owns its lists."""
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.share_lists = share_lists
+        # True: an output's token ids and logprobs are the request's own lists, which later steps
+        # extend (no O(length) copy per step); for a caller that reads each output before the next
+        # step, as the engine core does when it encodes the step's deltas. False: every output owns
+        # its lists
+        self.share_lists = False
         self.groups: dict[str, _Group] = {}
         self.parent_of: dict[str, str] = {}  # child request id -> group id
 
