@@ -264,13 +264,24 @@ def main(argv: list[str] | None = None) -> None:
         if not a.disable_log_stats:
             from detent.server.stats_log import interval_s
             interval_s()  # a bad $DETENT_LOG_STATS_INTERVAL refuses startup, not the first tick
+        # the HTTP side's imports before the engine: a missing dependency refuses in seconds, not
+        # after the model loaded and the kernels warmed
+        import uvicorn  # noqa: F401
+
+        import detent.server.app  # noqa: F401
         state = build_state(a)
-    except Exception as e:  # a bad tuple, model or flag: say why and refuse to start
+    except Exception as e:  # a bad tuple, model, flag or install: say why and refuse to start
         print(f"detent-serve: refusing to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     from detent.engine import freeze_startup_heap
     freeze_startup_heap()  # the API process's startup heap, as the core freezes its own
-    serve(state, a.host, a.port, a.uvicorn_log_level or a.log_level, a.graceful_timeout)
+    try:
+        serve(state, a.host, a.port, a.uvicorn_log_level or a.log_level, a.graceful_timeout)
+    except BaseException:
+        # the engine core is a child process this one waits for at exit: stop it, or a failure
+        # here leaves the server alive and unable to serve
+        state.engine.shutdown()
+        raise
     print("detent-serve: stopped", file=sys.stderr, flush=True)
 
 

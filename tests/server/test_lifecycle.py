@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, Server, real_argv
+from conftest import API_KEY, Server, free_port, real_argv
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -181,3 +182,25 @@ def test_max_model_len_unlike_the_tuples_says_how_to_match(tmp_path, tiny_model)
     assert re.search(rf"detent tuple default --model {re.escape(tiny_model)} .*--max-model-len 1024 .*-o t\.json",
                      err), err[-2000:]
     assert "or run with the tuple's value: --max-model-len 512" in err
+
+
+
+def test_missing_dependency_refuses_before_the_engine_starts(tiny_model):
+    """An HTTP-side module that cannot be imported (a partial install) refuses startup with
+    its name, before the model loads; it once surfaced only after the engine core had
+    started, and the core (a child process the server waits for at exit) kept the failed
+    server alive for good."""
+    launcher = real_argv()[1]
+    code = ("import runpy, sys; sys.modules['partial_json_parser'] = None; "
+            f"sys.argv = [{launcher!r}, *sys.argv[1:]]; runpy.run_path({launcher!r}, run_name='__main__')")
+    p = subprocess.Popen([sys.executable, "-c", code, "--model", tiny_model, "--port", str(free_port())], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env={**os.environ, "DETENT_TEST_THREADS": "2"})
+    try:
+        out, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        raise AssertionError(f"detent-serve kept running after a failed import:\n{out[-3000:]}")
+    assert p.returncode == 2, out[-3000:]
+    assert "refusing to start" in out and "partial_json_parser" in out, out[-3000:]
+    assert "engine core" not in out.lower() and "warming" not in out.lower(), out[-3000:]
