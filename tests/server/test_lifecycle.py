@@ -184,7 +184,6 @@ def test_max_model_len_unlike_the_tuples_says_how_to_match(tmp_path, tiny_model)
     assert "or run with the tuple's value: --max-model-len 512" in err
 
 
-
 def test_missing_dependency_refuses_before_the_engine_starts(tiny_model):
     """An HTTP-side module that cannot be imported (a partial install) refuses startup with
     its name, before the model loads; it once surfaced only after the engine core had
@@ -193,8 +192,9 @@ def test_missing_dependency_refuses_before_the_engine_starts(tiny_model):
     launcher = real_argv()[1]
     code = ("import runpy, sys; sys.modules['partial_json_parser'] = None; "
             f"sys.argv = [{launcher!r}, *sys.argv[1:]]; runpy.run_path({launcher!r}, run_name='__main__')")
-    p = subprocess.Popen([sys.executable, "-c", code, "--model", tiny_model, "--port", str(free_port())], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env={**os.environ, "DETENT_TEST_THREADS": "2"})
+    argv = [sys.executable, "-c", code, "--model", tiny_model, "--port", str(free_port())]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "DETENT_TEST_THREADS": "2"})
     try:
         out, _ = p.communicate(timeout=120)
     except subprocess.TimeoutExpired:
