@@ -19,7 +19,8 @@ from detent.server.vllm_flags import add_vllm_flags, resolve_model, server_token
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser("detent-serve", description="OpenAI-compatible server for the Detent engine")
-    p.add_argument("--model", default=None, help="model directory, HF cache name or preset (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="model directory, HF cache name or preset (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--tuple", default=None, help="commitment tuple t.json (default: the default tuple)")
     p.add_argument("--selection", choices=SELECTION_MODES, default="pinned")
