@@ -63,6 +63,10 @@ class BenchWorker:
         if not reply["ok"]:
             raise RuntimeError(reply["error"])
 
+    def dead(self) -> bool:
+        """Whether the process has exited (an import that failed ends it at once)."""
+        return self.proc.poll() is not None
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:

@@ -256,6 +256,10 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
         if proc.poll() is not None or time.time() - t0 > a.startup_timeout:
             stop_server(proc)
             raise SystemExit(f"{a.server} did not start; see {a.server}{tag}.log")
+        if worker.dead():  # its imports failed: every load would fail, through the CLI too
+            stop_server(proc)
+            raise SystemExit(f"the load generator exited before the first load; see bench.log "
+                             f"(--vllm-path {a.vllm_path})")
         time.sleep(1)
     summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": server_args, "loads": {}}
     try:

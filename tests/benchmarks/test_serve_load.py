@@ -2,6 +2,9 @@
 import os
 import sys
 import tarfile
+import time
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import serve_load  # noqa: E402
@@ -222,6 +225,9 @@ def test_arms_run_one_server_after_the_other_with_one_bench_worker(tmp_path, mon
         def close(self):
             self.closed = True
 
+        def dead(self):
+            return False
+
     monkeypatch.setattr(serve_load, "start_server", lambda kind, model, port, extra, log, vp: started.append(
         (port, extra, os.path.basename(log))) or Proc())
     monkeypatch.setattr(serve_load, "stop_server", lambda proc: stopped.append(proc))
@@ -245,3 +251,30 @@ def test_arms_run_one_server_after_the_other_with_one_bench_worker(tmp_path, mon
     assert all(w is workers[0] for _, _, w in benched)
     s = json.loads((tmp_path / "summary-detent-g.json").read_text())
     assert s["server_args"] == "--mixed-graph-max-tokens 2048" and s["loads"]["c1"]["output_throughput"] == 8101.0
+
+
+def test_a_load_generator_that_cannot_import_stops_the_run_before_the_first_load(tmp_path, monkeypatch):
+    stopped, benched = [], []
+
+    class Proc:
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(serve_load, "start_server", lambda *args: Proc())
+    monkeypatch.setattr(serve_load, "stop_server", lambda proc: stopped.append(proc))
+    monkeypatch.setattr(serve_load, "_get", lambda url, timeout=5.0: 503)  # still starting
+    monkeypatch.setattr(serve_load, "bench", lambda *args, **kw: benched.append(args))
+    monkeypatch.setattr(serve_load.time, "sleep", lambda s: None)
+    monkeypatch.setattr(serve_load, "write_sharegpt", lambda path: path)
+    monkeypatch.setattr(serve_load.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(serve_load, "vllm_env", lambda path: {**os.environ, "PYTHONPATH": str(tmp_path)})
+    real = serve_load.BenchWorker
+    monkeypatch.setattr(serve_load, "BenchWorker", lambda env, log: real(env, log, module="no_such_module"))
+    a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1",
+                                      server_args="", tag="", vllm_path="/nowhere", startup_timeout=30, pack="",
+                                      arm=[])
+    t0 = time.time()
+    with pytest.raises(SystemExit, match="load generator exited before the first load"):
+        serve_load.run(a)
+    assert time.time() - t0 < 30 and len(stopped) == 1 and benched == []
+    assert "ModuleNotFoundError" in (tmp_path / "bench.log").read_text()
