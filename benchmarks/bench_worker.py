@@ -46,7 +46,7 @@ class BenchWorker:
 
     def run(self, argv: list[str]) -> None:
         """Run `vllm bench serve ARGV`; raises RuntimeError if it failed or the worker is gone."""
-        if self.proc.poll() is not None:
+        if self.dead():
             raise RuntimeError(f"bench worker exited ({self.proc.returncode})")
         try:
             self.proc.stdin.write(json.dumps(argv) + "\n")
@@ -68,7 +68,7 @@ class BenchWorker:
         return self.proc.poll() is not None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if not self.dead():
             try:
                 self.proc.stdin.close()
             except OSError:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import tarfile
 import tempfile
 import zipfile
@@ -67,7 +68,7 @@ def _vllm_wheel(peer: str, tmp: str) -> str:
     with open(path, "wb") as out:
         for p in parts:
             with open(p, "rb") as f:
-                out.write(f.read())
+                shutil.copyfileobj(f, out)
     return path
 
 
@@ -91,9 +92,7 @@ def build(peer: str, out: str) -> None:
         with tarfile.open(bundle, "w:gz") as t:
             t.add(site, arcname=".")
     for w in DETENT_WHEELS:
-        src = _wheel(peer, w)
-        with open(src, "rb") as f, open(os.path.join(out, os.path.basename(src)), "wb") as g:
-            g.write(f.read())
+        shutil.copy(_wheel(peer, w), out)
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(out, "*")))
     print(f"{out}: {size / 1e6:.1f} MB (carry it with .whl)")
 
