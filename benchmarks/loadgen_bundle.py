@@ -32,8 +32,8 @@ import tempfile
 import zipfile
 
 # imported by vllm.benchmarks.serve (and its datasets) and not in the GPU image (vLLM 0.20.2)
-LOADGEN_WHEELS = ("cachetools", "cbor2", "gguf", "msgspec", "openai", "openai_harmony", "pybase64", "pyzmq",
-                  "sniffio")
+LOADGEN_WHEELS = ("cachetools", "cbor2", "gguf", "httpcore2", "httpx2", "jiter", "msgspec", "openai", "openai_harmony",
+                  "pybase64", "pyzmq", "sniffio", "truststore")
 # Detent's runtime dependencies that the image and the device wheels lack
 DETENT_WHEELS = ("partial_json_parser", "jsonschema", "jsonschema_specifications", "referencing", "rpds_py", "gguf")
 
