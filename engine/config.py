@@ -51,8 +51,9 @@ class EngineConfig:
     # run eagerly; 0: never
     piecewise_max_tokens: int = 8192
     # GPU, tp = 1: steps with prompt tokens of up to this many tokens (16 .. MIXED_GRAPH_MAX_TOKENS) replay one
-    # whole-step graph, attention inside (engine/mixed_graph.py); 0: off (GPU-tested; under load not faster overall)
-    mixed_graph_max_tokens: int = 0
+    # whole-step graph, attention inside (engine/mixed_graph.py); 0: off. On by default since lease 12: under load it
+    # was faster than the pieces at C = 128, 80 % of vLLM's maximum and 20 req/s in two leases (docs/performance.md)
+    mixed_graph_max_tokens: int = MIXED_GRAPH_MAX_TOKENS
     # a step that carries decodes takes at most this many tokens (prompts wait for
     # later steps rather than stall every generating request); None: no cap
     max_mixed_batched_tokens: int | None = 2048

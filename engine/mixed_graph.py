@@ -1,4 +1,4 @@
-"""Whole-step CUDA graphs for steps with prompt tokens (off by default; GPU-tested up to 1,024 tokens, served to 2,048).
+"""Whole-step CUDA graphs for steps with prompt tokens (on by default up to 2,048 tokens; GPU-tested and served).
 
 Lease 6 measured a step of 16 prompt tokens beside 16 decodes at 11.0 ms of
 device time and 10.9 ms of host time, against 5.4 ms for the decode graph of
@@ -6,10 +6,10 @@ device time and 10.9 ms of host time, against 5.4 ms for the decode graph of
 between their pieces, and for a small step the host's 32 attention calls are
 the step. vLLM replays one whole graph, attention inside, for every step of
 up to 512 tokens. This does the same, up to `--mixed-graph-max-tokens` (at most
-2,048). Under load (docs/performance.md, lease 9) a graph's launch is ~3 ms where the
-pieces' is 9-13 ms, but TPOT moved both ways (better at 80 % of vLLM's maximum, worse
-at C = 128, where `fill` still waited for the device: fixed since, not yet measured), so the
-default stays off.
+2,048). Under load a graph's launch is ~3 ms where the pieces' is 9-13 ms; with the fill's
+sync fixed, TPOT p50 was lower than through the pieces at C = 128, at 80 % of vLLM's maximum
+and at 20 req/s in leases 10 and 12 (docs/performance.md), so it is the default; `0` turns
+it off.
 
 A graph is captured for T tokens and S sequences (`pairs`) and for one
 attention selection. A step of t <= T tokens and n <= S sequences replays it

@@ -272,6 +272,8 @@ class LaunchPlan:
     has_short: bool  # ... and the short launch runs
     short_m: int
     short_q: int
+    short_warps: int  # the short launch's warps and prefetch stages (`short_launch_config`)
+    short_stages: int
     n_qtiles: int
     max_splits: int
     parallel: bool  # one program per KV split, then the combine kernel
@@ -304,7 +306,20 @@ def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, que
         parallel = combine == "parallel" and max_splits > 1  # one split: nothing to combine
     else:
         raise ValueError(f"attention/triton_paged: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
-    return LaunchPlan(block_q, decode, split, has_short, short_m, short_q, n_qtiles, max_splits, parallel)
+    short_warps, short_stages = short_launch_config(num_seqs * kvh)
+    return LaunchPlan(block_q, decode, split, has_short, short_m, short_q, short_warps, short_stages, n_qtiles,
+                      max_splits, parallel)
+
+
+def short_launch_config(programs: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of the short launch: one program per (sequence, KV head) on a
+    16-row tile, splits walked in order, which is the decode launch's arithmetic. From 512
+    programs it takes what the decode launch measured best there (2 warps, no prefetch stage:
+    selection/programs/attention.py); in a mixed step of 105 decodes beside a prompt chunk
+    (H200, Llama-3.1-8B shapes, 1.1k contexts) 4 warps and 2 stages took 5.65 ms over the 32
+    layers against 4.71 for the decode-only step's launch (benchmarks/mixed_kernels.py).
+    Warps and stages do not move a row's bits (rowsum="mma"; tests/gpu)."""
+    return (2, 1) if programs >= 512 else (4, 2)
 
 
 def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_stages: int = 2,
@@ -316,7 +331,7 @@ def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_s
     if plan.parallel:
         out.add(("combine", plan.decode))
     if plan.split and plan.has_short:
-        out.add(("paged", plan.short_m, False, False, True, 0, 4, 2))
+        out.add(("paged", plan.short_m, False, False, True, 0, plan.short_warps, plan.short_stages))
     return out
 
 
@@ -390,11 +405,12 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
                                 out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens, DECODE=decode,
                                 num_warps=1 if d <= 64 else 2)
     if split and has_short:
-        # one program per (sequence, KV head), splits walked in order: one fixed launch, so one
-        # compile (tests/gpu: the 16-row tile gives the 128-row tile's bits)
+        # one program per (sequence, KV head), splits walked in order: two compiles, by the
+        # program count (tests/gpu: the 16-row tile gives the 128-row tile's bits)
         _paged_attn_kernel[(meta.num_seqs, kvh, 1)](
             *common, out, out, out, *tail, 0, 0, 0, 0, 0, 0, BLOCK_M=short_m, BLOCK_Q=short_q,
-            PARALLEL=False, DECODE=False, SHORT=True, SKIP_Q=0, **flags, num_warps=4, num_stages=2)
+            PARALLEL=False, DECODE=False, SHORT=True, SKIP_Q=0, **flags, num_warps=lp.short_warps,
+            num_stages=lp.short_stages)
     return out
 
 

@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-graph-max-tokens", type=int, default=None,
                    help="GPU: steps with prompt tokens of up to this many tokens (16 to 2048) replay one "
                         "whole-step CUDA graph, attention inside, as vLLM's full graphs do up to 512 (no bits "
-                        "change; default 0: off: under load TPOT moved both ways, docs/performance.md)")
+                        "change; default 2048; 0: off, those steps replay the piecewise graphs)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process, so HTTP work never holds the GIL the step "
                         "loop needs (default: on)")

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from detent.kernels import attention_triton
 from detent.kernels.attention_triton import attention_reference, attention_triton_paged
 from paged_cases import PagedCase
 
@@ -69,7 +70,7 @@ def test_block_m_and_warps_give_identical_bits():
     # the decode launches the pinned program picks by batch (warps 2/4/8, stages, combine)
     dec = []
     for nw, ns, comb in ((4, 2, "sequential"), (2, 2, "parallel"), (4, 2, "parallel"), (8, 3, "parallel"),
-                         (2, 4, "sequential"), (4, 1, "parallel"), (2, 4, "parallel")):
+                         (2, 4, "sequential"), (4, 1, "parallel"), (2, 4, "parallel"), (2, 1, "sequential")):
         y, _ = _run(case, [(899, 900), (39, 40)], block_m=16, num_warps=nw, num_stages=ns, combine=comb,
                     rowsum="mma")
         dec.append(y)
@@ -90,3 +91,22 @@ def test_short_launch_of_a_mixed_step_keeps_every_row():
         assert not y.isnan().any() and torch.equal(y, one), combine
         dec, _ = _run(case, [(899, 900), (1099, 1100), (332, 333), (39, 40)], block_m=16, rowsum="mma")
         assert torch.equal(y[900], dec[1]) and torch.equal(y[903], dec[2]) and torch.equal(y[904], dec[3])
+
+
+def test_a_short_launch_of_512_programs_keeps_the_decode_steps_bits():
+    # 1 chunk + 69 decodes over 8 KV heads: 560 short-launch programs, which run 2 warps with
+    # no prefetch stage (kernels/attention_triton.py short_launch_config). Each decode row must
+    # equal the same row in a decode-only step and in one launch for the whole step
+    lens = [700] + [200 + 13 * i for i in range(69)]
+    case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=17)
+    chunks = [(0, 700)] + [(n - 1, n) for n in lens[1:]]
+    plan = attention_triton.launch_plan(700 + 69, 70, 700, max(lens), None, 8, 4, 132, block_m=128,
+                                        split_tokens=256)
+    assert (plan.short_warps, plan.short_stages) == (2, 1)
+    kw = dict(block_m=128, num_warps=8, rowsum="mma", split_tokens=256)
+    y, _ = _run(case, chunks, **kw)
+    one, _ = _run(case, chunks, short_launch=False, **kw)
+    assert not y.isnan().any() and torch.equal(y, one)
+    dec, _ = _run(case, [(0, 0)] + chunks[1:], order=list(range(1, 70)), block_m=16, num_warps=2,
+                  num_stages=1, combine="sequential", rowsum="mma", split_tokens=256)
+    assert torch.equal(y[700:], dec)

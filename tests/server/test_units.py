@@ -149,8 +149,9 @@ def test_mixed_graph_flag_reaches_the_engine_config():
     from detent.server.cli import engine_kwargs, parse_args
     kw = engine_kwargs(parse_args(["--mixed-graph-max-tokens", "512"]))
     assert EngineConfig(mixed_graph_max_tokens=kw["mixed_graph_max_tokens"]).mixed_graph_max_tokens == 512
-    assert "mixed_graph_max_tokens" not in engine_kwargs(parse_args([]))  # default: off
-    assert EngineConfig().mixed_graph_max_tokens == 0
+    assert "mixed_graph_max_tokens" not in engine_kwargs(parse_args([]))  # default: the config's
+    assert EngineConfig().mixed_graph_max_tokens == 2048  # on (docs/performance.md, lease 12)
+    assert engine_kwargs(parse_args(["--mixed-graph-max-tokens", "0"]))["mixed_graph_max_tokens"] == 0
     for bad in ("-1", "8", "4096"):
         with pytest.raises(SystemExit):
             parse_args(["--mixed-graph-max-tokens", bad])
