@@ -34,7 +34,11 @@ def _enable(runner, config, max_model_len: int) -> None:
         if len(sites) != 1:  # the captures above ran every layer: one attention shape is ours
             log.warning("mixed-step graphs off: %d attention call sites, expected 1", len(sites))
             return
-        from detent.engine.mixed_graph import enable_mixed_graphs
+        from detent.engine.mixed_graph import enable_mixed_graphs, refusal
+        why = refusal(runner.dispatcher.built()[("attention", sites[0])])
+        if why:
+            log.info("mixed-step graphs off (those steps replay the piecewise graphs): %s", why)
+            return
         enable_mixed_graphs(runner, max_tokens=config.mixed_graph_max_tokens, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                             attention_site=sites[0])

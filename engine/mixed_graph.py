@@ -51,6 +51,20 @@ SEQS = (4, 16, 64, 256)
 PROBE_Q = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 127, 128, 129, 256, 257, 511, 512)
 
 
+def refusal(attention_selector) -> str | None:
+    """Why this deployment's attention cannot go inside a whole-step graph (None: it can).
+    One implementation serves every step (docs/selir.md), so the smallest step's selection says:
+    only the Triton attention was tested replaying with prompt rows (GRAPH_SAFE_ATTENTION);
+    checked before any capture runs, so a FlashAttention-4 deployment starts without them
+    instead of warming 2,048-token steps only for the capture's check to refuse."""
+    from detent.engine.cuda_graph import GRAPH_SAFE_ATTENTION
+    impl = attention_selector(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1, total_kv=1)["impl"]
+    if impl not in GRAPH_SAFE_ATTENTION:
+        return f"attention {impl!r} is not known to replay correctly with prompt rows (needs one of " \
+               f"{GRAPH_SAFE_ATTENTION})"
+    return None
+
+
 def graph_pairs(max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
     """(T, S) pairs to capture: the piecewise graphs' token buckets up to `max_tokens` (16, 24,
     32, 48, ..., 384, 512: lease 7's powers of two padded a 266-token step to 512 rows, and its

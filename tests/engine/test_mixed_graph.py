@@ -202,3 +202,18 @@ def test_under_stock_selection_the_padded_shape_moves_bits(monkeypatch):
         want, got, _, _ = _replay_without_graph(query_lens, kv_lens, "stock")
         moved += not torch.equal(got[:want.shape[0]], want)
     assert moved
+
+
+def test_an_attention_not_tested_inside_prompt_graphs_keeps_them_off_before_any_capture():
+    # the default is on: a FlashAttention-4 deployment must start without them, told why
+    from detent.engine.mixed_graph import refusal
+    seen = []
+
+    def selector(impl):
+        def sel(**runtime):
+            seen.append(runtime)
+            return {"impl": impl}
+        return sel
+    assert refusal(selector("triton_paged")) is None
+    assert "'fa4'" in refusal(selector("fa4"))
+    assert set(seen[0]) == {"num_tokens", "num_seqs", "max_seqlen_q", "max_seqlen_k", "total_kv"}

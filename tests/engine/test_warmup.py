@@ -220,3 +220,11 @@ def test_warm_steps_reach_every_attention_compile_a_served_step_needs(preset_nam
         assert missing == set()
     else:
         assert missing  # what lease 6 met
+
+
+def test_the_h200_deployments_attention_may_go_inside_whole_step_graphs():
+    # engine/mixed_graph.refusal on the real pinned selector (pure Python: runs on CPU)
+    from detent.engine.mixed_graph import refusal
+    _, sites, _, _, _, d = _gpu_deployment("llama-3.1-8b")
+    (site,) = [s for f, s in sites if f == "attention"]
+    assert refusal(d._selectors[("attention", site)]) is None
