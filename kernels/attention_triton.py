@@ -317,7 +317,8 @@ def short_launch_config(programs: int) -> tuple[int, int]:
     programs it takes what the decode launch measured best there (2 warps, no prefetch stage:
     selection/programs/attention.py); in a mixed step of 105 decodes beside a prompt chunk
     (H200, Llama-3.1-8B shapes, 1.1k contexts) 4 warps and 2 stages took 5.65 ms over the 32
-    layers against 4.71 for the decode-only step's launch (benchmarks/mixed_kernels.py).
+    layers, 2 warps and 1 stage 5.17, the decode-only step's launch 4.68-4.71
+    (benchmarks/mixed_kernels.py, docs/performance.md "Lease 12").
     Warps and stages do not move a row's bits (rowsum="mma"; tests/gpu)."""
     return (2, 1) if programs >= 512 else (4, 2)
 
