@@ -7,7 +7,7 @@ one lease, on the same prompts.
     python3 benchmarks/serve_load.py run --server detent --out $OUT/load
     # several configurations, one server after the other (files suffixed by each TAG):
     python3 benchmarks/serve_load.py run --server detent --out $OUT/load --loads r20,c128 \
-        --arm= --arm='-g2048=--mixed-graph-max-tokens 2048' --arm='-cap0=--max-mixed-batched-tokens 0'
+        --arm= --arm='-pieces=--mixed-graph-max-tokens 0' --arm='-cap0=--max-mixed-batched-tokens 0'
     python3 benchmarks/serve_load.py report $OUT/load    # table (markdown) + serve_load.png
 
 Loads (each with its own seeded prompts, identical for both servers):
@@ -438,7 +438,7 @@ def main() -> None:
     r.add_argument("--arm", action="append", default=[], metavar="TAG=SERVER_ARGS",
                    help="a server configuration to run after the others, on the next port (repeatable; "
                         "instead of --tag / --server-args; write --arm=TAG=..., as a tag starts with '-'), e.g. "
-                        "--arm= --arm='-g2048=--mixed-graph-max-tokens 2048'")
+                        "--arm= --arm='-pieces=--mixed-graph-max-tokens 0'")
     r.add_argument("--pack", default="", help="also write every result and log to this .tgz (e.g. $OUT/load.tgz)")
     rep = sub.add_parser("report")
     rep.add_argument("dir")
