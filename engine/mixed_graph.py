@@ -58,7 +58,8 @@ def refusal(attention_selector) -> str | None:
     checked before any capture runs, so a FlashAttention-4 deployment starts without them
     instead of warming 2,048-token steps only for the capture's check to refuse."""
     from detent.engine.cuda_graph import GRAPH_SAFE_ATTENTION
-    impl = attention_selector(num_tokens=1, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1, total_kv=1)["impl"]
+    from detent.engine.warmup import StepShape
+    impl = attention_selector(**StepShape((1,), (1,)).runtime())["impl"]
     if impl not in GRAPH_SAFE_ATTENTION:
         return f"attention {impl!r} is not known to replay correctly with prompt rows (needs one of " \
                f"{GRAPH_SAFE_ATTENTION})"
