@@ -175,21 +175,24 @@ def moe(mc, ms: list[int], copies: int) -> list[dict]:
     return res
 
 
-def prefill_attention(lens: list[int], heads: int, kv_heads: int, head_dim: int) -> list[dict]:
+def prefill_attention(lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                      block_ns: tuple[int, ...] = (64,)) -> list[dict]:
     """One prompt of n tokens attending causally to itself: the query tile,
     warps and stages (each neutral: the row sum goes through the MMA), all
-    compared with `torch.equal` against the first launch."""
+    compared with `torch.equal` against the first launch of the same KV tile
+    (`block_n` sets where the online softmax rescales, so it is not neutral:
+    its variants are keyed `n{block_n}_...` and checked among themselves)."""
     res = []
-    base = dict(split_tokens=256, block_n=64, rowsum="mma", combine="sequential")
     launches = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3), (128, 4, 2)]
     for n in lens:
         q, k, v, cache, meta = attn_case(1, n, n, h=heads, kvh=kv_heads, d=head_dim)
         tflop = 4 * n * n / 2 * head_dim * heads / 1e12
         row = {"n": n, "heads": heads, "kv_heads": kv_heads, "variants": {}, "bits_differ": []}
-        ref = None
-        for bm, nw, ns in launches:
-            kw = dict(block_m=bm, num_warps=nw, num_stages=ns, **base)
-            key = f"m{bm}_w{nw}_st{ns}"
+        refs = {}
+        for bn, (bm, nw, ns) in ((bn, x) for bn in block_ns for x in launches):
+            kw = dict(block_m=bm, num_warps=nw, num_stages=ns, split_tokens=256, block_n=bn, rowsum="mma",
+                      combine="sequential")
+            key = f"m{bm}_w{nw}_st{ns}" if bn == 64 else f"n{bn}_m{bm}_w{nw}_st{ns}"
             try:
                 y = attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)
                 ms = bench(lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw), REP)
@@ -197,9 +200,7 @@ def prefill_attention(lens: list[int], heads: int, kv_heads: int, head_dim: int)
                 row["variants"][key] = f"error: {type(e).__name__}: {str(e)[:160]}"
                 continue
             row["variants"][key] = ms * 1e3
-            if ref is None:
-                ref = y
-            elif not torch.equal(y, ref):
+            if not torch.equal(y, refs.setdefault(bn, y)):
                 row["bits_differ"].append(key)
         ok = {c: t for c, t in row["variants"].items() if isinstance(t, float)}
         print(f"prefill attn n={n} heads {heads}/{kv_heads}: differ={row['bits_differ']}  "
@@ -208,29 +209,31 @@ def prefill_attention(lens: list[int], heads: int, kv_heads: int, head_dim: int)
     return res
 
 
-def attention(batches: list[int], ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
+def attention(batches: list[int], ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+              block_ns: tuple[int, ...] = (64,)) -> list[dict]:
+    """Decode launches (one query per sequence); variants of another KV tile than 64 are keyed
+    `n{block_n}_...` and checked against that tile's default launch (see prefill_attention)."""
     res = []
-    base = dict(split_tokens=256, block_n=64, rowsum="mma")
     for b in batches:
         q, k, v, cache, meta = attn_case(b, ctx, 1, h=heads, kvh=kv_heads, d=head_dim)
         floor_us = b * ctx * kv_heads * head_dim * 2 * 2 / 4.23e12 * 1e6
         row = {"batch": b, "ctx": ctx, "floor_us": floor_us, "variants": {}, "bits_differ": []}
-        ref = attention_triton_paged(q, k, v, cache, meta, 0.088, block_m=16, num_warps=4, num_stages=2, **base)
-        for bm in (16,):  # one query row per sequence: 4 of 16 rows used at GQA 4
-            for nw in (2, 4, 8):
-                for ns in (1, 2, 3, 4):
-                    for comb in ("sequential", "parallel"):
-                        kw = dict(block_m=bm, num_warps=nw, num_stages=ns, combine=comb, **base)
-                        key = f"m{bm}_w{nw}_st{ns}_{comb[:3]}"
-                        try:
-                            y = attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)
-                            row["variants"][key] = bench(
-                                lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw), REP) * 1e3
-                        except Exception as e:  # noqa: BLE001
-                            row["variants"][key] = f"error: {type(e).__name__}"
-                            continue
-                        if not torch.equal(y, ref):
-                            row["bits_differ"].append(key)
+        for bn in block_ns:
+            base = dict(split_tokens=256, block_n=bn, rowsum="mma")
+            ref = attention_triton_paged(q, k, v, cache, meta, 0.088, block_m=16, num_warps=4, num_stages=2, **base)
+            for nw, ns, comb in ((nw, ns, c) for nw in (2, 4, 8) for ns in (1, 2, 3, 4)
+                                 for c in ("sequential", "parallel")):
+                kw = dict(block_m=16, num_warps=nw, num_stages=ns, combine=comb, **base)
+                key = f"m16_w{nw}_st{ns}_{comb[:3]}" if bn == 64 else f"n{bn}_m16_w{nw}_st{ns}_{comb[:3]}"
+                try:
+                    y = attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)
+                    row["variants"][key] = bench(
+                        lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw), REP) * 1e3
+                except Exception as e:  # noqa: BLE001
+                    row["variants"][key] = f"error: {type(e).__name__}"
+                    continue
+                if not torch.equal(y, ref):
+                    row["bits_differ"].append(key)
         ok = {c: t for c, t in row["variants"].items() if isinstance(t, float)}
         best = min(ok, key=ok.get)
         row["best"], row["best_us"] = best, ok[best]
@@ -254,17 +257,20 @@ def main():
     ap.add_argument("--prefill-lens", default="2048,8192", help="prompt lengths of the prefill attention sweep")
     ap.add_argument("--moe-ms", default="1,8,64", help="token counts of the MoE tile sweep (MoE presets)")
     ap.add_argument("--model", default="llama-3.1-8b", help="preset whose dense GEMM and attention shapes are swept")
+    ap.add_argument("--block-ns", default="64", help="KV tiles of the attention sweeps (not neutral: each is its own set)")
     ap.add_argument("--no-tma", action="store_true", help="time pointer-load tiles only")
     a = ap.parse_args()
     t0 = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     mc = config_of(a.model)
     if "attention" not in a.skip:
+        block_ns = tuple(int(x) for x in a.block_ns.split(","))
         out["attention"] = attention([int(b) for b in a.batches.split(",")], a.ctx, mc.num_heads, mc.num_kv_heads,
-                                     mc.head_dim)
+                                     mc.head_dim, block_ns)
     if "prefill" not in a.skip:
         out["prefill_attention"] = prefill_attention([int(n) for n in a.prefill_lens.split(",")], mc.num_heads,
-                                                     mc.num_kv_heads, mc.head_dim)
+                                                     mc.num_kv_heads, mc.head_dim,
+                                                     tuple(int(x) for x in a.block_ns.split(",")))
     if "moe" not in a.skip:
         out["moe"] = moe(mc, [int(m) for m in a.moe_ms.split(",")], max(2, a.copies // 2))
     if "gemm" not in a.skip:

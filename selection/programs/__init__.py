@@ -42,7 +42,8 @@ def gemm_tile_configs() -> tuple[dict, ...]:
     """Every tile the GEMM program can pick, plus the ones the sweep measured
     (programs/gemm.py MEASURED), once each: the set whose bits must agree."""
     from detent.selection.programs import gemm
-    rows = [c for _, row in gemm.GEMM_TABLE for c in row.values()] + list(gemm.MEASURED)
+    rows = ([c for _, row in gemm.GEMM_TABLE for c in row.values()] + [c for *_, c in gemm.BANDS]
+            + list(gemm.MEASURED))
     return tuple(gemm_tile(c) for c in dict.fromkeys(rows))
 
 

@@ -50,6 +50,31 @@ GEMM_TABLE = (
 MEASURED = ((128, 64, 128, 4, 4, 0), (64, 128, 128, 4, 3, 0), (128, 128, 128, 8, 3, 0), (128, 256, 64, 8, 3, 0))
 
 
+# Prefill bands: (width, lo, hi, config) for lo < M <= hi, where one launch of a
+# 128 x 128 tile beat the wide tile and its wave cut (`benchmarks/gemm_waves.py
+# --sweep`, H200, at the whole-step graphs' buckets; us per layer, o + down then
+# qkv): N = 4,096 at M = 384 and 512 took 175.5 and 177.1 on the wide tile (48 and
+# 64 tiles for 132 SMs) against 110.3 and 119.8; at 1,408 and 1,536 (a second round
+# the cut cannot take: more than 256 rows past it) 394.1 and 403.9 against 357.5 and
+# 369.0; qkv at 1,024 (192 wide tiles: two rounds, the second half full) 92.7
+# against 81.9. Elsewhere the wide tile (and its cut) was within 3 % of the best.
+BANDS = (("narrow", 256, 512, (128, 128, 64, 8, 4, 1)), ("narrow", 1280, 1536, (128, 128, 64, 4, 4, 1)),
+         ("mid", 896, 1024, (128, 128, 64, 4, 4, 1)))
+
+
+def width_of(n):
+    return "tiny" if n <= 1024 else "narrow" if n <= 4096 else ("wide" if n >= 16384 else "mid")
+
+
+def band(m, n):
+    """The prefill band's config for M = m rows and N = n, or None."""
+    w = width_of(n)
+    for bw, lo, hi, cfg in BANDS:
+        if bw == w and lo < m <= hi:
+            return cfg
+    return None
+
+
 # Whole waves: the H200 has 132 SMs, and a persistent launch of t tiles takes
 # cdiv(t, 132) rounds of its slowest tile. With the wide tile, M = 1,152 and
 # N = 4,096 (o_proj, down_proj on Llama-3.1-8B shapes) is 144 tiles: a second
@@ -68,7 +93,7 @@ def wave_split(m, n):
     per_row = cdiv(n, WIDE[1])
     rounds = cdiv(cdiv(m, WIDE[0]) * per_row, SMS)
     head = (rounds - 1) * SMS // per_row * WIDE[0]
-    if m <= TAIL_MAX or n >= 16384 or rounds < 2 or m - head > TAIL_MAX:
+    if m <= TAIL_MAX or n >= 16384 or rounds < 2 or m - head > TAIL_MAX or band(m, n) is not None:
         return m
     tail = triton_config(m - head, n)
     if cdiv(m - head, tail[0]) * cdiv(n, tail[1]) > SMS:
@@ -77,7 +102,10 @@ def wave_split(m, n):
 
 
 def triton_config(m, n):
-    width = "tiny" if n <= 1024 else "narrow" if n <= 4096 else ("wide" if n >= 16384 else "mid")
+    cfg = band(m, n)
+    if cfg is not None:
+        return cfg
+    width = width_of(n)
     for upto, row in GEMM_TABLE:
         if m <= upto:
             return row[width]

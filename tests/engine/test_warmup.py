@@ -138,7 +138,7 @@ def test_gpu_deployment_every_reachable_selection_is_warmed(preset_name):
     c, sites, logits, lim, facts, d = _gpu_deployment(preset_name)
     plan = plan_warmup(d, facts, lim, {logits})
     assert plan.uncovered == []
-    assert len(plan.shapes) <= 96  # a warm start of seconds, not minutes
+    assert len(plan.shapes) <= 100  # a warm start of seconds, not minutes (97 with the GEMM bands)
     for fam, site in sites:
         if (fam, site) == logits:
             continue
