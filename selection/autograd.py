@@ -9,6 +9,8 @@ backward differentiates the family's reference math (`grad_refs`)
 recomputed from the saved inputs: the matmul families (GEMM, attention, MoE)
 in the inputs' own dtype, as transformers' backward runs them (bf16 operands,
 float32 accumulation), the rest in float32 (float64 inputs stay float64).
+The GEMM's gradients are its two closed-form products (`grad_refs.linear_vjp`),
+so its backward does not recompute the forward GEMM.
 Gradients are ordinary, not bitwise stable; the forward is bitwise the
 engine's. On one H200 the float32 GEMMs had made the trainer's forward +
 backward over 2 x 4,096 tokens at Llama-3.1-8B shapes 10x transformers'
@@ -36,19 +38,25 @@ def _leaf(t, need: bool, native: bool):
 
 class KernelFunction(torch.autograd.Function):
     """forward: `run(*inputs)` (the selected candidate); backward: autograd of
-    `ref(*inputs)`, in the inputs' dtype if `native`, else in float32 or wider.
+    `ref(*inputs)`, in the inputs' dtype if `native`, else in float32 or wider,
+    or, where the family has one, `vjp(*inputs, *grads, needs=...)`: the same
+    gradients in closed form, without recomputing `ref`'s forward.
     `inputs` are tensors or None; static arguments live in the `run` / `ref` closures."""
 
     @staticmethod
-    def forward(ctx, run: Callable, ref: Callable, native: bool, *inputs):
-        ctx.ref, ctx.native = ref, native
+    def forward(ctx, run: Callable, ref: Callable, vjp: Callable | None, native: bool, *inputs):
+        ctx.ref, ctx.vjp, ctx.native = ref, vjp, native
         ctx.save_for_backward(*inputs)
         return run(*inputs)
 
     @staticmethod
     def backward(ctx, *grads):
         inputs = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
+        needs = ctx.needs_input_grad[4:]
+        if ctx.vjp is not None:
+            xs = [_leaf(t, False, ctx.native) for t in inputs]
+            got = ctx.vjp(*xs, *(g.to(xs[0].dtype) for g in grads), needs=needs)
+            return (None, None, None, None, *(None if g is None else g.to(t.dtype) for t, g in zip(inputs, got)))
         with torch.enable_grad():
             xs = [_leaf(t, n, ctx.native) for t, n in zip(inputs, needs)]
             outs = ctx.ref(*xs)
@@ -62,16 +70,16 @@ class KernelFunction(torch.autograd.Function):
         for t, n in zip(inputs, needs):
             g = next(it) if n else None
             res.append(None if g is None else g.to(t.dtype))
-        return (None, None, None, *res)
+        return (None, None, None, None, *res)
 
 
-def _apply(run, ref, *inputs, native: bool = False):
-    return KernelFunction.apply(run, ref, native, *inputs)
+def _apply(run, ref, *inputs, native: bool = False, vjp: Callable | None = None):
+    return KernelFunction.apply(run, ref, vjp, native, *inputs)
 
 
 # one wrapper per family: (candidate fn, the ops call's arguments, the selection's params)
 def _gemm(fn, x, w, bias, **kw):
-    return _apply(lambda x, w, b: fn(x, w, b, **kw), R.linear, x, w, bias, native=True)
+    return _apply(lambda x, w, b: fn(x, w, b, **kw), R.linear, x, w, bias, native=True, vjp=R.linear_vjp)
 
 
 def _attention(fn, q, k, v, kv_cache, meta, scale, history: "StepKV | None" = None, **kw):
