@@ -138,14 +138,14 @@ class TrainerModel(nn.Module):
                     got = self._score_rows(hidden, rows, targets, scope, what == "entropy")
             for (i, _, _), piece in zip(step, got.split(sizes)):
                 parts[i].append(piece)
-        return [torch.cat(p) for p in parts]  # [R] logprobs, [R, 2] (logprob, entropy) or [R, H]
+        # [R] logprobs, [R, 2] (logprob, entropy) or [R, H]; a sequence scored in one step is its piece as is
+        return [p[0] if len(p) == 1 else torch.cat(p) for p in parts]
 
     def _score_rows(self, hidden, rows, targets, scope: "_Scope", entropy: bool) -> torch.Tensor:
         """Chosen-token logprobs (and entropies) of `rows` of hidden, `logprob_chunk`
         rows at a time under checkpointing: [R] or [R, 2] float32."""
         dev = hidden.device
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-        tgt_t = torch.tensor(targets, dtype=torch.long, device=dev)
+        rows_t, tgt_t = torch.tensor([rows, targets], dtype=torch.long, device=dev)  # one host-to-device copy
         score = scope.wrap(self._chosen_logprobs_entropy if entropy else self._chosen_logprobs)
         return torch.cat([checkpoint(score, hidden.index_select(0, rows_t[c:c + self.logprob_chunk]),
                                      tgt_t[c:c + self.logprob_chunk], use_reentrant=False)

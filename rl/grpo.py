@@ -25,14 +25,14 @@ def grpo_loss(logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor], ad
     the reference), each completion's tokens averaged, then the completions."""
     if len(logprobs) != len(old_logprobs) or len(logprobs) != advantages.numel():
         raise ValueError(f"{len(logprobs)} logprob tensors, {len(old_logprobs)} old, {advantages.numel()} advantages")
-    per_seq = []
-    for i, (lp, old) in enumerate(zip(logprobs, old_logprobs)):
-        a = advantages[i]
-        ratio = torch.exp(lp - old.to(lp.device))
-        obj = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
-        loss = -obj
-        if ref_logprobs is not None and kl_coef:
-            d = ref_logprobs[i].to(lp.device) - lp
-            loss = loss + kl_coef * (torch.exp(d) - d - 1)  # k3: unbiased, >= 0
-        per_seq.append(loss.mean())
-    return torch.stack(per_seq).mean()
+    lp = torch.cat(logprobs)  # every completion's tokens, back to back: one op per term, not per completion
+    dev = lp.device
+    n = torch.tensor([x.numel() for x in logprobs], device=dev)
+    a = advantages.to(dev).repeat_interleave(n, output_size=lp.numel())  # output_size: no device sync
+    ratio = torch.exp(lp - torch.cat(old_logprobs).to(dev))
+    loss = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    if ref_logprobs is not None and kl_coef:
+        d = torch.cat(ref_logprobs).to(dev) - lp
+        loss = loss + kl_coef * (torch.exp(d) - d - 1)  # k3: unbiased, >= 0
+    # each completion's token mean, then the mean over completions: token t of completion i weighs 1 / (n_i N)
+    return (loss / (n * len(logprobs)).repeat_interleave(n, output_size=lp.numel())).sum()

@@ -112,7 +112,7 @@ def train_grpo(llm, task: Task, cfg: GRPOConfig = GRPOConfig(),
         old = [samples[i][2] for i in keep]
         trainer.train()
         lps = trainer(seqs, starts)
-        new = torch.cat([lp.detach().cpu() for lp in lps])
+        new = torch.cat(lps).detach().cpu()  # one device-to-host copy, not one per completion
         old_all = torch.cat(old)
         ref_lps = None
         if ref is not None:
