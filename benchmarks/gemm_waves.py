@@ -16,6 +16,14 @@ config's bits against the selection's (`torch.equal`): the data for
 `selection/programs/gemm.py`'s bucket table.
 
     python3 benchmarks/gemm_waves.py --sweep --out $OUT/gemm_sweep.json
+
+`--data` times the selection and cuBLAS at a few M on operands drawn from
+different distributions (`DATA`): the same shapes and kernels, other
+values. On a power-limited GPU a GEMM's time depends on its operands' bits,
+so a side by side whose servers run on different dummy weights (vLLM's are
+uniform in +-1e-3, Detent's N(0, 0.02)) compares different work.
+
+    python3 benchmarks/gemm_waves.py --data --out $OUT/gemm_data.json
 """
 from __future__ import annotations
 
@@ -34,6 +42,15 @@ SWEEP = ((128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 128, 64, 8, 4, 
          (128, 128, 128, 8, 3, 1), (256, 128, 64, 8, 3, 1), (128, 256, 128, 8, 2, 1), (64, 256, 64, 8, 4, 1),
          (128, 64, 128, 4, 4, 1), (64, 128, 128, 4, 4, 1), (256, 64, 64, 8, 3, 1), (64, 256, 128, 8, 3, 1))
 
+# operand distributions: (weights, activations), each a function of (shape, generator) -> bf16 CUDA tensor
+_U = lambda shape, g, a: (torch.rand(shape, device="cuda", generator=g) * 2 - 1).mul_(a).bfloat16()  # noqa: E731
+_N = lambda shape, g, s: (torch.randn(shape, device="cuda", generator=g) * s).bfloat16()  # noqa: E731
+DATA = {
+    "detent-dummy": (lambda s, g: _N(s, g, 0.02), lambda s, g: _N(s, g, 1.0)),  # N(0, .02) weights, normed rows
+    "vllm-dummy": (lambda s, g: _U(s, g, 1e-3), lambda s, g: _N(s, g, 1e-3)),  # U(+-1e-3) weights and norm gains
+    "vllm-weights-only": (lambda s, g: _U(s, g, 1e-3), lambda s, g: _N(s, g, 1.0)),
+}
+
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
 
 
@@ -44,9 +61,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default=None, help="row counts (default: 1,024 .. 2,304 by 64; --sweep: 384 .. 2,048 by 128)")
     ap.add_argument("--sweep", action="store_true", help="time every SWEEP tile config at each M")
+    ap.add_argument("--data", action="store_true", help="time the selection and cuBLAS on each DATA distribution")
     a = ap.parse_args()
     if a.sweep:
         return sweep(a)
+    if a.data:
+        return data(a)
     a.ms = a.ms or ",".join(str(m) for m in range(1024, 2305, 64))
     # CUDA-graph replays, as the piecewise graphs run them: device time without the host's launches
     # (lease 6 timed with do_bench, where two TMA launches at small M were host-bound)
@@ -128,6 +148,31 @@ def sweep(a) -> None:
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "per_layer": list(per_m.values()),
                    "bits_differ": differ}, f, indent=1)
+
+
+@torch.inference_mode()
+def data(a) -> None:
+    """Per M, one layer's four GEMMs (selection and cuBLAS) on each operand distribution, each timed
+    for half a second of back-to-back replays (sustained, as under load: the clock settles)."""
+    import triton
+    ms = [int(x) for x in (a.ms or "64,1024,2048").split(",")]
+    bench = lambda f: triton.testing.do_bench_cudagraph(f, rep=500, return_mode="median") * 1e3  # noqa: E731
+    rows = []
+    for dist, (wf, xf) in DATA.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ws = {name: wf((n, k), gen) for name, (n, k) in SHAPES.items()}
+        for m in ms:
+            row = {"data": dist, "m": m, "us_selected": 0.0, "us_cublas": 0.0}
+            for name, (n, k) in SHAPES.items():
+                x, w = xf((m, k), gen), ws[name]
+                kw = gemm_triton_params(m, n)
+                row["us_selected"] += bench(lambda: gemm_triton_persistent(x, w, None, **kw))
+                row["us_cublas"] += bench(lambda: F.linear(x, w))
+            print(json.dumps({k_: round(v, 1) if isinstance(v, float) else v for k_, v in row.items()}), flush=True)
+            rows.append(row)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "per_layer": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,30 +46,42 @@ def run_grpo(a) -> dict:
                       "device": a.device, "kv_cache_gb": a.kv_cache_gb}, "runs": {}}
     for sel in a.selections:
         llm = LLM(model=a.model, selection=sel, rl=True, dtype=a.dtype, device=a.device, max_model_len=512,
-                  max_num_batched_tokens=4096, max_num_seqs=256, kv_cache_memory_bytes=int(a.kv_cache_gb * 2**30))
+                  max_num_batched_tokens=4096, max_num_seqs=256, kv_cache_memory_bytes=int(a.kv_cache_gb * 2**30),
+                  mixed_graph_max_tokens=a.mixed_graph_max_tokens)
         task = ArithmeticTask(llm.get_tokenizer(), max_operand=a.max_operand)
 
+        out["runs"][sel] = {"steps": []}
+
         def show(log, sel=sel):
+            out["runs"][sel]["steps"].append(log.as_dict())
+            _write(out, a.out)  # after every step: a run cut short by a time limit keeps its log
             print(f"{sel:7s} step {log.step:4d} reward {log.reward_mean:.3f} match {log.match_rate:.4f} "
                   f"max|d| {log.max_abs_diff:.2e} tokens {log.num_tokens} rollout {log.rollout_s:.2f}s "
                   f"train {log.trainer_s:.2f}s sync {log.sync_s * 1e3:.1f}ms", flush=True)
-        logs = [log.as_dict() for log in train_grpo(llm, task, cfg, on_step=show)]
+        train_grpo(llm, task, cfg, on_step=show)
+        logs = out["runs"][sel]["steps"]
         n = max(1, min(20, len(logs) // 4))
-        out["runs"][sel] = {
-            "steps": logs,
+        out["runs"][sel].update({
             "every_step_matched": all(s["match_rate"] == 1.0 for s in logs),
             "min_match_rate": min(s["match_rate"] for s in logs),
             "mean_match_rate": statistics.mean(s["match_rate"] for s in logs),
             "reward_first": statistics.mean(s["reward_mean"] for s in logs[:n]),
             "reward_last": statistics.mean(s["reward_mean"] for s in logs[-n:]),
             "median_s": {k: statistics.median(s[k] for s in logs) for k in ("rollout_s", "trainer_s", "sync_s")},
-        }
+        })
         print(json.dumps({k: v for k, v in out["runs"][sel].items() if k != "steps"}), flush=True)
         llm.llm_engine.shutdown()
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
+
+
+def _write(out: dict, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)
 
 
 def plot_grpo(out: dict, path: str) -> None:
@@ -199,7 +211,11 @@ def main(argv=None) -> None:
     g.add_argument("--device", default="auto")
     g.add_argument("--kv-cache-gb", type=float, default=4.0, help="the engine's KV pool (the rest trains)")
     g.add_argument("--checkpoint-layers", action="store_true")
+    g.add_argument("--mixed-graph-max-tokens", type=int, default=2048,
+                   help="the engine's whole-step graphs (0: off; see docs/rl.md for why the H200 run used 0)")
     g.add_argument("--out", required=True)
+    pl = sub.add_parser("plot", help="redraw a grpo run's PNG from its JSON (e.g. one a time limit cut short)")
+    pl.add_argument("--out", required=True, help="the grpo run's JSON")
     s = sub.add_parser("shapes")
     s.add_argument("--model", default="llama-3.1-8b")
     s.add_argument("--rollout-batch", type=int, default=64)
@@ -215,10 +231,12 @@ def main(argv=None) -> None:
     s.add_argument("--out", required=True)
     a = p.parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    if a.cmd == "plot":
+        plot_grpo(json.load(open(a.out)), os.path.splitext(a.out)[0] + ".png")
+        return
     if a.cmd == "grpo":
         out = run_grpo(a)
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+        _write(out, a.out)
         plot_grpo(out, os.path.splitext(a.out)[0] + ".png")
     else:
         out = run_shapes(a)

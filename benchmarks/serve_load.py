@@ -107,8 +107,8 @@ def vllm_env(vllm_path: str) -> dict:
 
 
 def start_server(kind: str, model_dir: str, port: int, extra: list[str], log_path: str,
-                 vllm_path: str) -> subprocess.Popen:
-    common = ["--model", model_dir, "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
+                 vllm_path: str, load_format: str = "dummy") -> subprocess.Popen:
+    common = ["--model", model_dir, "--load-format", load_format, "--dtype", "bfloat16", "--max-model-len", "4096",
               "--served-model-name", "m", "--port", str(port)]
     if kind == "detent":
         cmd = [sys.executable, "-m", "detent.server.cli", *common, "--log-level", "warning"]
@@ -249,7 +249,7 @@ def run(a) -> None:
 def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: BenchWorker) -> None:
     """One server configuration (`tag`: its files' suffix) over the loads."""
     proc = start_server(a.server, a.model_dir, port, server_args.split(), os.path.join(a.out, f"{a.server}{tag}.log"),
-                        a.vllm_path)
+                        a.vllm_path, a.load_format)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while _get(url + "/health") != 200:
@@ -261,7 +261,8 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
             raise SystemExit(f"the load generator exited before the first load; see bench.log "
                              f"(--vllm-path {a.vllm_path})")
         time.sleep(1)
-    summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": server_args, "loads": {}}
+    summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": server_args,
+               "load_format": a.load_format, "loads": {}}
     try:
         alone = _post(url + "/v1/completions", PROBE)["choices"][0]
         for name, (args, n, ds) in (("warmup", (["--max-concurrency", "64"], 192, "random")),):
@@ -428,6 +429,9 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("--server", choices=("detent", "vllm"), required=True)
     r.add_argument("--model-dir", default="/tmp/wl8b")
+    r.add_argument("--load-format", choices=("dummy", "auto"), default="dummy",
+                   help="dummy: each server's own random weights; auto: the safetensors files in --model-dir "
+                        "(benchmarks/wordlevel_model.py --weights), the same values for both servers")
     r.add_argument("--out", required=True)
     r.add_argument("--loads", default="c1,c16,c64,c128,r10,r20,r80,s10,sc64")
     r.add_argument("--server-args", default="")
@@ -445,8 +449,10 @@ def main() -> None:
     a = p.parse_args()
     if a.cmd == "run":
         if not os.path.exists(os.path.join(a.model_dir, "config.json")):
-            from wordlevel_model import write
+            from wordlevel_model import write, write_weights
             write(a.model_dir)
+            if a.load_format == "auto":
+                write_weights(a.model_dir)
         run(a)
     else:
         report(a)

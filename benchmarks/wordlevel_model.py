@@ -3,6 +3,16 @@ word-level tokenizer: word "t<i>" is token i, so a prompt of N words is N
 tokens exactly and load tests need no hub. Serve it with `--load-format dummy`.
 
     python3 benchmarks/wordlevel_model.py /tmp/wl8b
+    python3 benchmarks/wordlevel_model.py /tmp/wl8b-w --weights   # + safetensors files
+
+`--weights` also writes the weights as safetensors shards: Detent's dummy
+weights (models/weights.py `dummy_tensors`: norms 1, matrices N(0, 0.02),
+seed 0), drawn on the GPU when there is one. Every server that loads the
+directory with its default load format then runs on the same values, bit
+for bit. vLLM's own dummy weights are uniform in +-1e-3, and a GEMM's speed
+on a power-limited GPU depends on its operands' values (benchmarks/gemm_waves.py
+`--data`), so a side by side of two servers each on its own dummy weights
+does not compare like with like.
 """
 from __future__ import annotations
 
@@ -33,5 +43,42 @@ def write(d: str, big: bool = False, vocab: int = 128256) -> str:
     return d
 
 
+def write_weights(d: str, seed: int = 0, shard_bytes: int = 4 << 30) -> list[str]:
+    """Detent's dummy weights for the directory's config as safetensors shards
+    (checkpoint names, bf16) plus the index file; the shard paths."""
+    import torch
+    from safetensors.torch import save_file
+
+    from detent.models.config import ModelConfig
+    from detent.models.registry import model_class
+    from detent.models.weights import dummy_tensors
+
+    cfg = ModelConfig.from_hf(d)
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg).to(torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t, _ in dummy_tensors(model, seed=seed, device=device):
+        if size and size + t.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.cpu()
+        size += t.nbytes
+    paths, weight_map = [], {}
+    for i, tensors in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, os.path.join(d, fn), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fn))
+        paths.append(os.path.join(d, fn))
+    total = sum(t.nbytes for s in shards for t in s.values())
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return paths
+
+
 if __name__ == "__main__":
-    print("wrote", write(sys.argv[1], big="--70b" in sys.argv))
+    out = write(sys.argv[1], big="--70b" in sys.argv)
+    if "--weights" in sys.argv:
+        write_weights(out)
+    print("wrote", out)

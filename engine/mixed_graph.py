@@ -14,8 +14,8 @@ it off.
 A graph is captured for T tokens and S sequences (`pairs`) and for one
 attention selection. A step of t <= T tokens and n <= S sequences replays it
 on static buffers: its tokens and sequences, then one more sequence owning
-the rows past t in the null block (reserved, never a request's), then empty
-sequences. The Triton attention finds a program's sequence from the query
+the rows past t in the null block (reserved, never a request's; several when
+those rows pass max_model_len, which no sequence may), then empty sequences. The Triton attention finds a program's sequence from the query
 starts, so extra programs do nothing, and a row's bits do not move
 (tests/kernels/test_attention_triton.py::test_a_padded_launch_keeps_every_real_row,
 tests/engine/test_mixed_graph.py).
@@ -78,24 +78,37 @@ def graph_pairs(max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int)
     return [(t, s) for t in ts for s in ss if s <= 4 * t]
 
 
-def layout(t: int, s: int, mq: int) -> list[int]:
-    """Query counts of a capture's S sequences over T rows: mq, then decodes, then one
-    sequence with the rest, then empty sequences (zero queries) when the rows run out."""
-    if not 1 <= mq <= t or s < 1 or (s == 1 and mq != t):
+def layout(t: int, s: int, mq: int, cap: int | None = None) -> list[int]:
+    """Query counts of a capture's S sequences over T rows: mq, then decodes, then the rest
+    in sequences of at most `cap` rows (the deployment's max_model_len: a longer one would
+    reach past the rotary table and the block table), then empty sequences (zero queries)
+    when the rows run out. Fewer decodes when the rest needs more sequences."""
+    cap = cap or t
+    if not 1 <= mq <= min(t, cap) or s < 1 or (s == 1 and mq != t):
         raise ValueError(f"no layout of {s} sequences over {t} rows with a longest query of {mq}")
     if s == 1:
         return [t]
     rest = t - mq
     ones = max(0, min(s - 2, rest - 1))
-    q = [mq] + [1] * ones + [rest - ones]
+    while ones and 1 + ones + -(-(rest - ones) // cap) > s:
+        ones -= 1
+    tail = [min(cap, rest - ones - i) for i in range(0, rest - ones, cap)]
+    q = [mq] + [1] * ones + tail
+    if len(q) > s:
+        raise ValueError(f"no layout of {s} sequences over {t} rows of at most {cap} each")
     return q + [0] * (s - len(q))
 
 
-def pair_for(pairs: list[tuple[int, int]], t: int, n: int) -> tuple[int, int] | None:
-    """The smallest captured (T, S) a step of t tokens and n sequences fits; rows past t need
-    a sequence of their own (`MixedGraphRunner.fill`), so then S > n."""
-    fits = [(T, S) for T, S in pairs if T >= t and S >= n + (T > t)]
+def pair_for(pairs: list[tuple[int, int]], t: int, n: int, cap: int | None = None) -> tuple[int, int] | None:
+    """The smallest captured (T, S) a step of t tokens and n sequences fits; the rows past t
+    need sequences of their own, of at most `cap` rows each (`MixedGraphRunner.fill`)."""
+    fits = [(T, S) for T, S in pairs if T >= t and S >= n + _pad_seqs(T - t, cap)]
     return min(fits) if fits else None
+
+
+def _pad_seqs(pad: int, cap: int | None) -> int:
+    """Sequences the padding's `pad` rows take: at most `cap` rows each (None: one)."""
+    return 0 if pad <= 0 else 1 if cap is None else -(-pad // cap)
 
 
 class MixedGraphRunner:
@@ -114,7 +127,8 @@ class MixedGraphRunner:
         self.positions = torch.zeros(t_max, dtype=torch.long, device=device)
         self.slots = torch.full((t_max,), -1, dtype=torch.long, device=device)
         # the padding sequence's positions and null-block slots, made once
-        self.pad_positions = torch.arange(t_max, dtype=torch.long, device=device)
+        # a padding sequence restarts its positions every max_model_len rows (`layout`, `fill`)
+        self.pad_positions = torch.arange(t_max, dtype=torch.long, device=device) % max_model_len
         self.pad_slots = NULL_BLOCK * block_size + self.pad_positions % block_size
         self.qsl = torch.zeros(s_max + 1, **i32)
         self.seq_lens = torch.ones(s_max, **i32)
@@ -150,7 +164,7 @@ class MixedGraphRunner:
         """The capture's step: sequence 0 with mq queries, decodes, a sequence owning the rest of
         the T rows, and empty sequences where the rows run out, all in the null block (every row
         computes on finite values; the launches are decided from host values alone)."""
-        q = layout(t, s, mq)
+        q = layout(t, s, mq, self.max_model_len)
         qsl = [0]
         for n in q:
             qsl.append(qsl[-1] + n)
@@ -176,12 +190,20 @@ class MixedGraphRunner:
             fewest = max([x for x in ss if x < s], default=1)
             reach: dict[tuple, list[int]] = {}
             for mq in PROBE_Q:
-                if mq + fewest - 1 <= t and mq <= self.max_model_len:
+                if mq + fewest - 1 <= t and mq <= self.max_model_len and self._fits(t, s, mq):
                     reach.setdefault(self.key(t, s, mq), []).append(mq)
             for mqs in reach.values():
                 if max(mqs) * s > smaller:
                     out.append((t, s, mqs[0]))
         return out
+
+    def _fits(self, t: int, s: int, mq: int) -> bool:
+        """Whether T rows fit S sequences of at most max_model_len tokens with one of mq."""
+        try:
+            layout(t, s, mq, self.max_model_len)
+        except ValueError:
+            return False
+        return True
 
     @torch.inference_mode()
     def capture(self) -> "MixedGraphRunner":
@@ -215,7 +237,7 @@ class MixedGraphRunner:
             return None
         if attn.block_tables.shape[1] > self.max_blocks:
             return None
-        pair = pair_for(self.pairs, t, n)
+        pair = pair_for(self.pairs, t, n, self.max_model_len)
         return None if pair is None else (pair[0], pair[1], self.key(pair[0], pair[1], mq))
 
     def plan_entry(self, attn: AttentionMetadata) -> tuple[int, int, int] | None:
@@ -234,7 +256,8 @@ class MixedGraphRunner:
         """Copy the step into the static buffers, padded to t_pad tokens and s_pad sequences:
         the rows past the step's belong to one more sequence in the null block (its own
         queries over its own keys, so every row the graph computes is finite, as the decode
-        graphs' padding is), and the sequences after it are empty. Returns the metadata the
+        graphs' padding is; one per max_model_len rows, as a longer one would read past the
+        rotary table and the block table), and the sequences after them are empty. Returns the metadata the
         graph's kernels then read (device tensors only)."""
         t, n = attn.num_tokens, attn.num_seqs
         pad = t_pad - t
@@ -245,17 +268,20 @@ class MixedGraphRunner:
         self.seq_lens[:n].copy_(attn.seq_lens)
         w = attn.block_tables.shape[1]
         self.block_tables[:n, :w].copy_(attn.block_tables)
-        k = n
+        k = n + _pad_seqs(pad, self.max_model_len)
         if pad:
-            if s_pad <= n:
-                raise ValueError(f"{t_pad - t} padded rows need a sequence of their own: s_pad {s_pad} <= {n}")
+            if s_pad < k:
+                raise ValueError(f"{pad} padded rows need a sequence of their own per {self.max_model_len} rows: "
+                                 f"s_pad {s_pad} < {k}")
             self.input_ids[t:t_pad].zero_()
             self.positions[t:t_pad].copy_(self.pad_positions[:pad])
             self.slots[t:t_pad].copy_(self.pad_slots[:pad])
-            self.qsl[n + 1:n + 2].fill_(t_pad)  # fill_, not `[i] = v`: that copies from the host and waits
-            self.seq_lens[n:n + 1].fill_(pad)
-            self.block_tables[n].fill_(NULL_BLOCK)
-            k = n + 1
+            cap = self.max_model_len
+            for i in range(k - n):  # fill_, not `[i] = v`: that copies from the host and waits
+                rows = min(cap, pad - i * cap)
+                self.qsl[n + 1 + i:n + 2 + i].fill_(t + i * cap + rows)
+                self.seq_lens[n + i:n + i + 1].fill_(rows)
+                self.block_tables[n + i].fill_(NULL_BLOCK)
         if s_pad > k:  # empty sequences: no query
             self.qsl[k + 1:s_pad + 1].fill_(t_pad)
             self.seq_lens[k:s_pad].fill_(1)

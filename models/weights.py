@@ -118,13 +118,13 @@ def _progress(total: int, enabled: bool):
                 leave=False)
 
 
-def init_dummy(model: CausalLM, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
-    """Random weights at the real shapes: norms 1, biases 0, matrices N(0, 0.02).
-
-    Each checkpoint tensor is drawn whole on the target device from a
-    generator keyed by (seed, tensor name), then sharded by the same loaders
-    as real weights: so a rank's shard equals the slice of the tp=1 tensor,
-    and the values do not depend on load order."""
+def dummy_tensors(model: CausalLM, *, seed: int = 0, device: str | torch.device = "cpu"
+                  ) -> Iterator[tuple[str, torch.Tensor, Source]]:
+    """Random weights at the real shapes, one whole checkpoint tensor at a time:
+    norms 1, biases 0, matrices N(0, 0.02), each drawn on `device` from a
+    generator keyed by (seed, tensor name), so the values do not depend on
+    load order or on the model's device (a `meta` model names the tensors
+    for a checkpoint file: benchmarks/wordlevel_model.py)."""
     device = torch.device(device)
     dtype = next(model.parameters()).dtype
     gen = torch.Generator(device=device)
@@ -137,8 +137,15 @@ def init_dummy(model: CausalLM, *, seed: int = 0, device: str | torch.device = "
             gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
             t = torch.randn(src.shape, generator=gen, device=device, dtype=dtype)
             t.mul_(DUMMY_STD)
+        yield name, t, src
+
+
+def init_dummy(model: CausalLM, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    """Fill the model with `dummy_tensors`, sharded by the same loaders as real
+    weights: so a rank's shard equals the slice of the tp=1 tensor."""
+    for _, t, src in dummy_tensors(model, seed=seed, device=device):
         src.load(t)
         del t
 
 
-__all__ = ["CheckpointError", "init_dummy", "load_safetensors", "safetensors_files", "Source"]
+__all__ = ["CheckpointError", "dummy_tensors", "init_dummy", "load_safetensors", "safetensors_files", "Source"]

@@ -1,7 +1,17 @@
 import os
+import sys
 
-import pytest
-import torch
+# `python -m pytest` from the repository root puts the root on sys.path, and the root's
+# folders (kernels/, engine/, models/ ...) are the detent.* subpackages, not top-level
+# packages. transformers (5.25 seen) imports the Hugging Face `kernels` package, which the root's
+# kernels/ then shadows ("cannot import name 'CUDAProperties' from 'kernels'"): every test
+# that builds a transformers model failed on a fresh machine. detent is installed (pip -e),
+# so the root is not needed on the path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on CPU only under Triton's interpreter, and it must be

@@ -24,6 +24,50 @@ def test_pairs_and_the_pair_a_step_takes():
     assert graph_pairs(8, 256, 8192) == []
 
 
+def test_no_capture_or_padding_sequence_is_longer_than_max_model_len():
+    # on the H200 a SmolLM2 engine with max_model_len 512 and 2,048-token whole-step graphs
+    # died in the capture (illegal memory access): the capture's one sequence owning the rest
+    # of 2,048 rows read past the 512-row rotary table and the 32-block table
+    for t, s, mq, cap in [(2048, 16, 2, 512), (2048, 4, 512, 512), (96, 16, 3, 16), (512, 64, 33, 64)]:
+        q = layout(t, s, mq, cap)
+        assert len(q) == s and sum(q) == t and q[0] == mq and max(q) <= cap, q
+    assert layout(2048, 16, 2, 512).count(1) > 0  # decodes kept where the sequences allow
+    assert layout(64, 4, 5) == [5, 1, 1, 57]  # no cap: one sequence owns the rest
+    for t, s, mq, cap in [(2048, 4, 2, 512), (64, 4, 17, 16), (40, 1, 40, 16)]:
+        with pytest.raises(ValueError):  # 4 sequences of <= 512 cannot hold 2,048 rows with a 2-query one
+            layout(t, s, mq, cap)
+    pairs = graph_pairs(512, 256, 8192)
+    assert pair_for(pairs, 100, 3) == (128, 4) and pair_for(pairs, 100, 3, cap=16) == (128, 16)  # 28 rows: 2 seqs
+    assert pair_for(pairs, 300, 3) == (384, 4) and pair_for(pairs, 300, 3, cap=16) == (384, 16)  # 84 rows: 6
+    assert pair_for(pairs, 500, 254, cap=4) is None
+    r = MixedGraphRunner(None, [], 8, None, torch.device("cpu"), max_model_len=16, pairs=[(64, 16)],
+                         attention_site=())
+    meta, pos = _step((5, 1, 3), (9, 12, 3), 8)
+    padded = r.fill(torch.arange(9), pos, meta, 64, 16)
+    assert padded.query_start_loc.tolist()[:9] == [0, 5, 6, 9, 25, 41, 57, 64, 64]  # 55 rows: 16, 16, 16, 7
+    assert padded.seq_lens.tolist()[3:7] == [16, 16, 16, 7] and r.positions[9:64].max() < 16
+    assert r.slots[9:64].div(8, rounding_mode="floor").eq(0).all()  # the padding writes the null block only
+    with pytest.raises(ValueError, match="sequence of their own"):
+        r.fill(torch.arange(9), pos, meta, 64, 6)
+
+
+def test_the_capture_plan_keeps_every_sequence_within_max_model_len():
+    from detent.models.presets import preset
+    from detent.selection import make_dispatcher
+    from detent.selection.facts import default_facts_for
+    c = preset("llama-3.1-8b")["config"]
+    facts = default_facts_for(c, device="cuda", dtype="bfloat16", max_context=512, max_num_batched_tokens=4096,
+                              max_num_seqs=256, num_sms=132, arch="sm90", triton=True)
+    site = (("num_heads", 32), ("num_kv_heads", 8), ("head_dim", 128), ("block_size", 16), ("dtype", "bfloat16"))
+    r = MixedGraphRunner(None, [], 16, make_dispatcher(facts, "pinned", None), torch.device("cpu"),
+                         max_model_len=512, pairs=graph_pairs(2048, 256, 4096), attention_site=site)
+    plan = r.plan()
+    assert plan and max(t for t, _, _ in plan) == 2048
+    assert all(max(layout(t, s, mq, 512)) <= 512 for t, s, mq in plan)
+    # 4 sequences of <= 512 hold 2,048 rows only as 4 x 512: no shorter longest query is captured there
+    assert {mq for t, s, mq in plan if (t, s) == (2048, 4)} <= {512}
+
+
 def test_a_filled_step_gives_the_attention_its_own_bits(monkeypatch):
     # the runner's own padding (a sequence owning the extra rows in the null block, empty
     # sequences, the longest KV, no host query lengths) through the Triton attention under

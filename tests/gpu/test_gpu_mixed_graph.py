@@ -89,3 +89,34 @@ def test_engine_outputs_with_and_without_mixed_graphs(mode):
         assert same
     else:
         print(f"stock: whole-step graphs {'kept' if same else 'changed'} the bits")
+
+
+def test_graphs_larger_than_max_model_len_start_and_keep_the_bits():
+    """max_model_len below the graphs' token count (SmolLM2's GRPO engine: 512 against 2,048)
+    died in the capture with an illegal memory access: one capture sequence owned all the rows
+    past the rotary and block tables. Now no capture or padding sequence passes max_model_len;
+    the graphs start and replay, and the outputs `==` the same engine without them."""
+    from detent.engine.llm import LLM
+    from detent.sampling.params import SamplingParams
+
+    cfg = ModelConfig.from_hf({**CFG, "vocab_size": 1000, "max_position_embeddings": 1024})
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 1000, (n,), generator=gen).tolist()}
+               for n in torch.randint(3, 17, (24,), generator=gen).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+
+    def outputs(mixed: int):
+        model = load_model(cfg, device="cuda", dtype=torch.bfloat16, load_format="dummy", progress=False, seed=0)
+        # sequences of <= 24 tokens, graphs of up to 48: a padded step's extra rows take two sequences
+        llm = LLM.from_model(model, cfg, selection="pinned", max_model_len=24, max_num_seqs=16,
+                             max_num_batched_tokens=48, max_mixed_batched_tokens=48,
+                             mixed_graph_max_tokens=mixed, num_gpu_blocks=256, enable_prefix_caching=False)
+        mg = getattr(llm.llm_engine.runner, "mixed_graphs", None)
+        assert (mg is not None and mg.disabled is None) == bool(mixed), getattr(mg, "disabled", None)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if mixed:
+            assert llm.llm_engine.stats()["steps_by_kind"]["mixed"][7] > 0  # some steps replayed a graph
+        return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    assert outputs(48) == outputs(0)
