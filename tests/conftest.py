@@ -1,14 +1,15 @@
 import os
 import sys
 
-# `python -m pytest` from the repository root puts the root on sys.path, and the root's
+# `python -m pytest` from the repository root puts the root first on sys.path, and the root's
 # folders (kernels/, engine/, models/ ...) are the detent.* subpackages, not top-level
 # packages. transformers (5.25 seen) imports the Hugging Face `kernels` package, which the root's
-# kernels/ then shadows ("cannot import name 'CUDAProperties' from 'kernels'"): every test
-# that builds a transformers model failed on a fresh machine. detent is installed (pip -e),
-# so the root is not needed on the path.
+# kernels/ then shadowed ("cannot import name 'CUDAProperties' from 'kernels'"): every test
+# that builds a transformers model failed on a fresh machine. detent is installed (pip -e);
+# the root stays on the path, last, for `from tests.selection.conftest import ...`.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+if any(os.path.abspath(p or os.curdir) == _ROOT for p in sys.path):
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT] + [_ROOT]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
