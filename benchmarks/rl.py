@@ -212,7 +212,7 @@ def main(argv=None) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=4.0, help="the engine's KV pool (the rest trains)")
     g.add_argument("--checkpoint-layers", action="store_true")
     g.add_argument("--mixed-graph-max-tokens", type=int, default=2048,
-                   help="the engine's whole-step graphs (0: off; see docs/rl.md for why the H200 run used 0)")
+                   help="the engine's whole-step graphs (0: off; lease 14's H200 run used 0, docs/rl.md)")
     g.add_argument("--out", required=True)
     pl = sub.add_parser("plot", help="redraw a grpo run's PNG from its JSON (e.g. one a time limit cut short)")
     pl.add_argument("--out", required=True, help="the grpo run's JSON")

@@ -228,8 +228,8 @@ def test_arms_run_one_server_after_the_other_with_one_bench_worker(tmp_path, mon
         def dead(self):
             return False
 
-    monkeypatch.setattr(serve_load, "start_server", lambda kind, model, port, extra, log, vp: started.append(
-        (port, extra, os.path.basename(log))) or Proc())
+    monkeypatch.setattr(serve_load, "start_server", lambda kind, model, port, extra, log, vp, lf: started.append(
+        (port, extra, os.path.basename(log), lf)) or Proc())
     monkeypatch.setattr(serve_load, "stop_server", lambda proc: stopped.append(proc))
     monkeypatch.setattr(serve_load, "BenchWorker", Worker)
     monkeypatch.setattr(serve_load, "_get", lambda url, timeout=5.0: 200)
@@ -242,15 +242,17 @@ def test_arms_run_one_server_after_the_other_with_one_bench_worker(tmp_path, mon
     monkeypatch.setattr(serve_load.signal, "signal", lambda *args: None)  # keep pytest's own SIGTERM handler
     a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1",
                                       server_args="", tag="", vllm_path="", startup_timeout=5, pack="",
-                                      arm=["=", "-g=--mixed-graph-max-tokens 2048"])
+                                      arm=["=", "-g=--mixed-graph-max-tokens 2048"], load_format="auto")
     serve_load.run(a)
-    assert started == [(8100, [], "detent.log"), (8101, ["--mixed-graph-max-tokens", "2048"], "detent-g.log")]
+    assert started == [(8100, [], "detent.log", "auto"),
+                       (8101, ["--mixed-graph-max-tokens", "2048"], "detent-g.log", "auto")]
     assert len(stopped) == 2 and len(workers) == 1 and workers[0].closed
     assert [(p, n) for p, n, _ in benched] == [(8100, "detent-warmup"), (8100, "detent-c1"),
                                                (8101, "detent-warmup"), (8101, "detent-c1-g")]
     assert all(w is workers[0] for _, _, w in benched)
     s = json.loads((tmp_path / "summary-detent-g.json").read_text())
     assert s["server_args"] == "--mixed-graph-max-tokens 2048" and s["loads"]["c1"]["output_throughput"] == 8101.0
+    assert s["load_format"] == "auto"  # the run says whose weights the servers ran on
 
 
 def test_a_load_generator_that_cannot_import_stops_the_run_before_the_first_load(tmp_path, monkeypatch):
@@ -272,7 +274,7 @@ def test_a_load_generator_that_cannot_import_stops_the_run_before_the_first_load
     monkeypatch.setattr(serve_load, "BenchWorker", lambda env, log: real(env, log, module="no_such_module"))
     a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1",
                                       server_args="", tag="", vllm_path="/nowhere", startup_timeout=30, pack="",
-                                      arm=[])
+                                      arm=[], load_format="dummy")
     t0 = time.time()
     with pytest.raises(SystemExit, match="load generator exited before the first load"):
         serve_load.run(a)
