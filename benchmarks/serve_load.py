@@ -248,7 +248,11 @@ def run(a) -> None:
 
 def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: BenchWorker) -> None:
     """One server configuration (`tag`: its files' suffix) over the loads."""
-    proc = start_server(a.server, a.model_dir, port, server_args.split(), os.path.join(a.out, f"{a.server}{tag}.log"),
+    extra = server_args.split()
+    if a.profile_load:  # vLLM's torch profiler, started by the load's `--profile`
+        from vllm_profile import server_flags
+        extra += server_flags(os.path.join(a.out, f"vprof{tag}"))
+    proc = start_server(a.server, a.model_dir, port, extra, os.path.join(a.out, f"{a.server}{tag}.log"),
                         a.vllm_path, a.load_format)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
@@ -278,6 +282,8 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
                     rate = 0.8 * json.load(f)["request_throughput"]
                 args = ["--request-rate", f"{rate:.2f}"]
                 summary["r80_rate"] = rate
+            if name == a.profile_load:
+                args = [*args, "--profile"]
             probes: list = []
             stop = threading.Event()
             th = None
@@ -311,6 +317,17 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
     finally:
         stop_server(proc)
         write_summary(os.path.join(a.out, f"summary-{a.server}{tag}.json"), summary)
+    if a.profile_load:  # one small JSON that `--pack` carries, not the traces
+        from vllm_profile import summarize
+        try:
+            kernels = summarize(os.path.join(a.out, f"vprof{tag}"))
+        except SystemExit as e:  # the loads' results stand without it
+            print("vllm kernels:", e, flush=True)
+            return
+        with open(os.path.join(a.out, f"vllm-kernels-{a.profile_load}{tag}.json"), "w") as f:
+            json.dump(kernels, f, indent=1)
+        print("vllm kernels:", json.dumps({k: round(v, 1) for k, v in kernels["families_ms"].items()}),
+              f"window {kernels['window_ms']:.0f} ms", flush=True)
 
 
 def write_summary(path: str, summary: dict) -> None:
@@ -443,11 +460,17 @@ def main() -> None:
                    help="a server configuration to run after the others, on the next port (repeatable; "
                         "instead of --tag / --server-args; write --arm=TAG=..., as a tag starts with '-'), e.g. "
                         "--arm= --arm='-pieces=--mixed-graph-max-tokens 0'")
+    r.add_argument("--profile-load", default=None, metavar="LOAD",
+                   help="vLLM only: profile its GPU kernels for 200 engine steps in the middle of this load "
+                        "(traces in OUT/vprof; sum them with benchmarks/vllm_profile.py)")
     r.add_argument("--pack", default="", help="also write every result and log to this .tgz (e.g. $OUT/load.tgz)")
     rep = sub.add_parser("report")
     rep.add_argument("dir")
     a = p.parse_args()
     if a.cmd == "run":
+        if a.profile_load and (a.server != "vllm" or a.profile_load not in a.loads.split(",")):
+            p.error("--profile-load names one of --loads, for --server vllm (Detent's steps: its counters, "
+                    "benchmarks/mixed_kernels.py)")
         if not os.path.exists(os.path.join(a.model_dir, "config.json")):
             from wordlevel_model import write, write_weights
             write(a.model_dir)

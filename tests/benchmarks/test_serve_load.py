@@ -242,7 +242,8 @@ def test_arms_run_one_server_after_the_other_with_one_bench_worker(tmp_path, mon
     monkeypatch.setattr(serve_load.signal, "signal", lambda *args: None)  # keep pytest's own SIGTERM handler
     a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1",
                                       server_args="", tag="", vllm_path="", startup_timeout=5, pack="",
-                                      arm=["=", "-g=--mixed-graph-max-tokens 2048"], load_format="auto")
+                                      arm=["=", "-g=--mixed-graph-max-tokens 2048"], load_format="auto",
+                                      profile_load=None)
     serve_load.run(a)
     assert started == [(8100, [], "detent.log", "auto"),
                        (8101, ["--mixed-graph-max-tokens", "2048"], "detent-g.log", "auto")]
@@ -274,9 +275,33 @@ def test_a_load_generator_that_cannot_import_stops_the_run_before_the_first_load
     monkeypatch.setattr(serve_load, "BenchWorker", lambda env, log: real(env, log, module="no_such_module"))
     a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1",
                                       server_args="", tag="", vllm_path="/nowhere", startup_timeout=30, pack="",
-                                      arm=[], load_format="dummy")
+                                      arm=[], load_format="dummy", profile_load=None)
     t0 = time.time()
     with pytest.raises(SystemExit, match="load generator exited before the first load"):
         serve_load.run(a)
     assert time.time() - t0 < 30 and len(stopped) == 1 and benched == []
     assert "ModuleNotFoundError" in (tmp_path / "bench.log").read_text()
+
+
+def test_vllm_profile_sums_a_traces_kernels_by_family(tmp_path):
+    import gzip
+    import json
+
+    import vllm_profile
+    ev = [{"ph": "X", "cat": "kernel", "name": "nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", "ts": 0, "dur": 2000},
+          {"ph": "X", "cat": "kernel", "name": "void cutlass::device_kernel<flash::FlashAttnFwdSm90<>>", "ts": 2000,
+           "dur": 500},
+          {"ph": "X", "cat": "kernel", "name": "void vllm::reshape_and_cache_flash_kernel<>", "ts": 2500, "dur": 100},
+          {"ph": "X", "cat": "kernel", "name": "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "ts": 2600,
+           "dur": 300},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000}]  # host ops are not kernels
+    (tmp_path / "w").mkdir()
+    with gzip.open(tmp_path / "w" / "rank0.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    s = vllm_profile.summarize(str(tmp_path))
+    assert s["families_ms"] == {"gemm": 2.0, "attention": 0.5, "norm": 0.3, "kv_store": 0.1}
+    assert s["window_ms"] == 2.9 and s["kernel_ms"] == 2.9 and s["top_kernels"][0][1:] == [2.0, 1]
+    flags = vllm_profile.server_flags(str(tmp_path / "p"))
+    assert flags[0] == "--profiler-config" and json.loads(flags[1])["profiler"] == "torch"
+    with pytest.raises(SystemExit, match="no trace"):
+        vllm_profile.summarize(str(tmp_path / "empty"))

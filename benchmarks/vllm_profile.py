@@ -1,0 +1,99 @@
+"""vLLM's own GPU kernels under load: where its steps spend device time (issue 16).
+
+Detent's side of a mixed step is measured by `benchmarks/mixed_kernels.py` and the
+engine's step counters; vLLM's side was never measured, and lease 14 could not say
+how vLLM fits a 1,024-token prompt's step in ~23 ms when the GEMMs alone take 21.5.
+This runs vLLM's torch profiler for a window of engine iterations in the middle of
+one load and sums the trace's GPU kernels.
+
+    # serve_load.py does both halves: the server flag, and `--profile` for that load
+    python3 benchmarks/serve_load.py run --server vllm --out /tmp/load --loads c128,r80 --profile-load r80
+    python3 benchmarks/vllm_profile.py /tmp/load/vprof --out $OUT/vllm_kernels.json
+
+The summary: the window (first kernel start to last kernel end), the kernels' total,
+the same split into families by name (`FAMILIES`, first match), and the top kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+
+# first match wins; names as vLLM 0.20.2's kernels are called on Hopper (cuBLAS/CUTLASS GEMMs, FA3,
+# torch.compile's Triton fusions, its custom ops)
+FAMILIES = (
+    ("kv_store", r"reshape_and_cache|concat_and_cache"),  # before attention: "reshape_and_cache_flash"
+    ("attention", r"flash|fmha|attn|attention|paged"),
+    ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|xmma|cublas|matmul"),
+    ("norm", r"rms|norm|rsqrt"),  # torch.compile's fused RMSNorm: triton_..._mean_mul_pow_rsqrt_...
+    ("act", r"silu|act_and_mul|gelu"),
+    ("rope", r"rotary|rope"),
+    ("sampling", r"sampl|softmax|topk|top_k|argmax|gumbel"),
+    ("triton_fused", r"^triton_"),  # before copy: fused names hold "_to_copy"
+    ("copy", r"memcpy|memset|copy"),
+)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    return next((f for f, pat in FAMILIES if re.search(pat, low)), "other")
+
+
+def _events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def summarize(trace_dir: str, top: int = 30) -> dict:
+    """Sum the GPU kernels of every trace under `trace_dir` (one per profiled process)."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json*"), recursive=True))
+    if not paths:
+        raise SystemExit(f"no trace under {trace_dir}: was the server started with --profiler-config?")
+    kernels = [e for p in paths for e in _events(p)
+               if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        raise SystemExit(f"the traces under {trace_dir} hold no GPU kernel")
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        s = by_name.setdefault(e["name"], [0.0, 0])
+        s[0] += e["dur"] / 1e3
+        s[1] += 1
+    fams: dict[str, float] = {}
+    for name, (ms, _) in by_name.items():
+        fams[family(name)] = fams.get(family(name), 0.0) + ms
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    return {"traces": [os.path.relpath(p, trace_dir) for p in paths], "window_ms": (end - start) / 1e3,
+            "kernel_ms": sum(ms for ms, _ in by_name.values()),
+            "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [[name[:120], ms, n] for name, (ms, n) in ranked[:top]]}
+
+
+def server_flags(trace_dir: str, delay_iterations: int = 300, max_iterations: int = 200) -> list[str]:
+    """vLLM's server flags for a profile of `max_iterations` engine steps after `delay_iterations`
+    (the load's start: its queue fills first), GPU and host traces in `trace_dir`, no stacks."""
+    cfg = {"profiler": "torch", "torch_profiler_dir": os.path.abspath(trace_dir), "torch_profiler_with_stack": False,
+           "ignore_frontend": True, "delay_iterations": delay_iterations, "max_iterations": max_iterations}
+    return ["--profiler-config", json.dumps(cfg)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser("vllm_profile")
+    ap.add_argument("trace_dir")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args(argv)
+    s = summarize(a.trace_dir, a.top)
+    with open(a.out, "w") as f:
+        json.dump(s, f, indent=1)
+    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in s.items()
+                      if k in ("window_ms", "kernel_ms")}), json.dumps({k: round(v, 2) for k, v in s["families_ms"].items()}))
+
+
+if __name__ == "__main__":
+    main()
