@@ -91,8 +91,8 @@ def main(argv=None) -> None:
     s = summarize(a.trace_dir, a.top)
     with open(a.out, "w") as f:
         json.dump(s, f, indent=1)
-    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in s.items()
-                      if k in ("window_ms", "kernel_ms")}), json.dumps({k: round(v, 2) for k, v in s["families_ms"].items()}))
+    print(f"window {s['window_ms']:.1f} ms, kernels {s['kernel_ms']:.1f} ms:",
+          json.dumps({k: round(v, 2) for k, v in s["families_ms"].items()}))
 
 
 if __name__ == "__main__":

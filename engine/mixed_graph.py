@@ -15,8 +15,9 @@ A graph is captured for T tokens and S sequences (`pairs`) and for one
 attention selection. A step of t <= T tokens and n <= S sequences replays it
 on static buffers: its tokens and sequences, then one more sequence owning
 the rows past t in the null block (reserved, never a request's; several when
-those rows pass max_model_len, which no sequence may), then empty sequences. The Triton attention finds a program's sequence from the query
-starts, so extra programs do nothing, and a row's bits do not move
+those rows pass max_model_len, which no sequence may), then empty sequences.
+The Triton attention finds a program's sequence from the query starts, so
+extra programs do nothing, and a row's bits do not move
 (tests/kernels/test_attention_triton.py::test_a_padded_launch_keeps_every_real_row,
 tests/engine/test_mixed_graph.py).
 
@@ -257,8 +258,8 @@ class MixedGraphRunner:
         the rows past the step's belong to one more sequence in the null block (its own
         queries over its own keys, so every row the graph computes is finite, as the decode
         graphs' padding is; one per max_model_len rows, as a longer one would read past the
-        rotary table and the block table), and the sequences after them are empty. Returns the metadata the
-        graph's kernels then read (device tensors only)."""
+        rotary table and the block table), and the sequences after them are empty. Returns the
+        metadata the graph's kernels then read (device tensors only)."""
         t, n = attn.num_tokens, attn.num_seqs
         pad = t_pad - t
         self.input_ids[:t].copy_(input_ids)
