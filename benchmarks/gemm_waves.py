@@ -19,9 +19,10 @@ config's bits against the selection's (`torch.equal`): the data for
 
 `--data` times the selection and cuBLAS at a few M on operands drawn from
 different distributions (`DATA`): the same shapes and kernels, other
-values. On a power-limited GPU a GEMM's time depends on its operands' bits,
-so a side by side whose servers run on different dummy weights (vLLM's are
-uniform in +-1e-3, Detent's N(0, 0.02)) compares different work.
+values. On a power-limited GPU a GEMM's time can depend on its operands'
+bits, and the side by side's servers run on different dummy weights (vLLM's
+uniform in +-1e-3, Detent's N(0, 0.02)). Lease 14 (H200): within 0.7 % at
+M = 64, 1,024 and 2,048, so they cost the same (docs/performance.md).
 
     python3 benchmarks/gemm_waves.py --data --out $OUT/gemm_data.json
 """

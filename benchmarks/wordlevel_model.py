@@ -9,10 +9,10 @@ tokens exactly and load tests need no hub. Serve it with `--load-format dummy`.
 weights (models/weights.py `dummy_tensors`: norms 1, matrices N(0, 0.02),
 seed 0), drawn on the GPU when there is one. Every server that loads the
 directory with its default load format then runs on the same values, bit
-for bit. vLLM's own dummy weights are uniform in +-1e-3, and a GEMM's speed
-on a power-limited GPU depends on its operands' values (benchmarks/gemm_waves.py
-`--data`), so a side by side of two servers each on its own dummy weights
-does not compare like with like.
+for bit (vLLM's own dummy weights are uniform in +-1e-3). On the H200 the
+two dummy initialisations cost the same GEMM time (benchmarks/gemm_waves.py
+`--data`, lease 14), so this is for a side by side on identical values, not
+a correction of the dummy-weight ones.
 """
 from __future__ import annotations
 
