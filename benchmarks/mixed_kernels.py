@@ -25,20 +25,9 @@ from detent.engine.piecewise_graph import enable_piecewise_graphs
 from detent.engine.warmup import StepShape, _metadata
 from detent.selection.context import ForwardContext, forward_context
 from gpu_engine import build, set_mode
+from kernel_families import family
 
 CTX = 1100  # the decodes' context
-FAMILIES = (("gemm", ("matmul", "gemm", "nvjet", "xmma", "cutlass", "cublas")),
-            ("attention", ("attn", "combine", "flash", "fmha")),
-            ("norm", ("rms_norm",)), ("rope", ("rope",)), ("silu", ("silu",)),
-            ("kv_store", ("store_kv",)), ("sampling", ("softmax", "gumbel", "argmax", "first_max")))
-
-
-def family(kernel: str) -> str:
-    k = kernel.lower()
-    for name, keys in FAMILIES:
-        if any(s in k for s in keys):
-            return name
-    return "other"
 
 
 def steps() -> list[tuple[str, StepShape]]:

@@ -11,7 +11,8 @@ one load and sums the trace's GPU kernels.
     python3 benchmarks/vllm_profile.py /tmp/load/vprof --out $OUT/vllm_kernels.json
 
 The summary: the window (first kernel start to last kernel end), the kernels' total,
-the same split into families by name (`FAMILIES`, first match), and the top kernels.
+the same split into families by name (`kernel_families.py`, the table
+`mixed_kernels.py` uses for Detent's kernels), and the top kernels.
 """
 from __future__ import annotations
 
@@ -20,26 +21,8 @@ import glob
 import gzip
 import json
 import os
-import re
 
-# first match wins; names as vLLM 0.20.2's kernels are called on Hopper (cuBLAS/CUTLASS GEMMs, FA3,
-# torch.compile's Triton fusions, its custom ops)
-FAMILIES = (
-    ("kv_store", r"reshape_and_cache|concat_and_cache"),  # before attention: "reshape_and_cache_flash"
-    ("attention", r"flash|fmha|attn|attention|paged"),
-    ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|xmma|cublas|matmul"),
-    ("norm", r"rms|norm|rsqrt"),  # torch.compile's fused RMSNorm: triton_..._mean_mul_pow_rsqrt_...
-    ("act", r"silu|act_and_mul|gelu"),
-    ("rope", r"rotary|rope"),
-    ("sampling", r"sampl|softmax|topk|top_k|argmax|gumbel"),
-    ("triton_fused", r"^triton_"),  # before copy: fused names hold "_to_copy"
-    ("copy", r"memcpy|memset|copy"),
-)
-
-
-def family(name: str) -> str:
-    low = name.lower()
-    return next((f for f, pat in FAMILIES if re.search(pat, low)), "other")
+from kernel_families import family
 
 
 def _events(path: str) -> list[dict]:
