@@ -1,7 +1,10 @@
 """The CUDA graphs a GPU runner replays, installed in one place (startup and the tuner)."""
 from __future__ import annotations
 
+import gc
 import logging
+
+import torch
 
 from detent.engine.config import MIXED_GRAPH_MIN_TOKENS
 from detent.engine.cuda_graph import enable_cuda_graphs
@@ -18,13 +21,41 @@ def enable_graphs(runner, config, *, max_model_len: int) -> None:
     startup's, not serving's (compile_watch.paused), wherever this runs (startup, the tuner)."""
     if runner.device.type != "cuda" or config.enforce_eager:
         return
+    release_graphs(runner)
     from detent.engine.compile_watch import paused
     with paused():
         _enable(runner, config, max_model_len)
 
 
+GRAPH_ATTRS = ("cuda_graphs", "piecewise_graphs", "mixed_graphs")
+
+
+def release_graphs(runner) -> None:
+    """Drop the graphs a runner holds, and their memory pools, before it captures again.
+
+    The tuner recaptures for every tuple it measures (detent/tune_engine.py). Holding the
+    old graphs through the new captures needs two sets of graph memory beside a KV cache
+    sized for one: on the H200 (Llama-3.1-8B shapes) the captures ran out of memory and
+    fell back to eager steps, which the tuner then timed (docs/performance.md, "Lease 15").
+    A runner that never captured is left as it is."""
+    eager = getattr(runner, "_eager_forward", None)
+    if eager is not None:
+        runner._forward = eager  # the replaying closures hold the graphs: drop them first
+    held = [name for name in GRAPH_ATTRS if getattr(runner, name, None) is not None]
+    for name in held:
+        setattr(runner, name, None)
+    if held:
+        gc.collect()
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def _enable(runner, config, max_model_len: int) -> None:
-    enable_cuda_graphs(runner, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+    # a decode-only step has one token per sequence, so it never has more rows than the step
+    # budget: graphs past it would fail the capture (the GEMM program's domain) and turn every
+    # decode graph off (a battery engine: 64 sequences, 32-token budget)
+    enable_cuda_graphs(runner, max_num_seqs=min(config.max_num_seqs, config.max_num_batched_tokens),
+                       max_model_len=max_model_len)
     limit = min(config.piecewise_max_tokens, config.max_num_batched_tokens)
     if config.tensor_parallel_size == 1 and limit >= 16:
         from detent.engine.piecewise_graph import enable_piecewise_graphs

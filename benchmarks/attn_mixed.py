@@ -1,0 +1,152 @@
+"""The paged attention of a mixed step, launch by launch variant (issue 16).
+
+Under load at 80 % of vLLM's maximum, Detent's mixed steps spend about 7.4 ms
+of 27 in attention (docs/performance.md, "Lease 12"): 5.2 for the decode rows'
+short launch, 2.2 for the prompt rows. This times the attention op alone
+(Llama-3.1-8B shapes: 32 query / 8 KV heads, head dim 128, pages of 16) on
+the step sizes seen under load, each variant replayed from a CUDA graph, and
+checks with `torch.equal` that every variant of one KV tile gives the first
+one's bits:
+
+- the long launch's q tile, warps and stages, the short launch's warps and
+  stages, the decode launch's warps, stages and combine (all neutral);
+- block_n 128 (another KV tile: other bits, so checked among its own).
+
+    python3 benchmarks/attn_mixed.py --out $OUT/attn_mixed.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from detent.kernels import attention_triton
+from detent.kernels.attention_triton import attention_triton_paged
+from detent.selection.context import AttentionMetadata
+from kernel_bench import bench
+
+H, KVH, D, PAGE = 32, 8, 128, 16
+CTX = 1100  # the decodes' context under load
+
+
+def step(seqs: list[tuple[int, int]], seed: int = 0):
+    """One step: per sequence (query length, KV length after the step), decodes first."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = [-(-kv // PAGE) for _, kv in seqs]
+    total = sum(nblk)
+    cache = torch.randn(2, total + 1, PAGE, KVH, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    perm = torch.randperm(total, device="cuda", generator=g).int() + 1
+    tables = torch.zeros(len(seqs), max(nblk), dtype=torch.int32, device="cuda")
+    slots, at = [], 0
+    for b, ((ql, kv), n) in enumerate(zip(seqs, nblk)):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+        pos = torch.arange(kv - ql, kv, device="cuda")
+        slots.append(tables[b].long()[pos // PAGE] * PAGE + pos % PAGE)
+    qlens = [ql for ql, _ in seqs]
+    qsl = [0]
+    for ql in qlens:
+        qsl.append(qsl[-1] + ql)
+    t = qsl[-1]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([kv for _, kv in seqs], dtype=torch.int32, device="cuda"), block_tables=tables,
+        slot_mapping=torch.cat(slots), num_seqs=len(seqs), num_tokens=t, max_seqlen_q=max(qlens),
+        max_seqlen_k=max(kv for _, kv in seqs), block_size=PAGE, query_start_loc_cpu=tuple(qsl),
+        seq_lens_cpu=tuple(kv for _, kv in seqs))
+    q = torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t, KVH, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(t, KVH, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v, cache, meta
+
+
+def cases() -> list[tuple[str, list[tuple[int, int]]]]:
+    dec = lambda n: [(1, CTX)] * n  # noqa: E731
+    return [("r80: 105 decodes + 750 prompt", dec(105) + [(750, 750)]),
+            ("r80: 105 decodes + 750 chunk after 274", dec(105) + [(750, 1024)]),
+            ("c128: 105 decodes + 1024 + 780 prompt", dec(105) + [(1024, 1024), (780, 780)]),
+            ("r20: 20 decodes + 620 prompt", dec(20) + [(620, 620)]),
+            ("750 prompt alone", [(750, 750)]),
+            ("2048 prompt alone", [(2048, 2048)]),
+            ("105 decodes alone", dec(105)),
+            ("48 decodes alone", dec(48))]
+
+
+def variants(mixed: bool, decode: bool, long_m: int):
+    """(key, attention kwargs, short launch (warps, stages) or None for the program's own)."""
+    out = []
+    for bn in (64, 128):
+        tag = "" if bn == 64 else "n128_"
+        base = dict(split_tokens=256, block_n=bn, rowsum="mma", combine="auto")
+        if decode:
+            for nw, ns, comb in ((2, 1, "sequential"), (2, 2, "sequential"), (4, 1, "sequential"),
+                                 (4, 2, "sequential"), (8, 1, "sequential"), (2, 4, "parallel"), (2, 2, "parallel"),
+                                 (4, 2, "parallel")):
+                out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}",
+                            dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb), None))
+            continue
+        for (bm, nw, ns) in ((long_m, 8 if long_m == 128 else 4, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3)):
+            out.append((f"{tag}m{bm}_w{nw}_st{ns}", dict(base, block_m=bm, num_warps=nw, num_stages=ns), None))
+        if mixed:  # the first long launch, with each short launch
+            for sw, ss in ((2, 1), (2, 2), (4, 1), (4, 2)):
+                out.append((f"{tag}m{long_m}_short_w{sw}_st{ss}",
+                            dict(base, block_m=long_m, num_warps=8 if long_m == 128 else 4, num_stages=2), (sw, ss)))
+    return out
+
+
+def run_case(name: str, seqs) -> dict:
+    q, k, v, cache, meta = step(seqs)
+    decode = all(ql == 1 for ql, _ in seqs)
+    mixed = not decode and any(ql == 1 for ql, _ in seqs)
+    long_m = 128 if max(ql for ql, _ in seqs) * (H // KVH) >= 512 else 64
+    tokens = meta.num_tokens
+    row = {"case": name, "tokens": tokens, "seqs": len(seqs), "us": {}, "bits_differ": []}
+    refs: dict[int, torch.Tensor] = {}
+    own = attention_triton.short_launch_config
+    for key, kw, short in variants(mixed, decode, long_m):
+        attention_triton.short_launch_config = (lambda p: short) if short else own
+        try:
+            fn = lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)  # noqa: E731
+            y = fn().clone()
+            row["us"][key] = bench(fn, 50) * 1e3
+        except Exception as e:  # noqa: BLE001
+            row["us"][key] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            continue
+        finally:
+            attention_triton.short_launch_config = own
+        if not torch.equal(y, refs.setdefault(kw["block_n"], y)):
+            row["bits_differ"].append(key)
+    ok = {c: t for c, t in row["us"].items() if isinstance(t, float)}
+    first = next(iter(ok))
+    row["baseline"], row["baseline_us"] = first, ok[first]
+    row["best"] = min((c for c in ok if not c.startswith("n128")), key=ok.get)
+    row["best_n128"] = min((c for c in ok if c.startswith("n128")), key=ok.get, default=None)
+    print(f"{name} ({tokens} tokens): baseline {first} {ok[first]:.1f} us | best {row['best']} "
+          f"{ok[row['best']]:.1f} | n128 best {row['best_n128']} {ok.get(row['best_n128'], -1):.1f} "
+          f"| differ {row['bits_differ']}", flush=True)
+    print("   " + ", ".join(f"{c} {t:.1f}" for c, t in sorted(ok.items(), key=lambda x: x[1])[:8]), flush=True)
+    del q, k, v, cache, meta
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="attn_mixed.json")
+    ap.add_argument("--only", default="", help="comma-separated case-name prefixes")
+    a = ap.parse_args()
+    only = [x for x in a.only.split(",") if x]
+    res = []
+    for n, s in cases():
+        if not only or any(n.startswith(o) for o in only):
+            res.append(run_case(n, s))
+            with open(a.out, "w") as f:  # after every case: a later crash keeps the earlier ones
+                json.dump({"device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
