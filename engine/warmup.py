@@ -171,8 +171,15 @@ def plan_warmup(dispatcher, facts: dict[str, Any], lim: Limits, logit_sites: set
 
 def probe_shapes(lim: Limits) -> list[StepShape]:
     """Steps a loaded server makes, for `probe_variants`: one to three prompt chunks of
-    2 to 2,048 tokens beside 0 to 255 decodes, at short and long KV."""
+    2 to 2,048 tokens beside 0 to 255 decodes, at short and long KV; and decode-only steps
+    at short and long KV, which the decode graphs replay but an eager engine
+    (`--enforce-eager`, or graphs that failed to capture) launches itself: one KV split
+    launches otherwise than several (lease 15's battery engine compiled two while serving)."""
     out = []
+    for d in (1, 2, 4, 8, 16, 17, 32, 33, 64, 127, 128, 255, 256, 511, 512, 1023, 1024):
+        for k in (2, min(1000, lim.max_model_len), lim.max_model_len):
+            if d <= min(lim.max_num_seqs, lim.max_num_batched_tokens):
+                out.append(StepShape((1,) * d, (k,) * d))
     for q in (2, 3, 4, 8, 16, 17, 64, 127, 128, 247, 512, 1024, 2048):
         for n in (1, 2, 3):
             for d in (0, 1, 4, 16, 40, 64, 128, 255):
@@ -207,8 +214,6 @@ def probe_variants(selectors: dict, facts: dict[str, Any], lim: Limits, shapes: 
             continue
 
         def variants(s: StepShape):
-            if max(s.query_lens) == 1:  # decode-only: the decode CUDA graphs compile these
-                return set()
             return ops.launch_variants(family, selector(**s.runtime()), query_lens=s.query_lens,
                                        kv_lens=s.kv_lens, **step) or set()
         covered = set().union(*(variants(s) for s in shapes + added))
