@@ -94,8 +94,11 @@ def load_deepgemm() -> tuple[ModuleType | None, str | None]:
     try:
         import deep_gemm
     except Exception as e:  # noqa: BLE001  (OSError loading _C.so, AssertionError finding CUDA: say which)
-        return None, (f"deep_gemm does not import ({type(e).__name__}: {e}); it needs a CUDA 13 torch it can "
-                      f"link to and NVCC >= 12.9 (CUDA_HOME or nvcc on PATH)")
+        # torch.ops.load_library hides the loader's reason (an undefined symbol: the wheel's torch
+        # ABI, lease 15) in __cause__: say it
+        cause = f" <- {type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ is not None else ""
+        return None, (f"deep_gemm does not import ({type(e).__name__}: {e}{cause}); it needs the CUDA 13 torch "
+                      f"its _C.so was built against and NVCC >= 12.9 (CUDA_HOME or nvcc on PATH)")
     missing = [a for a in _API if not hasattr(deep_gemm, a)]
     if missing:
         return None, f"deep_gemm lacks {missing}; {INSTALL}"

@@ -49,8 +49,11 @@ def _version(v):
 
 class FailingImport:
     def find_spec(self, name, path=None, target=None):
-        if name == "deep_gemm":
-            raise OSError("Could not load this library: deep_gemm/_C.so")
+        if name == "deep_gemm":  # as torch.ops.load_library raises it (the H200 in lease 15)
+            try:
+                raise OSError("deep_gemm/_C.so: undefined symbol: _ZN3c104cuda19CUDAErrorLogCaptureC1Ev")
+            except OSError as e:
+                raise OSError("Could not load this library: deep_gemm/_C.so") from e
 
 
 def test_load_deepgemm_says_what_is_missing(monkeypatch):
@@ -72,6 +75,7 @@ def test_load_deepgemm_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", [FailingImport()] + sys.meta_path)
     dg, why = gemm_deepgemm.load_deepgemm()
     assert dg is None and why.startswith("deep_gemm does not import (OSError: Could not load") and "NVCC >= 12.9" in why
+    assert "<- OSError: deep_gemm/_C.so: undefined symbol: _ZN3c104cuda19CUDAErrorLogCaptureC1Ev" in why
     monkeypatch.setattr(sys, "meta_path", sys.meta_path[1:])
     monkeypatch.setitem(sys.modules, "deep_gemm", types.ModuleType("deep_gemm"))
     assert gemm_deepgemm.load_deepgemm()[1].startswith("deep_gemm lacks ['bf16_gemm_nt', 'set_num_sms'")
