@@ -25,7 +25,14 @@ def engine_facts(llm) -> dict[str, Any]:
     return complete(llm.llm_engine.facts)
 
 
-def _install_local(runner, config, max_model_len: int, facts: dict, path: str | None, record: bool) -> None:
+class GraphCaptureError(RuntimeError):
+    """A candidate's CUDA graphs did not capture where the default tuple's did: its steps would
+    run eagerly, and their time is not comparable with the default's."""
+
+
+def _install_local(runner, config, max_model_len: int, facts: dict, path: str | None,
+                   record: bool) -> dict[str, str]:
+    """Install the tuple at `path`; the graph sets that failed to capture, with why."""
     d = make_dispatcher(facts, "pinned", path)
     d.record_calls = record
     runner.dispatcher = d
@@ -33,17 +40,18 @@ def _install_local(runner, config, max_model_len: int, facts: dict, path: str | 
         eager = getattr(runner, "_eager_forward", None)
         if eager is not None:
             runner._forward = eager
-        return
-    from detent.engine.graphs import enable_graphs
+        return {}
+    from detent.engine.graphs import enable_graphs, graph_failures
     from detent.engine.startup import warm_start
     enable_graphs(runner, config, max_model_len=max_model_len)
     # the new selections' kernels compile here, not inside the measurement (on CUDA, as at startup)
     warm_start(runner, config, facts, max_model_len, world=config.tensor_parallel_size, progress=False)
+    return graph_failures(runner)
 
 
-def _rank_install(st, config, path: str | None, record: bool) -> None:
+def _rank_install(st, config, path: str | None, record: bool) -> dict[str, str]:
     """On every tensor-parallel rank (collective_rpc)."""
-    _install_local(st.runner, config, st.info.max_model_len, complete(st.info.facts), path, record)
+    return _install_local(st.runner, config, st.info.max_model_len, complete(st.info.facts), path, record)
 
 
 def _rank_calls(st) -> dict:
@@ -58,6 +66,7 @@ class TupleInstaller:
         self.facts = engine_facts(llm)
         self.current: str | None = None  # hash of the installed tuple (and whether recording)
         self._n = 0
+        self.base_failures: dict[str, str] | None = None  # graph sets the first measured tuple lacked
 
     def install(self, t: CommitmentTuple, record: bool = False) -> None:
         key = f"{t.hash}:{record}"
@@ -68,11 +77,26 @@ class TupleInstaller:
         t.save(path)
         eng = self.llm.llm_engine
         if eng.dispatcher is None:  # tensor parallel: the ranks hold the dispatchers
-            eng.runner.collective_rpc(_rank_install, eng.config, path, record)
+            failed: dict[str, str] = {}
+            for rank in eng.runner.collective_rpc(_rank_install, eng.config, path, record):
+                failed.update(rank or {})
         else:
-            _install_local(eng.runner, eng.config, eng.state.max_model_len, self.facts, path, record)
+            failed = _install_local(eng.runner, eng.config, eng.state.max_model_len, self.facts, path, record)
             eng.dispatcher = eng.runner.dispatcher
         self.current = key
+        if record:
+            return
+        if self.base_failures is None:  # the first tuple measured: the default
+            self.base_failures = failed
+        lost = {k: v for k, v in failed.items() if k not in self.base_failures}
+        if lost:
+            self.current = None
+            raise GraphCaptureError(
+                f"detent tune: candidate {t.hash[:16]}'s CUDA graphs did not capture where the default "
+                f"tuple's did, so its steps would run eagerly and its time would not compare: "
+                + "; ".join(f"{k}: {v}" for k, v in sorted(lost.items()))
+                + ". Leave more GPU memory outside the KV cache (--gpu-memory-utilization) or use "
+                  "--cost kernels (no graphs).")
 
     def calls(self) -> dict:
         """(family, site, runtime) -> count, as the installed dispatcher recorded them."""

@@ -30,6 +30,12 @@ def enable_graphs(runner, config, *, max_model_len: int) -> None:
 GRAPH_ATTRS = ("cuda_graphs", "piecewise_graphs", "mixed_graphs")
 
 
+def graph_failures(runner) -> dict[str, str]:
+    """The graph sets the runner tried to capture and could not, with why (their `disabled`)."""
+    return {name: g.disabled for name in GRAPH_ATTRS
+            if (g := getattr(runner, name, None)) is not None and g.disabled}
+
+
 def release_graphs(runner) -> None:
     """Drop the graphs a runner holds, and their memory pools, before it captures again.
 

@@ -253,3 +253,31 @@ def test_tune_runs_from_a_plain_install_without_the_plot(tmp_path):
     assert "matplotlib is not installed, no plot written" in p.stderr
     assert (tmp_path / "t.json").exists() and (tmp_path / "t.report.json").exists()
     assert not (tmp_path / "t.png").exists()
+
+
+def test_a_candidate_whose_graphs_did_not_capture_stops_the_tune(llm, monkeypatch, tmp_path):
+    # lease 15: on the H200 the candidates' recaptures ran out of memory and their steps ran
+    # eagerly, timed against the default's graphs. The installer now refuses such a candidate
+    # (the default's own failures, if any, are the baseline); CPU captures nothing, so the
+    # install's report of failed graph sets is stubbed
+    from detent.selection import default_tuple
+    from detent import tune_engine
+    from detent.tune_engine import GraphCaptureError, TupleInstaller, engine_facts
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    other = CommitmentTuple.from_json(base.to_json())
+    other.families["attention"]["knobs"]["split_stride"] = 64
+    report = {"failed": {"cuda_graphs": "decode graphs off for another reason"}}
+    monkeypatch.setattr(tune_engine, "_install_local", lambda *a, **k: dict(report["failed"]))
+    inst = TupleInstaller(llm, str(tmp_path))
+    inst.install(base, record=True)  # profiling: eager on purpose, no baseline yet
+    assert inst.base_failures is None
+    inst.install(base)
+    assert inst.base_failures == {"cuda_graphs": "decode graphs off for another reason"}
+    inst.install(other)  # fails what the default failed too: comparable, measured
+    report["failed"] = {"cuda_graphs": "decode graphs off for another reason",
+                        "mixed_graphs": "mixed-step capture failed (OutOfMemoryError: ...)"}
+    inst.current = None
+    with pytest.raises(GraphCaptureError, match=r"mixed_graphs: mixed-step capture failed .*--cost kernels"):
+        inst.install(other)
+    assert inst.current is None  # the next install tries again
