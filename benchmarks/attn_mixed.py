@@ -10,6 +10,7 @@ one's bits:
 
 - the long launch's q tile, warps and stages, the short launch's warps and
   stages, the decode launch's warps, stages and combine (all neutral);
+- the short launch on a second stream beside the long one (`overlap_short`);
 - block_n 128 (another KV tile: other bits, so checked among its own).
 
     python3 benchmarks/attn_mixed.py --out $OUT/attn_mixed.json
@@ -91,10 +92,13 @@ def variants(mixed: bool, decode: bool, long_m: int):
             continue
         for (bm, nw, ns) in ((long_m, 8 if long_m == 128 else 4, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3)):
             out.append((f"{tag}m{bm}_w{nw}_st{ns}", dict(base, block_m=bm, num_warps=nw, num_stages=ns), None))
-        if mixed:  # the first long launch, with each short launch
+        if mixed:  # the first long launch, with each short launch, and the program's beside it on a stream
             for sw, ss in ((2, 1), (2, 2), (4, 1), (4, 2)):
                 out.append((f"{tag}m{long_m}_short_w{sw}_st{ss}",
                             dict(base, block_m=long_m, num_warps=8 if long_m == 128 else 4, num_stages=2), (sw, ss)))
+            for bm, nw in ((long_m, 8 if long_m == 128 else 4), (64, 4)):
+                out.append((f"{tag}m{bm}_w{nw}_st2_overlap",
+                            dict(base, block_m=bm, num_warps=nw, num_stages=2, overlap_short=True), None))
     return out
 
 

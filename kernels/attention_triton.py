@@ -37,6 +37,7 @@ an FA3-style split count (the SelIR program computes it from the batch).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -348,12 +349,12 @@ def step_variants(selection: dict, *, query_lens, kv_lens, num_heads: int, num_k
 
 @register("attention", "triton_paged",
           params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine", "rowsum",
-                  "short_launch"),
+                  "short_launch", "overlap_short"),
           devices=("cuda",), variants=step_variants)
 def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                            num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
-                           short_launch: bool = True) -> torch.Tensor:
+                           short_launch: bool = True, overlap_short: bool = False) -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
     short_launch: in a step whose tile is taller than 16 rows (a long chunk's
@@ -363,7 +364,12 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     rowsum: "mma" (p @ ones: bits independent of block_m / num_warps) or
     "sum" (tl.sum: bits tied to the tile shape, 19% faster decode at a
     16-row tile on the H200); the two give different bits, so rowsum is part
-    of the pinned choice. split_tokens need not be a multiple of block_n."""
+    of the pinned choice. split_tokens need not be a multiple of block_n.
+    overlap_short: run the short launch on a second CUDA stream beside the long
+    one, so the decode rows' programs (memory-bound) can fill the SMs the prompt
+    tiles' causal walks leave idle. The launches write disjoint rows and the
+    step's stream waits for both: the same bits (tests/gpu). Off by default
+    until measured (benchmarks/attn_mixed.py)."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -390,6 +396,9 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     flags = dict(G=g, D=d, BLOCK_N=block_n, SPLIT=split_tokens, PAGE=meta.block_size, IEEE=ieee,
                  ROWSUM_MMA=rowsum == "mma")
     skip_q = short_q if split else 0
+    side = _side_stream(q.device) if overlap_short and split and has_short and q.is_cuda else None
+    if side is not None:  # forks here, after the KV store and the step's inputs: beside the long launch
+        side.wait_stream(torch.cuda.current_stream(q.device))
     if parallel:
         pm = empty((max_splits, t, h), torch.float32, q.device)
         pl = empty_like(pm)
@@ -408,11 +417,25 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     if split and has_short:
         # one program per (sequence, KV head), splits walked in order: two compiles, by the
         # program count (tests/gpu: the 16-row tile gives the 128-row tile's bits)
-        _paged_attn_kernel[(meta.num_seqs, kvh, 1)](
-            *common, out, out, out, *tail, 0, 0, 0, 0, 0, 0, BLOCK_M=short_m, BLOCK_Q=short_q,
-            PARALLEL=False, DECODE=False, SHORT=True, SKIP_Q=0, **flags, num_warps=lp.short_warps,
-            num_stages=lp.short_stages)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _paged_attn_kernel[(meta.num_seqs, kvh, 1)](
+                *common, out, out, out, *tail, 0, 0, 0, 0, 0, 0, BLOCK_M=short_m, BLOCK_Q=short_q,
+                PARALLEL=False, DECODE=False, SHORT=True, SKIP_Q=0, **flags, num_warps=lp.short_warps,
+                num_stages=lp.short_stages)
+        if side is not None:  # every later use of `out` (and of the inputs) waits for it
+            torch.cuda.current_stream(q.device).wait_stream(side)
     return out
+
+
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One stream per GPU for the short launch beside the long one (`overlap_short`)."""
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SIDE_STREAMS:
+        _SIDE_STREAMS[i] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[i]
 
 
 def attention_reference(q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:

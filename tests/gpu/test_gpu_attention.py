@@ -93,6 +93,29 @@ def test_short_launch_of_a_mixed_step_keeps_every_row():
         assert torch.equal(y[900], dec[1]) and torch.equal(y[903], dec[2]) and torch.equal(y[904], dec[3])
 
 
+def test_the_short_launch_beside_the_long_one_keeps_every_row():
+    # overlap_short runs the decode rows' launch on a second stream while the prompt tiles
+    # run: the same bits as one after the other, eagerly and replayed from a CUDA graph, and
+    # the step's stream holds the whole output when it goes on (a reduction on it right after)
+    lens = [700] + [200 + 13 * i for i in range(69)]
+    case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=19)
+    chunks = [(0, 700)] + [(n - 1, n) for n in lens[1:]]
+    kw = dict(block_m=128, num_warps=8, rowsum="mma", split_tokens=256)
+    y, (q, k, v, meta) = _run(case, chunks, **kw)
+    cache = case.fresh_cache()
+    case.prefill_prefix(cache, [s for s, _ in chunks])
+    for _ in range(3):
+        z = attention_triton_paged(q, k, v, cache, meta, SCALE, **{**KW, **kw}, overlap_short=True)
+        assert torch.equal(z, y) and z.float().sum().item() == y.float().sum().item()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        zg = attention_triton_paged(q, k, v, cache, meta, SCALE, **{**KW, **kw}, overlap_short=True)
+    zg.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(zg, y)
+
+
 def test_a_short_launch_of_512_programs_keeps_the_decode_steps_bits():
     # 1 chunk + 69 decodes over 8 KV heads: 560 short-launch programs, which run 2 warps with
     # no prefetch stage (kernels/attention_triton.py short_launch_config). Each decode row must
