@@ -11,6 +11,9 @@ one's bits:
 - the long launch's q tile, warps and stages, the short launch's warps and
   stages, the decode launch's warps, stages and combine (all neutral);
 - the short launch on a second stream beside the long one (`overlap_short`);
+- softmax="exp2" with and without split_mask (FlashAttention's exponent form,
+  in which the tiles every row sees whole can skip the mask: other bits than
+  "exp", checked among its own);
 - block_n 128 (another KV tile: other bits, so checked among its own).
 
     python3 benchmarks/attn_mixed.py --out $OUT/attn_mixed.json
@@ -89,6 +92,11 @@ def variants(mixed: bool, decode: bool, long_m: int):
                                  (4, 2, "parallel")):
                 out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}",
                             dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb), None))
+            for nw, ns, comb in ((2, 1, "sequential"), (2, 4, "parallel")):
+                for sm in (False, True):
+                    out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}_exp2{'_smask' if sm else ''}",
+                                dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb, softmax="exp2",
+                                     split_mask=sm), None))
             continue
         for (bm, nw, ns) in ((long_m, 8 if long_m == 128 else 4, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3)):
             out.append((f"{tag}m{bm}_w{nw}_st{ns}", dict(base, block_m=bm, num_warps=nw, num_stages=ns), None))
@@ -99,6 +107,14 @@ def variants(mixed: bool, decode: bool, long_m: int):
             for bm, nw in ((long_m, 8 if long_m == 128 else 4), (64, 4)):
                 out.append((f"{tag}m{bm}_w{nw}_st2_overlap",
                             dict(base, block_m=bm, num_warps=nw, num_stages=2, overlap_short=True), None))
+        for sm in (False, True):  # another softmax form (other bits: checked among its own)
+            for bm, nw in ((long_m, 8 if long_m == 128 else 4), (64, 4)):
+                out.append((f"{tag}m{bm}_w{nw}_st2_exp2{'_smask' if sm else ''}",
+                            dict(base, block_m=bm, num_warps=nw, num_stages=2, softmax="exp2", split_mask=sm), None))
+                if mixed:
+                    out.append((f"{tag}m{bm}_w{nw}_st2_exp2{'_smask' if sm else ''}_overlap",
+                                dict(base, block_m=bm, num_warps=nw, num_stages=2, softmax="exp2", split_mask=sm,
+                                     overlap_short=True), None))
     return out
 
 
@@ -109,7 +125,7 @@ def run_case(name: str, seqs) -> dict:
     long_m = 128 if max(ql for ql, _ in seqs) * (H // KVH) >= 512 else 64
     tokens = meta.num_tokens
     row = {"case": name, "tokens": tokens, "seqs": len(seqs), "us": {}, "bits_differ": []}
-    refs: dict[int, torch.Tensor] = {}
+    refs: dict[tuple, torch.Tensor] = {}  # (block_n, softmax) -> the first variant's output
     own = attention_triton.short_launch_config
     for key, kw, short in variants(mixed, decode, long_m):
         attention_triton.short_launch_config = (lambda p: short) if short else own
@@ -122,7 +138,7 @@ def run_case(name: str, seqs) -> dict:
             continue
         finally:
             attention_triton.short_launch_config = own
-        if not torch.equal(y, refs.setdefault(kw["block_n"], y)):
+        if not torch.equal(y, refs.setdefault((kw["block_n"], kw.get("softmax", "exp")), y)):
             row["bits_differ"].append(key)
     ok = {c: t for c, t in row["us"].items() if isinstance(t, float)}
     first = next(iter(ok))

@@ -50,6 +50,53 @@ from detent.kernels.rowwise_triton import store_kv_triton
 from detent.kernels.registry import register
 
 
+@triton.jit
+def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off, sc_h,
+                  kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into a split's online softmax
+    (m, l, acc) in FlashAttention's form (softmax="exp2"): the running max is over the
+    unscaled scores, and p = exp2(fma(s, c, -m c)) with c = scale * log2(e), the fma
+    explicit. A tile whose every score the causal and split-end mask would keep
+    (MASKED=False) then does exactly the arithmetic of a masked one: the mask only
+    turns scores into -inf before the max. (softmax="exp" scales the scores first, and
+    without a mask between them the compiler contracts the scale into the exponent's
+    subtraction: other bits; docs/performance.md, "Lease 15".) The loads stay masked."""
+    kpos = j0 + cols
+    k_ok = kpos < kv_hi
+    blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+    off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
+    k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
+    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
+    if IEEE:
+        sc = tl.dot(q, k, input_precision="ieee")
+    else:
+        sc = tl.dot(q, k)
+    if MASKED:
+        sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    mc = m_safe * c
+    p = tl.exp2(tl.fma(sc, c, -mc[:, None]))
+    alpha = tl.exp2(tl.fma(m, c, -mc))
+    if IEEE:
+        pb = p
+    else:
+        pb = p.to(v.dtype)
+    if ROWSUM_MMA:
+        if IEEE:
+            rs = tl.dot(pb, ones, input_precision="ieee")
+        else:
+            rs = tl.dot(pb, ones)
+        l = tl.fma(l, alpha, tl.max(rs, axis=1))
+    else:
+        l = l * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(pb, v, acc * alpha[:, None])
+    return m_new, l, acc
+
+
 # not specialized: the block table's row stride follows the step's longest sequence, and a
 # compile per divisibility class would meet its second class while serving (engine/warmup.py)
 @lazy_jit(do_not_specialize=["num_seqs", "sbt"])
@@ -61,7 +108,8 @@ def _paged_attn_kernel(
         G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
         PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr,
-        SHORT: tl.constexpr, SKIP_Q: tl.constexpr):
+        SHORT: tl.constexpr, SKIP_Q: tl.constexpr, EXP2: tl.constexpr = False,
+        SPLIT_MASK: tl.constexpr = False):
     qtile = tl.program_id(0)
     kvh = tl.program_id(1)
     if DECODE:  # one query per sequence: q tile b is sequence b (no search, no idle tiles)
@@ -121,45 +169,60 @@ def _paged_attn_kernel(
             l = tl.zeros((BLOCK_M,), tl.float32)
             acc = tl.zeros((BLOCK_M, D), tl.float32)
             kv_hi = tl.minimum((s + 1) * SPLIT, max_pos + 1)
-            for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
-                kpos = j0 + cols
-                k_ok = kpos < kv_hi
-                blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-                off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
-                k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
-                v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
-                if IEEE:
-                    sc = tl.dot(q, k, input_precision="ieee")
-                else:
-                    sc = tl.dot(q, k)
-                sc = sc * scale
-                # causal, and inside this split (a split size that is not a
-                # multiple of BLOCK_N ends inside a tile)
-                sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m, tl.max(sc, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(sc - m_safe[:, None])
-                alpha = tl.exp(m - m_safe)
-                # the row sum goes through the MMA (p @ ones, then an exact max
-                # over 16 equal columns): tl.sum's order follows the register
-                # layout, which changes with BLOCK_M / num_warps / MMA kind
-                if IEEE:
-                    pb = p
-                else:
-                    pb = p.to(v.dtype)
-                if ROWSUM_MMA:
+            if EXP2:
+                # the split's tiles in order: with SPLIT_MASK first those every row of the q
+                # tile sees whole (no mask), then the rest masked; the same arithmetic either way
+                c = scale * 1.4426950408889634
+                j_full = s * SPLIT
+                if SPLIT_MASK:
+                    j_full += tl.maximum(tl.minimum(kv_hi, ctx + q_blk * BLOCK_Q + 1) - s * SPLIT, 0) \
+                        // BLOCK_N * BLOCK_N
+                    for j0 in range(s * SPLIT, j_full, BLOCK_N):
+                        m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
+                                                  ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, False)
+                for j0 in range(j_full, kv_hi, BLOCK_N):
+                    m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
+                                              ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
+            else:
+                for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
+                    kpos = j0 + cols
+                    k_ok = kpos < kv_hi
+                    blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+                    off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
+                    k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
+                    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
                     if IEEE:
-                        rs = tl.dot(pb, ones, input_precision="ieee")
+                        sc = tl.dot(q, k, input_precision="ieee")
                     else:
-                        rs = tl.dot(pb, ones)
-                    l = tl.fma(l, alpha, tl.max(rs, axis=1))
-                else:
-                    l = l * alpha + tl.sum(p, axis=1)
-                if IEEE:
-                    acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
-                else:
-                    acc = tl.dot(pb, v, acc * alpha[:, None])
-                m = m_new
+                        sc = tl.dot(q, k)
+                    sc = sc * scale
+                    # causal, and inside this split (a split size that is not a
+                    # multiple of BLOCK_N ends inside a tile)
+                    sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(sc, axis=1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp(sc - m_safe[:, None])
+                    alpha = tl.exp(m - m_safe)
+                    # the row sum goes through the MMA (p @ ones, then an exact max
+                    # over 16 equal columns): tl.sum's order follows the register
+                    # layout, which changes with BLOCK_M / num_warps / MMA kind
+                    if IEEE:
+                        pb = p
+                    else:
+                        pb = p.to(v.dtype)
+                    if ROWSUM_MMA:
+                        if IEEE:
+                            rs = tl.dot(pb, ones, input_precision="ieee")
+                        else:
+                            rs = tl.dot(pb, ones)
+                        l = tl.fma(l, alpha, tl.max(rs, axis=1))
+                    else:
+                        l = l * alpha + tl.sum(p, axis=1)
+                    if IEEE:
+                        acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
+                    else:
+                        acc = tl.dot(pb, v, acc * alpha[:, None])
+                    m = m_new
             if PARALLEL:
                 ps = tl.cast(s, tl.int64)
                 tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
@@ -169,8 +232,13 @@ def _paged_attn_kernel(
             else:
                 M_new = tl.maximum(M, m)
                 M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
-                a = tl.exp(M - M_safe)
-                bw = tl.exp(m - M_safe)
+                if EXP2:  # M and m are maxima of unscaled scores
+                    Mc = M_safe * (scale * 1.4426950408889634)
+                    a = tl.exp2(tl.fma(M, scale * 1.4426950408889634, -Mc))
+                    bw = tl.exp2(tl.fma(m, scale * 1.4426950408889634, -Mc))
+                else:
+                    a = tl.exp(M - M_safe)
+                    bw = tl.exp(m - M_safe)
                 L = tl.fma(L, a, l * bw)
                 ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
                 M = M_new
@@ -184,8 +252,8 @@ def _paged_attn_kernel(
 # serves steps with and without a short launch
 @lazy_jit(do_not_specialize=["num_seqs", "skip_q"])
 def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_seqs, skip_q,
-                    so_t, so_h, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h,
-                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr):
+                    so_t, so_h, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h, scale,
+                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr, EXP2: tl.constexpr = False):
     t = tl.program_id(0)
     h = tl.program_id(1)
     if DECODE:  # token t is sequence t's only query
@@ -220,8 +288,13 @@ def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_se
         acc = tl.load(pacc_ptr + ps * spa_s + t64 * spa_t + h * spa_h + d[None, :])
         M_new = tl.maximum(M, m)
         M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
-        a = tl.exp(M - M_safe)
-        bw = tl.exp(m - M_safe)
+        if EXP2:  # the program's merge, in the same form (softmax="exp2")
+            Mc = M_safe * (scale * 1.4426950408889634)
+            a = tl.exp2(tl.fma(M, scale * 1.4426950408889634, -Mc))
+            bw = tl.exp2(tl.fma(m, scale * 1.4426950408889634, -Mc))
+        else:
+            a = tl.exp(M - M_safe)
+            bw = tl.exp(m - M_safe)
         L = tl.fma(L, a, l * bw)
         ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
         M = M_new
@@ -349,12 +422,13 @@ def step_variants(selection: dict, *, query_lens, kv_lens, num_heads: int, num_k
 
 @register("attention", "triton_paged",
           params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine", "rowsum",
-                  "short_launch", "overlap_short"),
+                  "short_launch", "overlap_short", "softmax", "split_mask"),
           devices=("cuda",), variants=step_variants)
 def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                            num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
-                           short_launch: bool = True, overlap_short: bool = False) -> torch.Tensor:
+                           short_launch: bool = True, overlap_short: bool = False, softmax: str = "exp",
+                           split_mask: bool = False) -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
     short_launch: in a step whose tile is taller than 16 rows (a long chunk's
@@ -369,11 +443,22 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     one, so the decode rows' programs (memory-bound) can fill the SMs the prompt
     tiles' causal walks leave idle. The launches write disjoint rows and the
     step's stream waits for both: the same bits (tests/gpu). Off by default
-    until measured (benchmarks/attn_mixed.py)."""
+    until measured (benchmarks/attn_mixed.py).
+    softmax: "exp" (scores scaled, then exp(s - m)) or "exp2" (FlashAttention's
+    form: exp2(fma(s, scale log2 e, -m scale log2 e)) on unscaled scores, in the
+    tiles and both split merges); the two give different bits, so it is part of
+    the pinned choice, like rowsum. split_mask (softmax="exp2" only): walk the
+    tiles every row of a q tile sees whole without the mask, which in that form
+    changes no bit. Both off by default until measured (benchmarks/attn_mixed.py)."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
         raise ValueError(f"{name}: rowsum={rowsum!r} must be 'mma' or 'sum'")
+    if softmax not in ("exp", "exp2"):
+        raise ValueError(f"{name}: softmax={softmax!r} must be 'exp' or 'exp2'")
+    if split_mask and softmax != "exp2":
+        raise ValueError(f"{name}: split_mask needs softmax='exp2' (with 'exp' an unmasked tile rounds "
+                         f"otherwise than a masked one)")
     store_kv_triton(k, v, kv_cache, meta.slot_mapping)
     t, h, d = q.shape
     kvh = k.shape[1]
@@ -394,7 +479,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
             meta.block_tables.stride(0))
     flags = dict(G=g, D=d, BLOCK_N=block_n, SPLIT=split_tokens, PAGE=meta.block_size, IEEE=ieee,
-                 ROWSUM_MMA=rowsum == "mma")
+                 ROWSUM_MMA=rowsum == "mma", EXP2=softmax == "exp2", SPLIT_MASK=split_mask)
     skip_q = short_q if split else 0
     side = _side_stream(q.device) if overlap_short and split and has_short and q.is_cuda else None
     if side is not None:  # forks here, after the KV store and the step's inputs: beside the long launch
@@ -412,8 +497,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         DECODE=decode, SHORT=False, SKIP_Q=skip_q, **flags, num_warps=num_warps, num_stages=num_stages)
     if parallel:
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, skip_q,
-                                out.stride(0), out.stride(1), *ps, *pas, D=d, SPLIT=split_tokens, DECODE=decode,
-                                num_warps=1 if d <= 64 else 2)
+                                out.stride(0), out.stride(1), *ps, *pas, float(scale), D=d, SPLIT=split_tokens,
+                                DECODE=decode, EXP2=softmax == "exp2", num_warps=1 if d <= 64 else 2)
     if split and has_short:
         # one program per (sequence, KV head), splits walked in order: two compiles, by the
         # program count (tests/gpu: the 16-row tile gives the 128-row tile's bits)

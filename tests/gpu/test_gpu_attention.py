@@ -58,6 +58,31 @@ def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d, bm, rowsum):
     assert not torch.equal(y[0], full[1099])
 
 
+@pytest.mark.parametrize("bm", [16, 64, 128])
+def test_exp2_with_unmasked_tiles_keeps_rows_invariant(bm):
+    # softmax="exp2" + split_mask (built after lease 15): which tiles skip the mask depends on
+    # where a row's q tile starts, so a row keeps its bits under other chunkings only if a
+    # masked and an unmasked tile do the same arithmetic on the GPU (with softmax="exp" they
+    # did not: the compiler contracted the scale into the exponent). Also equal to split_mask off
+    case = PagedCase([1100, 333, 64], h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=7)
+    kw = dict(block_m=bm, num_warps=8 if bm == 128 else 4, rowsum="mma", softmax="exp2", split_mask=True)
+    full, (q, k, v, meta) = _run(case, [(0, 1100), (0, 333), (0, 64)], **kw)
+    masked, _ = _run(case, [(0, 1100), (0, 333), (0, 64)], **{**kw, "split_mask": False})
+    assert torch.equal(full, masked)
+    ref_cache = case.fresh_cache()
+    case.prefill_prefix(ref_cache, [0, 0, 0])
+    assert _rel(full, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 2e-2
+    for start in (1099, 1097, 1050, 777, 513, 256, 1):
+        for order in ([0, 1, 2], [2, 0]):
+            chunks = [(start, 1100), (300, 333), (63, 64)]
+            y, _ = _run(case, chunks, order=order, **kw)
+            off = 0 if order[0] == 0 else 1
+            assert torch.equal(y[off: off + 1100 - start], full[start:1100]), (start, order)
+    for combine in ("sequential", "parallel"):
+        y, _ = _run(case, [(1099, 1100)], order=[0], combine=combine, **{**kw, "block_m": 16, "num_warps": 2})
+        assert torch.equal(y[0], full[1099]), combine
+
+
 def test_block_m_and_warps_give_identical_bits():
     # decode-shaped and prefill-shaped tiles (mma.sync at 16 rows, wgmma at 64+),
     # with the row sum through the MMA (rowsum="mma"); with tl.sum they differed

@@ -99,6 +99,37 @@ def test_packed_tiles_chunk_on_block_q():
         assert torch.equal(y, full[start:]), start
 
 
+@pytest.mark.parametrize("combine", ["sequential", "parallel"])
+def test_exp2_softmax_matches_the_reference_and_unmasked_tiles_move_no_bit(combine):
+    # softmax="exp2" (FlashAttention's form, unscaled maxima, an explicit fma) with and without
+    # split_mask: the same bits, and the float64 reference's values. Chunks from 0 and after a
+    # prefix, a decode, a split end inside a tile, packed tiles (G = 2)
+    case = PagedCase([77, 40, 12], h=4, kvh=2, d=16, block_size=8, seed=8)
+    chunks = [(0, 77), (39, 40), (5, 12)]
+    kw = dict(split_tokens=24, block_m=16, block_n=16, combine=combine, softmax="exp2")
+    y, (q, k, v, meta) = _run(case, chunks, **kw)
+    assert not y.isnan().any()
+    ref_cache = case.fresh_cache()
+    case.prefill_prefix(ref_cache, [s for s, _ in chunks])
+    assert _rel(y, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
+    z, _ = _run(case, chunks, split_mask=True, **kw)
+    assert torch.equal(z, y)
+
+
+def test_exp2_rows_keep_their_bits_under_any_chunking():
+    # the invariance cell of test_one_token_per_tile_any_chunking_and_neighbours under softmax="exp2"
+    # with unmasked tiles: which tiles skip the mask depends on where a row's tile starts, so this
+    # fails if skipping it changed a row's arithmetic
+    case = PagedCase([36, 9], h=16, kvh=1, d=16, block_size=16, seed=3)
+    kw = dict(split_tokens=16, block_m=16, block_n=16, combine="sequential", softmax="exp2", split_mask=True)
+    full, _ = _run(case, [(0, 36), (0, 9)], **kw)
+    for start in (35, 17, 5):
+        y, _ = _run(case, [(start, 36), (0, 9)], order=[1, 0], **kw)
+        assert torch.equal(y[9:], full[start:36]), start
+    masked, _ = _run(case, [(0, 36), (0, 9)], **{**kw, "split_mask": False})
+    assert torch.equal(masked, full)
+
+
 def test_errors():
     case = PagedCase([8], h=4, kvh=2, d=16, block_size=8)
     cache = case.fresh_cache()
@@ -111,6 +142,10 @@ def test_errors():
         attention_triton_paged(q, k, v, cache[:, :, :, :1], meta, SCALE)
     with pytest.raises(ValueError, match="combine"):
         attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=16, block_n=16, combine="x")
+    with pytest.raises(ValueError, match="softmax='x'"):
+        attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=16, block_n=16, softmax="x")
+    with pytest.raises(ValueError, match="split_mask needs softmax='exp2'"):
+        attention_triton_paged(q, k, v, cache, meta, SCALE, split_tokens=16, block_n=16, split_mask=True)
 
 
 @pytest.mark.parametrize("combine", ["sequential", "parallel"])

@@ -65,16 +65,25 @@ attn.update({p: "*fp32" for p in ("pm_ptr", "pl_ptr", "pacc_ptr")})
 attn.update({p: "*i32" for p in ("qsl_ptr", "seqlen_ptr", "bt_ptr")}, scale="fp32")
 attn.update({p: "i32" for p in ("num_seqs", "sq_t", "sq_h", "sc_blk", "sc_off", "sc_h", "so_t", "so_h", "sbt",
                                 "sp_s", "sp_t", "sp_h", "spa_s", "spa_t", "spa_h")})
-base = {"G": 4, "D": 128, "BLOCK_N": 64, "SPLIT": 256, "PAGE": 16, "IEEE": False, "ROWSUM_MMA": True}
+base = {"G": 4, "D": 128, "BLOCK_N": 64, "SPLIT": 256, "PAGE": 16, "IEEE": False, "ROWSUM_MMA": True,
+        "EXP2": False, "SPLIT_MASK": False}
 out["attention_long_skip"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 128, "BLOCK_Q": 32,
                                       "PARALLEL": False, "DECODE": False, "SHORT": False, "SKIP_Q": 4}, num_warps=8)
 out["attention_short"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 16, "BLOCK_Q": 4,
                                   "PARALLEL": False, "DECODE": False, "SHORT": True, "SKIP_Q": 0}, num_warps=4)
+exp2 = {**base, "EXP2": True, "SPLIT_MASK": True}
+out["attention_exp2_long"] = compile_(at._paged_attn_kernel, attn, {**exp2, "BLOCK_M": 128, "BLOCK_Q": 32,
+                                      "PARALLEL": False, "DECODE": False, "SHORT": False, "SKIP_Q": 4}, num_warps=8)
+out["attention_exp2_decode_parallel"] = compile_(at._paged_attn_kernel, attn, {**exp2, "BLOCK_M": 16, "BLOCK_Q": 4,
+                                                 "PARALLEL": True, "DECODE": True, "SHORT": False, "SKIP_Q": 0},
+                                                 num_warps=2, num_stages=4)
 comb_sig = {"o_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "qsl_ptr": "*i32",
             "seqlen_ptr": "*i32", **{p: "i32" for p in ("num_seqs", "skip_q", "so_t", "so_h", "sp_s", "sp_t", "sp_h",
-                                                        "spa_s", "spa_t", "spa_h")}}
-out["attention_combine_skip"] = compile_(at._combine_kernel, comb_sig, {"D": 128, "SPLIT": 256, "DECODE": False},
-                                         num_warps=2)
+                                                        "spa_s", "spa_t", "spa_h")}, "scale": "fp32"}
+out["attention_combine_skip"] = compile_(at._combine_kernel, comb_sig, {"D": 128, "SPLIT": 256, "DECODE": False,
+                                                                        "EXP2": False}, num_warps=2)
+out["attention_combine_exp2"] = compile_(at._combine_kernel, comb_sig, {"D": 128, "SPLIT": 256, "DECODE": True,
+                                                                        "EXP2": True}, num_warps=2)
 print(json.dumps(out))
 '''
 
@@ -93,7 +102,8 @@ def compiled():
 
 @pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm",
                                   "gumbel", "gumbel_first_max", "attention_long_skip", "attention_short",
-                                  "attention_combine_skip"])
+                                  "attention_combine_skip", "attention_exp2_long", "attention_exp2_decode_parallel",
+                                  "attention_combine_exp2"])
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name]["cubin_bytes"] > 0
 
