@@ -29,12 +29,16 @@ def test_without_fa4_the_gpu_selection_is_todays_and_the_knob_says_how_to_instal
     s = sol(GPU)
     assert s.knobs["impl"] == (("triton_paged", "fa4"), "triton_paged")
     d = s.default_assignment()
-    assert d == {"num_splits": 1, "split_tokens": 256, "impl": "triton_paged", "split_stride": 256}
+    assert d == {"num_splits": 1, "split_tokens": 256, "impl": "triton_paged", "split_stride": 256,
+                 "softmax": "exp", "overlap_short": False}
     p = s.compile(d)
+    off = {"softmax": "exp", "split_mask": False, "overlap_short": False}  # knobs off until measured
     assert p(**POINTS[0]) == {"impl": "triton_paged", "split_tokens": 256, "block_n": 64, "rowsum": "mma",
-                              "block_m": 16, "num_warps": 8, "num_stages": 2, "combine": "parallel"}
+                              "block_m": 16, "num_warps": 8, "num_stages": 2, "combine": "parallel", **off}
     assert p(**POINTS[2]) == {"impl": "triton_paged", "split_tokens": 256, "block_n": 64, "rowsum": "mma",
-                              "block_m": 128, "num_warps": 8, "num_stages": 2, "combine": "auto"}
+                              "block_m": 128, "num_warps": 8, "num_stages": 2, "combine": "auto", **off}
+    on = s.compile(dict(d, softmax="exp2", overlap_short=True))(**POINTS[2])
+    assert (on["softmax"], on["split_mask"], on["overlap_short"]) == ("exp2", True, True)
     why = s.why_illegal(dict(d, impl="fa4"))
     assert why.startswith("program 'attention': no pin values are legal with knobs {'impl': 'fa4'")
     assert 'needs flash-attn-4 4.0.0b36: pip install "detent[fa4]"' in why
@@ -78,7 +82,8 @@ def _fa4_split(num_seqs, max_q, max_k, kvh=8, gqa=4, num_sms=132, tile_m=128, ti
 def test_the_split_count_is_the_pin_fa4_would_read_from_the_batch():
     s = sol(dict(GPU, fa4=FA4))
     assert s.pins == ("num_splits", "split_tokens")
-    knobs = tuple({"impl": "fa4", "split_stride": 256}[k] for k in s.vra.knob_names)
+    knobs = tuple({"impl": "fa4", "split_stride": 256, "softmax": "exp", "overlap_short": False}[k]
+                  for k in s.vra.knob_names)
     for point in POINTS:
         args = (point["num_seqs"], point["max_seqlen_q"], point["max_seqlen_k"])
         vals = dict(zip(s.pins, s.vra.values_at(tuple(point[n] for n in s.vra.inputs), knobs)))
@@ -94,7 +99,8 @@ def test_tuple_chooses_fa4_per_deployment_and_refuses_a_split(tmp_path):
                               triton=True, fa4=FA4)
     t = default_tuple(facts, ("attention",))
     assert t.families["attention"] == {"pins": {"num_splits": 1, "split_tokens": 256},
-                                       "knobs": {"impl": "triton_paged", "split_stride": 256}, "sites": {}}
+                                       "knobs": {"impl": "triton_paged", "split_stride": 256, "softmax": "exp",
+                                                 "overlap_short": False}, "sites": {}}
     t.families["attention"]["knobs"]["impl"] = "fa4"
     path = tmp_path / "t.json"
     t.save(str(path))
@@ -163,7 +169,8 @@ def test_cli_default_tuple_with_fa4(tmp_path, capsys):
     ff.write_text(json.dumps(facts))
     assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4", "-o", str(out)]) == 0
     t = CommitmentTuple.load(str(out))
-    assert t.families["attention"]["knobs"] == {"impl": "fa4", "split_stride": 256}
+    assert t.families["attention"]["knobs"] == {"impl": "fa4", "split_stride": 256, "softmax": "exp",
+                                                "overlap_short": False}
     assert main(["tuple", "check", str(out), "--facts", str(ff)]) == 0
     ff.write_text(json.dumps(dict(facts, fa4="")))
     assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4"]) == 1
@@ -180,7 +187,8 @@ def test_transcription_equals_fa4s_own_selection(monkeypatch, d, kvh):
     monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
     s = sol(dict(GPU, fa4=FA4), dict(SITE, head_dim=d, num_kv_heads=kvh))
     sel = s.compile(dict(s.default_assignment(), impl="fa4"))
-    knobs = tuple({"impl": "fa4", "split_stride": 256}[k] for k in s.vra.knob_names)
+    knobs = tuple({"impl": "fa4", "split_stride": 256, "softmax": "exp", "overlap_short": False}[k]
+                  for k in s.vra.knob_names)
     gqa = 32 // kvh
     points = POINTS + [rt(num_seqs=b, max_seqlen_q=q, max_seqlen_k=k) for b, q, k in
                        [(1, 1, 512), (1, 1, 640), (3, 1, 4096), (2, 17, 3000), (16, 1, 70000), (1, 2000, 2000),
