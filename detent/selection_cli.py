@@ -125,12 +125,32 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _knobs(items: list[str] | None) -> dict[str, dict]:
+    """--knob FAMILY.NAME=VALUE (repeatable) as {family: {name: value}}; values as JSON when they
+    parse (true, 64), else strings (exp2)."""
+    out: dict[str, dict] = {}
+    for item in items or ():
+        key, eq, raw = item.partition("=")
+        fam, dot, name = key.partition(".")
+        if not (eq and dot and fam and name):
+            raise SystemExit(f"error: --knob {item!r}: expected FAMILY.NAME=VALUE, e.g. attention.softmax=exp2")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.setdefault(fam, {})[name] = value
+    return out
+
+
 def cmd_tuple(args: argparse.Namespace) -> int:
     from detent.selection.compiler.commitment import CommitmentTuple, TupleError, default_tuple
     facts = _facts(args)
     try:
         if args.action == "default":
-            t = default_tuple(facts, knobs={"attention": {"impl": args.attention}} if args.attention else None)
+            knobs = _knobs(args.knob)
+            if args.attention:
+                knobs.setdefault("attention", {})["impl"] = args.attention
+            t = default_tuple(facts, knobs=knobs or None)
             if args.output:
                 t.save(args.output)
                 print(f"wrote {args.output} (tuple hash {t.hash[:16]}, deployment hash "
@@ -164,6 +184,9 @@ def add_subparsers(subparsers) -> None:
     pt.add_argument("-o", "--output", help="where `default` writes the tuple (stdout if omitted)")
     pt.add_argument("--attention", choices=("triton_paged", "fa4"), default=None,
                     help="`default`: the attention implementation (knob attention.impl) for every step, on CUDA")
+    pt.add_argument("--knob", action="append", metavar="FAMILY.NAME=VALUE",
+                    help="`default`: set a knob for the whole family (repeatable), e.g. attention.softmax=exp2; "
+                         "`detent solve --family F` lists a family's knobs and their values")
     _common(pt)
     pt.set_defaults(func=cmd_tuple)
 

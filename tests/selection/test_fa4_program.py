@@ -204,3 +204,27 @@ def test_transcription_equals_fa4s_own_selection(monkeypatch, d, kvh):
             cfg.m_block_size, cfg.n_block_size, cfg.mma_pv_is_rs, cfg.intra_wg_overlap, gqa > 1), point
         pins = dict(zip(s.pins, s.vra.values_at(tuple(point[n] for n in s.vra.inputs), knobs)))
         assert pins["num_splits"] == cfg.num_splits, point  # what FA4 would read from this batch
+
+
+def test_cli_default_tuple_sets_any_knob(tmp_path, capsys):
+    # --knob FAMILY.NAME=VALUE (repeatable): the Triton attention's exponent form and overlap, for
+    # a serving arm or a benchmark; a value the program does not allow is refused with its choices
+    import json
+
+    from detent.selection_cli import main
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 100}
+    facts = default_facts_for(cfg, device="cuda", dtype="bfloat16", max_context=8192, num_sms=132, arch="sm90",
+                              triton=True)
+    ff, out = tmp_path / "facts.json", tmp_path / "t.json"
+    ff.write_text(json.dumps(facts))
+    assert main(["tuple", "default", "--facts", str(ff), "--knob", "attention.softmax=exp2",
+                 "--knob", "attention.overlap_short=true", "-o", str(out)]) == 0
+    t = CommitmentTuple.load(str(out))
+    assert t.families["attention"]["knobs"] == {"impl": "triton_paged", "split_stride": 256, "softmax": "exp2",
+                                                "overlap_short": True}
+    assert main(["tuple", "check", str(out), "--facts", str(ff)]) == 0
+    capsys.readouterr()
+    assert main(["tuple", "default", "--facts", str(ff), "--knob", "attention.softmax=exp3"]) == 1
+    assert "knob 'softmax' = 'exp3' is not one of ['exp', 'exp2']" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="expected FAMILY.NAME=VALUE"):
+        main(["tuple", "default", "--facts", str(ff), "--knob", "softmax"])
