@@ -28,7 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from detent.kernels import attention_triton
+from detent.kernels import attention_plan
 from detent.kernels.attention_triton import attention_triton_paged
 from detent.selection.context import AttentionMetadata
 from kernel_bench import bench
@@ -126,9 +126,9 @@ def run_case(name: str, seqs) -> dict:
     tokens = meta.num_tokens
     row = {"case": name, "tokens": tokens, "seqs": len(seqs), "us": {}, "bits_differ": []}
     refs: dict[tuple, torch.Tensor] = {}  # (block_n, softmax) -> the first variant's output
-    own = attention_triton.short_launch_config
+    own = attention_plan.short_launch_config
     for key, kw, short in variants(mixed, decode, long_m):
-        attention_triton.short_launch_config = (lambda p: short) if short else own
+        attention_plan.short_launch_config = (lambda p: short) if short else own
         try:
             fn = lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)  # noqa: E731
             y = fn().clone()
@@ -137,7 +137,7 @@ def run_case(name: str, seqs) -> dict:
             row["us"][key] = f"error: {type(e).__name__}: {str(e)[:200]}"
             continue
         finally:
-            attention_triton.short_launch_config = own
+            attention_plan.short_launch_config = own
         if not torch.equal(y, refs.setdefault((kw["block_n"], kw.get("softmax", "exp")), y)):
             row["bits_differ"].append(key)
     ok = {c: t for c, t in row["us"].items() if isinstance(t, float)}

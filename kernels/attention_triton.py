@@ -38,12 +38,12 @@ an FA3-style split count (the SelIR program computes it from the batch).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from detent.kernels.attention_plan import LaunchPlan, kernel_variants, launch_plan, step_variants  # noqa: F401
 from detent.kernels.common_triton import (check_device, check_dtype, check_last_contiguous, empty,
                                           empty_like, lazy_jit, sms_for)
 from detent.kernels.rowwise_triton import store_kv_triton
@@ -336,88 +336,6 @@ def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
     if meta.query_start_loc.dtype != torch.int32 or meta.seq_lens.dtype != torch.int32 or \
             meta.block_tables.dtype != torch.int32:
         raise TypeError(f"{name}: query_start_loc, seq_lens and block_tables must be int32")
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    block_q: int
-    decode: bool  # a decode-only step: program b serves sequence b
-    split: bool  # sequences of at most short_q queries are left to the short launch
-    has_short: bool  # ... and the short launch runs
-    short_m: int
-    short_q: int
-    short_warps: int  # the short launch's warps and prefetch stages (`short_launch_config`)
-    short_stages: int
-    n_qtiles: int
-    max_splits: int
-    parallel: bool  # one program per KV split, then the combine kernel
-
-
-def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, query_lens, kvh: int, g: int,
-                sms: int, *, block_m: int, split_tokens: int, combine: str = "auto", rowsum: str = "mma",
-                short_launch: bool = True) -> LaunchPlan:
-    """What `attention_triton_paged` launches for a step (host values only).
-
-    A selection fixes the parameters; these are decided by the step itself,
-    and each combination is its own compile (`kernel_variants`)."""
-    block_q = block_m // g
-    # decode-only step: the launch maps program b to sequence b (same arithmetic per row)
-    decode = max_seqlen_q == 1 and t == num_seqs
-    # a mixed step's tile follows its longest query (128 rows for a long chunk); a decode row
-    # in such a tile uses G of its rows. With the row sum through the MMA the tile is
-    # numerics-neutral, so sequences whose queries fit a short tile get a launch of their own
-    short_m = max(16, triton.next_power_of_2(g))
-    short_q = short_m // g  # queries of one sequence that fit a short tile
-    split = short_launch and not decode and rowsum == "mma" and block_m > short_m
-    has_short = False
-    if split:  # without host copies of the query lengths, launch it: its programs skip long sequences
-        has_short = min(query_lens) <= short_q if query_lens else True
-    n_qtiles = t if decode else t // block_q + num_seqs
-    max_splits = triton.cdiv(max(max_seqlen_k, 1), split_tokens)
-    if combine == "auto":
-        parallel = max_splits > 1 and n_qtiles * kvh < sms
-    elif combine in ("parallel", "sequential"):
-        parallel = combine == "parallel" and max_splits > 1  # one split: nothing to combine
-    else:
-        raise ValueError(f"attention/triton_paged: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
-    short_warps, short_stages = short_launch_config(num_seqs * kvh)
-    return LaunchPlan(block_q, decode, split, has_short, short_m, short_q, short_warps, short_stages, n_qtiles,
-                      max_splits, parallel)
-
-
-def short_launch_config(programs: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of the short launch: one program per (sequence, KV head) on a
-    16-row tile, splits walked in order, which is the decode launch's arithmetic. From 512
-    programs it takes what the decode launch measured best there (2 warps, no prefetch stage:
-    selection/programs/attention.py); in a mixed step of 105 decodes beside a prompt chunk
-    (H200, Llama-3.1-8B shapes, 1.1k contexts) 4 warps and 2 stages took 5.65 ms over the 32
-    layers, 2 warps and 1 stage 5.17, the decode-only step's launch 4.68-4.71
-    (benchmarks/mixed_kernels.py, docs/performance.md "Lease 12").
-    Warps and stages do not move a row's bits (rowsum="mma"; tests/gpu)."""
-    return (2, 1) if programs >= 512 else (4, 2)
-
-
-def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_stages: int = 2,
-                    **_selection) -> set[tuple]:
-    """The compiles a step with this plan needs (beyond the selection's fixed constexprs):
-    (kernel, BLOCK_M, PARALLEL, DECODE, SHORT, SKIP_Q, num_warps, num_stages)."""
-    out = {("paged", block_m, plan.parallel, plan.decode, False, plan.short_q if plan.split else 0, num_warps,
-            num_stages)}
-    if plan.parallel:
-        out.add(("combine", plan.decode))
-    if plan.split and plan.has_short:
-        out.add(("paged", plan.short_m, False, False, True, 0, plan.short_warps, plan.short_stages))
-    return out
-
-
-def step_variants(selection: dict, *, query_lens, kv_lens, num_heads: int, num_kv_heads: int,
-                  num_sms: int) -> set[tuple]:
-    """`kernel_variants` of a step given by its query and KV lengths per sequence."""
-    keys = ("split_tokens", "block_m", "combine", "rowsum", "short_launch")
-    plan = launch_plan(sum(query_lens), len(query_lens), max(query_lens), max(kv_lens), tuple(query_lens),
-                       num_kv_heads, num_heads // num_kv_heads, num_sms,
-                       **{k: selection[k] for k in keys if k in selection})
-    return kernel_variants(plan, **{k: v for k, v in selection.items() if k != "impl"})
 
 
 @register("attention", "triton_paged",

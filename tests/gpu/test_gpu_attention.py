@@ -143,7 +143,7 @@ def test_the_short_launch_beside_the_long_one_keeps_every_row():
 
 def test_a_short_launch_of_512_programs_keeps_the_decode_steps_bits():
     # 1 chunk + 69 decodes over 8 KV heads: 560 short-launch programs, which run 2 warps with
-    # no prefetch stage (kernels/attention_triton.py short_launch_config). Each decode row must
+    # no prefetch stage (kernels/attention_plan.py short_launch_config). Each decode row must
     # equal the same row in a decode-only step and in one launch for the whole step
     lens = [700] + [200 + 13 * i for i in range(69)]
     case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=17)
