@@ -51,16 +51,29 @@ from detent.kernels.registry import register
 
 
 @triton.jit
-def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off, sc_h,
-                  kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, MASKED: tl.constexpr):
-    """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into a split's online softmax
-    (m, l, acc) in FlashAttention's form (softmax="exp2"): the running max is over the
-    unscaled scores, and p = exp2(fma(s, c, -m c)) with c = scale * log2(e), the fma
-    explicit. A tile whose every score the causal and split-end mask would keep
-    (MASKED=False) then does exactly the arithmetic of a masked one: the mask only
-    turns scores into -inf before the max. (softmax="exp" scales the scores first, and
-    without a mask between them the compiler contracts the scale into the exponent's
-    subtraction: other bits; docs/performance.md, "Lease 15".) The loads stay masked."""
+def _merge(M, L, ACC, m, l, acc, scale, EXP2: tl.constexpr):
+    """Split (m, l, acc) into the running (M, L, ACC), in ascending split order, with
+    explicit fma (so the compiler cannot contract it differently in the attention program
+    and in the combine kernel); with EXP2 the maxima are of unscaled scores."""
+    M_new = tl.maximum(M, m)
+    M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
+    if EXP2:
+        Mc = M_safe * (scale * 1.4426950408889634)
+        a = tl.exp2(tl.fma(M, scale * 1.4426950408889634, -Mc))
+        bw = tl.exp2(tl.fma(m, scale * 1.4426950408889634, -Mc))
+    else:
+        a = tl.exp(M - M_safe)
+        bw = tl.exp(m - M_safe)
+    L = tl.fma(L, a, l * bw)
+    ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
+    return M_new, L, ACC
+
+
+@triton.jit
+def _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh, PAGE: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """KV positions [j0, j0 + BLOCK_N) through the block table: (positions, which are below
+    kv_hi, the raw scores q @ k^T [BLOCK_M, BLOCK_N], v [BLOCK_N, D]); masked loads."""
     kpos = j0 + cols
     k_ok = kpos < kv_hi
     blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -71,6 +84,22 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
         sc = tl.dot(q, k, input_precision="ieee")
     else:
         sc = tl.dot(q, k)
+    return kpos, k_ok, sc, v
+
+
+@triton.jit
+def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off, sc_h,
+                  kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into a split's online softmax
+    (m, l, acc) in FlashAttention's form (softmax="exp2"): the running max is over the
+    unscaled scores, and p = exp2(fma(s, c, -m c)) with c = scale * log2(e), the fma
+    explicit. A tile whose every score the causal and split-end mask would keep
+    (MASKED=False) then does exactly the arithmetic of a masked one: the mask only
+    turns scores into -inf before the max. (softmax="exp" scales the scores first, and
+    without a mask between them the compiler contracts the scale into the exponent's
+    subtraction: other bits; docs/performance.md, "Lease 15".) The loads stay masked."""
+    kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh,
+                                     PAGE, IEEE)
     if MASKED:
         sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
     m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -78,6 +107,16 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
     mc = m_safe * c
     p = tl.exp2(tl.fma(sc, c, -mc[:, None]))
     alpha = tl.exp2(tl.fma(m, c, -mc))
+    l, acc = _accumulate(p, alpha, l, acc, v, ones, IEEE, ROWSUM_MMA)
+    return m_new, l, acc
+
+
+@triton.jit
+def _accumulate(p, alpha, l, acc, v, ones, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+    """A tile's probabilities p into the split's row sum l and output acc, both rescaled by
+    alpha. The row sum goes through the MMA (p @ ones, then an exact max over 16 equal
+    columns): tl.sum's order follows the register layout, which changes with BLOCK_M /
+    num_warps / MMA kind."""
     if IEEE:
         pb = p
     else:
@@ -94,7 +133,7 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
         acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
     else:
         acc = tl.dot(pb, v, acc * alpha[:, None])
-    return m_new, l, acc
+    return l, acc
 
 
 # not specialized: the block table's row stride follows the step's longest sequence, and a
@@ -185,16 +224,8 @@ def _paged_attn_kernel(
                                               ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
             else:
                 for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
-                    kpos = j0 + cols
-                    k_ok = kpos < kv_hi
-                    blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-                    off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
-                    k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
-                    v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
-                    if IEEE:
-                        sc = tl.dot(q, k, input_precision="ieee")
-                    else:
-                        sc = tl.dot(q, k)
+                    kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk,
+                                                     sc_off, sc_h, kvh, PAGE, IEEE)
                     sc = sc * scale
                     # causal, and inside this split (a split size that is not a
                     # multiple of BLOCK_N ends inside a tile)
@@ -203,25 +234,7 @@ def _paged_attn_kernel(
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                     p = tl.exp(sc - m_safe[:, None])
                     alpha = tl.exp(m - m_safe)
-                    # the row sum goes through the MMA (p @ ones, then an exact max
-                    # over 16 equal columns): tl.sum's order follows the register
-                    # layout, which changes with BLOCK_M / num_warps / MMA kind
-                    if IEEE:
-                        pb = p
-                    else:
-                        pb = p.to(v.dtype)
-                    if ROWSUM_MMA:
-                        if IEEE:
-                            rs = tl.dot(pb, ones, input_precision="ieee")
-                        else:
-                            rs = tl.dot(pb, ones)
-                        l = tl.fma(l, alpha, tl.max(rs, axis=1))
-                    else:
-                        l = l * alpha + tl.sum(p, axis=1)
-                    if IEEE:
-                        acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
-                    else:
-                        acc = tl.dot(pb, v, acc * alpha[:, None])
+                    l, acc = _accumulate(p, alpha, l, acc, v, ones, IEEE, ROWSUM_MMA)
                     m = m_new
             if PARALLEL:
                 ps = tl.cast(s, tl.int64)
@@ -230,18 +243,7 @@ def _paged_attn_kernel(
                 tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :],
                          acc, mask=row_ok[:, None])
             else:
-                M_new = tl.maximum(M, m)
-                M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
-                if EXP2:  # M and m are maxima of unscaled scores
-                    Mc = M_safe * (scale * 1.4426950408889634)
-                    a = tl.exp2(tl.fma(M, scale * 1.4426950408889634, -Mc))
-                    bw = tl.exp2(tl.fma(m, scale * 1.4426950408889634, -Mc))
-                else:
-                    a = tl.exp(M - M_safe)
-                    bw = tl.exp(m - M_safe)
-                L = tl.fma(L, a, l * bw)
-                ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
-                M = M_new
+                M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)
         if not PARALLEL:
             out = ACC / L[:, None]
             tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
@@ -286,18 +288,7 @@ def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_se
         m = tl.load(pm_ptr + ps * sp_s + t64 * sp_t + h * sp_h + one)
         l = tl.load(pl_ptr + ps * sp_s + t64 * sp_t + h * sp_h + one)
         acc = tl.load(pacc_ptr + ps * spa_s + t64 * spa_t + h * spa_h + d[None, :])
-        M_new = tl.maximum(M, m)
-        M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
-        if EXP2:  # the program's merge, in the same form (softmax="exp2")
-            Mc = M_safe * (scale * 1.4426950408889634)
-            a = tl.exp2(tl.fma(M, scale * 1.4426950408889634, -Mc))
-            bw = tl.exp2(tl.fma(m, scale * 1.4426950408889634, -Mc))
-        else:
-            a = tl.exp(M - M_safe)
-            bw = tl.exp(m - M_safe)
-        L = tl.fma(L, a, l * bw)
-        ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
-        M = M_new
+        M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)  # the program's merge, the same operations
     if n_split > 0:
         out = ACC / L[:, None]
         tl.store(o_ptr + t64 * so_t + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty))
