@@ -81,6 +81,12 @@ def test_exp2_with_unmasked_tiles_keeps_rows_invariant(bm):
     for combine in ("sequential", "parallel"):
         y, _ = _run(case, [(1099, 1100)], order=[0], combine=combine, **{**kw, "block_m": 16, "num_warps": 2})
         assert torch.equal(y[0], full[1099]), combine
+    # stock: the split size follows the batch (FA3-style) and the bits move
+    y, _ = _run(case, [(1099, 1100)], order=[0], split_tokens=128, **{**kw, "block_m": 16, "num_warps": 2})
+    assert not torch.equal(y[0], full[1099])
+    # and "exp2" is its own pinned choice: other bits than "exp"
+    other, _ = _run(case, [(0, 1100), (0, 333), (0, 64)], **{**kw, "softmax": "exp", "split_mask": False})
+    assert not torch.equal(other, full)
 
 
 def test_block_m_and_warps_give_identical_bits():
