@@ -58,9 +58,10 @@ def _merge(M, L, ACC, m, l, acc, scale, EXP2: tl.constexpr):
     M_new = tl.maximum(M, m)
     M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
     if EXP2:
-        Mc = M_safe * (scale * 1.4426950408889634)
-        a = tl.exp2(tl.fma(M, scale * 1.4426950408889634, -Mc))
-        bw = tl.exp2(tl.fma(m, scale * 1.4426950408889634, -Mc))
+        c = scale * 1.4426950408889634  # scale * log2(e), as the tiles use it
+        Mc = M_safe * c
+        a = tl.exp2(tl.fma(M, c, -Mc))
+        bw = tl.exp2(tl.fma(m, c, -Mc))
     else:
         a = tl.exp(M - M_safe)
         bw = tl.exp(m - M_safe)

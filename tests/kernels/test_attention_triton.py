@@ -128,6 +128,9 @@ def test_exp2_rows_keep_their_bits_under_any_chunking():
         assert torch.equal(y[9:], full[start:36]), start
     masked, _ = _run(case, [(0, 36), (0, 9)], **{**kw, "split_mask": False})
     assert torch.equal(masked, full)
+    # a different split size (what stock attention does as the batch changes) moves bits
+    other, _ = _run(case, [(0, 36), (0, 9)], **{**kw, "split_tokens": 32})
+    assert not torch.equal(other, full)
 
 
 def test_errors():
