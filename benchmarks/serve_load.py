@@ -271,7 +271,10 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
         alone = _post(url + "/v1/completions", PROBE)["choices"][0]
         for name, (args, n, ds) in (("warmup", (["--max-concurrency", "64"], 192, "random")),):
             bench(port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path, worker)
-        for name in a.loads.split(","):
+        # the profiled load runs once more after the others: the profiler slows it, so its
+        # latencies stay out of the side by side
+        runs = [(name, False) for name in a.loads.split(",")] + ([(a.profile_load, True)] if a.profile_load else [])
+        for name, profiled in runs:
             args, n, ds = LOADS[name]
             if args is None:  # r80: 80% of vLLM's maximum request throughput (C = 128)
                 ref = os.path.join(a.out, "vllm-c128.json")
@@ -282,7 +285,7 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
                     rate = 0.8 * json.load(f)["request_throughput"]
                 args = ["--request-rate", f"{rate:.2f}"]
                 summary["r80_rate"] = rate
-            if name == a.profile_load:
+            if profiled:
                 args = [*args, "--profile"]
             probes: list = []
             stop = threading.Event()
@@ -291,7 +294,8 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
                 th = threading.Thread(target=probe_under_load, args=(url, stop, probes), daemon=True)
                 th.start()
             before = step_kinds(url)
-            r = bench(port, a.model_dir, args, n, ds, seed_for(name), a.out, f"{a.server}-{name}{tag}", sharegpt,
+            label = name + ("-profiled" if profiled else "")
+            r = bench(port, a.model_dir, args, n, ds, seed_for(name), a.out, f"{a.server}-{label}{tag}", sharegpt,
                       a.vllm_path, worker)
             stop.set()
             time.sleep(1.0)  # the idle core's stats snapshot
@@ -307,9 +311,9 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
                 ok = [p for p in probes if "error" not in p]
                 summary["probe"] = {"sent": len(probes), "answered": len(ok),
                                     "equal_to_alone": sum(_bits(p) == _bits(alone) for p in ok)}
-            summary["loads"][name] = r
+            summary["loads"][label] = r
             write_summary(os.path.join(a.out, f"summary-{a.server}{tag}.json"), summary)  # kept if cut short
-            print(name, json.dumps({k: round(v, 2) for k, v in r.items()
+            print(label, json.dumps({k: round(v, 2) for k, v in r.items()
                                     if k in ("output_throughput", "median_tpot_ms", "p99_tpot_ms",
                                              "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")}), flush=True)
         if "probe" in summary:
@@ -461,8 +465,9 @@ def main() -> None:
                         "instead of --tag / --server-args; write --arm=TAG=..., as a tag starts with '-'), e.g. "
                         "--arm= --arm='-pieces=--mixed-graph-max-tokens 0'")
     r.add_argument("--profile-load", default=None, metavar="LOAD",
-                   help="vLLM only: profile its GPU kernels for 200 engine steps in the middle of this load "
-                        "(traces in OUT/vprof; sum them with benchmarks/vllm_profile.py)")
+                   help="vLLM only: run this load once more after the others, profiling its GPU kernels for 200 "
+                        "engine steps in the middle (results LOAD-profiled; traces in OUT/vprof, summed by "
+                        "benchmarks/vllm_profile.py)")
     r.add_argument("--pack", default="", help="also write every result and log to this .tgz (e.g. $OUT/load.tgz)")
     rep = sub.add_parser("report")
     rep.add_argument("dir")
