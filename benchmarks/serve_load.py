@@ -249,7 +249,7 @@ def run(a) -> None:
 def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: BenchWorker) -> None:
     """One server configuration (`tag`: its files' suffix) over the loads."""
     extra = server_args.split()
-    if a.profile_load:  # vLLM's torch profiler, started by the load's `--profile`
+    if a.profile_load:  # the server's torch profiler (vLLM's flag; detent-serve takes it too), started by `--profile`
         from vllm_profile import server_flags
         extra += server_flags(os.path.join(a.out, f"vprof{tag}"))
     proc = start_server(a.server, a.model_dir, port, extra, os.path.join(a.out, f"{a.server}{tag}.log"),
@@ -326,11 +326,11 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
         try:
             kernels = summarize(os.path.join(a.out, f"vprof{tag}"))
         except SystemExit as e:  # the loads' results stand without it
-            print("vllm kernels:", e, flush=True)
+            print(f"{a.server} kernels:", e, flush=True)
             return
-        with open(os.path.join(a.out, f"vllm-kernels-{a.profile_load}{tag}.json"), "w") as f:
+        with open(os.path.join(a.out, f"{a.server}-kernels-{a.profile_load}{tag}.json"), "w") as f:
             json.dump(kernels, f, indent=1)
-        print("vllm kernels:", json.dumps({k: round(v, 1) for k, v in kernels["families_ms"].items()}),
+        print(f"{a.server} kernels:", json.dumps({k: round(v, 1) for k, v in kernels["families_ms"].items()}),
               f"window {kernels['window_ms']:.0f} ms", flush=True)
 
 
@@ -465,17 +465,17 @@ def main() -> None:
                         "instead of --tag / --server-args; write --arm=TAG=..., as a tag starts with '-'), e.g. "
                         "--arm= --arm='-pieces=--mixed-graph-max-tokens 0'")
     r.add_argument("--profile-load", default=None, metavar="LOAD",
-                   help="vLLM only: run this load once more after the others, profiling its GPU kernels for 200 "
-                        "engine steps in the middle (results LOAD-profiled; traces in OUT/vprof, summed by "
-                        "benchmarks/vllm_profile.py)")
+                   help="run this load once more after the others under the server's torch profiler (vLLM's "
+                        "--profiler-config, which detent-serve takes too): 200 engine steps after the first 300 "
+                        "(results LOAD-profiled; traces in OUT/vprof; kernels by family in "
+                        "SERVER-kernels-LOAD.json, benchmarks/vllm_profile.py)")
     r.add_argument("--pack", default="", help="also write every result and log to this .tgz (e.g. $OUT/load.tgz)")
     rep = sub.add_parser("report")
     rep.add_argument("dir")
     a = p.parse_args()
     if a.cmd == "run":
-        if a.profile_load and (a.server != "vllm" or a.profile_load not in a.loads.split(",")):
-            p.error("--profile-load names one of --loads, for --server vllm (Detent's steps: its counters, "
-                    "benchmarks/mixed_kernels.py)")
+        if a.profile_load and a.profile_load not in a.loads.split(","):
+            p.error("--profile-load names one of --loads")
         if not os.path.exists(os.path.join(a.model_dir, "config.json")):
             from wordlevel_model import write, write_weights
             write(a.model_dir)

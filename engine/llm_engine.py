@@ -41,6 +41,7 @@ from detent.engine.fingerprint import Fingerprint, fingerprint
 from detent.engine.isolation import find_culprits
 from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
+from detent.engine.profiler import StepProfiler
 from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams, tokenize_bad_words
@@ -125,6 +126,7 @@ class LLMEngine:
         self._launched_at: dict[int, float] = {}
         self._last_done = 0.0
         self._inflight = None  # the launched step not yet collected (async scheduling)
+        self.profiler = None  # engine/profiler.py StepProfiler, made by the first /start_profile
         self.async_scheduling = (self.state.device.type == "cuda" if config.async_scheduling is None
                                  else bool(config.async_scheduling))
         self._grammars = None  # GrammarCompilerCache, made on the first structured_outputs request
@@ -246,6 +248,20 @@ class LLMEngine:
         return out
 
     # ------------------------------------------------------------ the loop
+    def start_profile(self, cfg) -> dict:
+        """Arm a torch profiler window over the next steps (engine/profiler.py); between steps."""
+        with self._step_lock:
+            if self.profiler is None:
+                self.profiler = StepProfiler(cfg, self.state.device.type)
+            return {"started": self.profiler.start(), "delay_iterations": cfg.delay_iterations,
+                    "max_iterations": cfg.max_iterations}
+
+    def stop_profile(self) -> dict:
+        """End the window (its trace written); every trace written so far."""
+        with self._step_lock:
+            path = self.profiler.stop() if self.profiler is not None else None
+            return {"trace": path, "traces": list(self.profiler.traces) if self.profiler is not None else []}
+
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step; outputs (cumulative) of the
         requests that got a token or finished, `finished` set on the last.
@@ -274,6 +290,8 @@ class LLMEngine:
                     self._inflight = handle
                 else:
                     results += self._finish_step(handle)
+            if self.profiler is not None:
+                self.profiler.on_step()
             return results
 
     def _launch(self, plan, prev, results: list[RequestOutput]):

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from detent.server import chat, completions
 from detent.server.errors import (APIError, http_exception_handler, request_validation_handler, short_reason,
                                   unhandled_handler)
+from detent.server.profile import PROFILE_PATHS, add_profile_routes
 from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
 from detent.server.serving import ServerState, read_body
@@ -50,7 +51,7 @@ class DetentASGIMiddleware:
 
         key = self.state.api_key
         path = scope.get("path", "")
-        if key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+        if key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *PROFILE_PATHS)):
             auth = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
             scheme, _, given = auth.partition(" ")
             if not auth:
@@ -161,6 +162,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     add_weight_routes(app, state)
     add_verify_route(app, state)
+    add_profile_routes(app, state)
     wrapped = DetentASGIMiddleware(app, state)
     wrapped.fastapi = app  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]

@@ -96,6 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.limits = limits_from_args(a)
     except ValueError as e:
         p.error(str(e))
+    a.profiler = None
+    if a.profiler_config is not None:
+        from detent.engine.profiler import ProfilerConfig
+        try:
+            a.profiler = ProfilerConfig.from_json(a.profiler_config)
+        except ValueError as e:
+            p.error(str(e))
     return a
 
 
@@ -195,7 +202,7 @@ def build_state(a: argparse.Namespace):
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
         allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
         log_stats=not a.disable_log_stats, engine_fingerprint=fp, request_log=request_log,
-        sampling_defaults=defaults)
+        sampling_defaults=defaults, profiler_config=a.profiler)
 
 
 def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:

@@ -48,6 +48,7 @@ class ServerState:
     log_requests: bool = False  # --enable-log-requests: one INFO line per request (server/generation.py)
     engine_fingerprint: Any = None  # LLMEngine.fingerprint(): hashes, facts, tuple (request log, /v1/verify)
     request_log: Any = None  # --request-log: server/request_log.RequestLog
+    profiler_config: Any = None  # --profiler-config: engine/profiler.ProfilerConfig (server/profile.py)
 
     def __post_init__(self) -> None:
         if self.preprocess is None:

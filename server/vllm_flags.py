@@ -43,6 +43,10 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, requests, KV usage, prefix-cache hits; every "
                         "$DETENT_LOG_STATS_INTERVAL s, default 10)")
+    p.add_argument("--profiler-config", default=None, metavar="JSON",
+                   help="turn on POST /start_profile and /stop_profile: a torch profiler window over engine "
+                        "steps, e.g. '{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/tmp/prof\", "
+                        "\"delay_iterations\": 300, \"max_iterations\": 200}' (vLLM's keys)")
     p.add_argument("--trust-remote-code", action=_RefuseRemoteCode, help="refused: Detent runs no remote code")
     p.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' "
