@@ -14,7 +14,11 @@ one's bits:
 - softmax="exp2" with and without split_mask (FlashAttention's exponent form,
   in which the tiles every row sees whole can skip the mask: other bits than
   "exp", checked among its own);
-- block_n 128 (another KV tile: other bits, so checked among its own).
+- block_n 128 (another KV tile: other bits, so checked among its own);
+- where vLLM is importable (`--vllm-path`, the peer's install), vLLM's own
+  attention on the same step: its KV store (`reshape_and_cache_flash`) and
+  FlashAttention 3's varlen paged launch, as `vllm serve` runs them on the
+  H200 (its bits are its own: not checked).
 
     python3 benchmarks/attn_mixed.py --out $OUT/attn_mixed.json
 """
@@ -118,6 +122,28 @@ def variants(mixed: bool, decode: bool, long_m: int):
     return out
 
 
+def fa3(q, k, v, cache, meta, scale: float):
+    """vLLM's attention of the step (KV store, then FlashAttention 3 varlen over the paged
+    cache), or None where vLLM's package is not importable."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001
+        print("vLLM's attention not timed:", type(e).__name__, str(e)[:200], flush=True)
+        return None
+    kc, vc = cache[0], cache[1]
+    one = torch.ones((), device="cuda", dtype=torch.float32)
+    out = torch.empty_like(q)
+
+    def run():
+        ops.reshape_and_cache_flash(k, v, kc, vc, meta.slot_mapping, "auto", one, one)
+        flash_attn_varlen_func(q, kc, vc, max_seqlen_q=meta.max_seqlen_q, cu_seqlens_q=meta.query_start_loc,
+                               max_seqlen_k=meta.max_seqlen_k, seqused_k=meta.seq_lens, softmax_scale=scale,
+                               causal=True, block_table=meta.block_tables, out=out, fa_version=3)
+        return out
+    return run
+
+
 def run_case(name: str, seqs) -> dict:
     q, k, v, cache, meta = step(seqs)
     decode = all(ql == 1 for ql, _ in seqs)
@@ -141,6 +167,14 @@ def run_case(name: str, seqs) -> dict:
         if not torch.equal(y, refs.setdefault((kw["block_n"], kw.get("softmax", "exp")), y)):
             row["bits_differ"].append(key)
     ok = {c: t for c, t in row["us"].items() if isinstance(t, float)}
+    ref = fa3(q, k, v, cache, meta, 0.088)
+    if ref is not None:
+        try:
+            ref()
+            row["vllm_fa3_us"] = bench(ref, 50) * 1e3
+        except Exception as e:  # noqa: BLE001
+            row["vllm_fa3_us"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+        print(f"   vLLM (KV store + FA3): {row['vllm_fa3_us']}", flush=True)
     first = next(iter(ok))
     row["baseline"], row["baseline_us"] = first, ok[first]
     row["best"] = min((c for c in ok if not c.startswith("n128")), key=ok.get)
@@ -158,7 +192,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attn_mixed.json")
     ap.add_argument("--only", default="", help="comma-separated case-name prefixes")
+    ap.add_argument("--vllm-path", default="", help="where the vLLM peer is installed (e.g. /tmp/vsite): also time "
+                                                    "vLLM's attention on each step")
     a = ap.parse_args()
+    if a.vllm_path:
+        sys.path.insert(0, a.vllm_path)
     only = [x for x in a.only.split(",") if x]
     res = []
     for n, s in cases():

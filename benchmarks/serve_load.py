@@ -251,7 +251,7 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
     extra = server_args.split()
     if a.profile_load:  # the server's torch profiler (vLLM's flag; detent-serve takes it too), started by `--profile`
         from vllm_profile import server_flags
-        extra += server_flags(os.path.join(a.out, f"vprof{tag}"))
+        extra += server_flags(os.path.join(a.out, f"vprof-{a.server}{tag}"))
     proc = start_server(a.server, a.model_dir, port, extra, os.path.join(a.out, f"{a.server}{tag}.log"),
                         a.vllm_path, a.load_format)
     url = f"http://127.0.0.1:{port}"
@@ -324,7 +324,7 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
     if a.profile_load:  # one small JSON that `--pack` carries, not the traces
         from vllm_profile import summarize
         try:
-            kernels = summarize(os.path.join(a.out, f"vprof{tag}"))
+            kernels = summarize(os.path.join(a.out, f"vprof-{a.server}{tag}"))
         except SystemExit as e:  # the loads' results stand without it
             print(f"{a.server} kernels:", e, flush=True)
             return

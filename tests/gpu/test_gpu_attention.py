@@ -58,14 +58,16 @@ def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d, bm, rowsum):
     assert not torch.equal(y[0], full[1099])
 
 
+@pytest.mark.parametrize("split_mask", [False, True])
 @pytest.mark.parametrize("bm", [16, 64, 128])
-def test_exp2_with_unmasked_tiles_keeps_rows_invariant(bm):
-    # softmax="exp2" + split_mask (built after lease 15): which tiles skip the mask depends on
-    # where a row's q tile starts, so a row keeps its bits under other chunkings only if a
-    # masked and an unmasked tile do the same arithmetic on the GPU (with softmax="exp" they
-    # did not: the compiler contracted the scale into the exponent). Also equal to split_mask off
+def test_exp2_keeps_rows_invariant(bm, split_mask):
+    # softmax="exp2", alone and with split_mask (built after lease 15): which tiles skip the
+    # mask depends on where a row's q tile starts, so with split_mask a row keeps its bits
+    # under other chunkings only if a masked and an unmasked tile do the same arithmetic on
+    # the GPU (with softmax="exp" they did not: the compiler contracted the scale into the
+    # exponent). Also equal to split_mask off
     case = PagedCase([1100, 333, 64], h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=7)
-    kw = dict(block_m=bm, num_warps=8 if bm == 128 else 4, rowsum="mma", softmax="exp2", split_mask=True)
+    kw = dict(block_m=bm, num_warps=8 if bm == 128 else 4, rowsum="mma", softmax="exp2", split_mask=split_mask)
     full, (q, k, v, meta) = _run(case, [(0, 1100), (0, 333), (0, 64)], **kw)
     masked, _ = _run(case, [(0, 1100), (0, 333), (0, 64)], **{**kw, "split_mask": False})
     assert torch.equal(full, masked)
@@ -79,8 +81,10 @@ def test_exp2_with_unmasked_tiles_keeps_rows_invariant(bm):
             off = 0 if order[0] == 0 else 1
             assert torch.equal(y[off: off + 1100 - start], full[start:1100]), (start, order)
     for combine in ("sequential", "parallel"):
-        y, _ = _run(case, [(1099, 1100)], order=[0], combine=combine, **{**kw, "block_m": 16, "num_warps": 2})
-        assert torch.equal(y[0], full[1099]), combine
+        for nw, ns in ((2, 1), (2, 4)):  # the decode launches the program picks
+            y, _ = _run(case, [(1099, 1100)], order=[0], combine=combine,
+                        **{**kw, "block_m": 16, "num_warps": nw, "num_stages": ns})
+            assert torch.equal(y[0], full[1099]), (combine, nw, ns)
     # stock: the split size follows the batch (FA3-style) and the bits move
     y, _ = _run(case, [(1099, 1100)], order=[0], split_tokens=128, **{**kw, "block_m": 16, "num_warps": 2})
     assert not torch.equal(y[0], full[1099])
