@@ -1,6 +1,15 @@
 """A model directory with Llama-3.1 shapes (8B, or 70B with --70b) and a
-word-level tokenizer: word "t<i>" is token i, so a prompt of N words is N
-tokens exactly and load tests need no hub. Serve it with `--load-format dummy`.
+word-level tokenizer: word "t<i>" is token i (i >= 3; 0, 1 and 2 are "<unk>",
+"<s>" and "</s>"), so a prompt of N words is N tokens exactly and load tests
+need no hub. Serve it with `--load-format dummy`.
+
+The special tokens are not "t0", "t1" and "t2" (as before 2026-12-04): a
+tokenizer matches its special tokens inside words before it splits them, so
+"t100" encoded as "t1" + unknown, [1, 0]. `vllm bench serve`'s random prompts
+(runs of consecutive ids decoded to text and encoded again) then came back as
+[1, 0, 1, 0, ...] for every prompt whose run began with a "t1..." or
+"t2..." word: about 40 % of them, all the same, so both servers' prefix
+caches served them (vLLM logged hit rates of 27-48 % in lease 16).
 
     python3 benchmarks/wordlevel_model.py /tmp/wl8b
     python3 benchmarks/wordlevel_model.py /tmp/wl8b-w --weights   # + safetensors files
@@ -21,17 +30,22 @@ import os
 import sys
 
 
+UNK, BOS, EOS = "<unk>", "<s>", "</s>"  # no word holds them (see above)
+
+
 def write(d: str, big: bool = False, vocab: int = 128256) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     os.makedirs(d, exist_ok=True)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words = {f"t{i}": i for i in range(3, vocab)}
+    words.update({UNK: 0, BOS: 1, EOS: 2})
+    tok = Tokenizer(models.WordLevel(words, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
     tok.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t1", "eos_token": "t2",
-                   "unk_token": "t0", "model_max_length": 8192, "clean_up_tokenization_spaces": False}, f)
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+                   "unk_token": UNK, "model_max_length": 8192, "clean_up_tokenization_spaces": False}, f)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
            "hidden_size": 8192 if big else 4096, "intermediate_size": 28672 if big else 14336,
            "num_attention_heads": 64 if big else 32, "num_key_value_heads": 8,

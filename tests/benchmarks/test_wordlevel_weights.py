@@ -37,3 +37,17 @@ def test_written_checkpoint_equals_the_dummy_weights(tmp_path):
     # another seed gives other values: the comparison can fail
     other = load_model(cfg, dtype="bfloat16", load_format="dummy", seed=1).state_dict()
     assert not all(torch.equal(files[k], other[k]) for k in files)
+
+
+def test_every_word_encodes_to_its_own_id_as_vllm_bench_serve_sends_it(tmp_path):
+    # `vllm bench serve --dataset-name random`: a run of consecutive ids from a random
+    # offset, decoded to text and encoded again (transformers' tokenizer, special tokens
+    # matched first). With special tokens named "t0".."t2", "t100" came back as [1, 0]
+    from transformers import AutoTokenizer
+    d = wordlevel_model.write(str(tmp_path / "wl"), vocab=2000)
+    tok = AutoTokenizer.from_pretrained(d)
+    assert tok.all_special_ids and set(tok.all_special_ids) <= {0, 1, 2}
+    for start in (3, 97, 100, 1000, 1950):
+        ids = [3 + (start - 3 + i) % 1997 for i in range(64)]
+        assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids, start
+    assert tok.encode(tok.decode([100, 101]), add_special_tokens=False) != [1, 0]
