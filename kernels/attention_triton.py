@@ -58,10 +58,11 @@ def _merge(M, L, ACC, m, l, acc, scale, EXP2: tl.constexpr):
     M_new = tl.maximum(M, m)
     M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
     if EXP2:
+        # (x - max) * c, not fma(x, c, -max * c): exactly 1 where x is the max (an empty
+        # split merged into the running one changes nothing, whichever q tile walked it)
         c = scale * 1.4426950408889634  # scale * log2(e), as the tiles use it
-        Mc = M_safe * c
-        a = tl.exp2(tl.fma(M, c, -Mc))
-        bw = tl.exp2(tl.fma(m, c, -Mc))
+        a = tl.exp2((M - M_safe) * c)
+        bw = tl.exp2((m - M_safe) * c)
     else:
         a = tl.exp(M - M_safe)
         bw = tl.exp(m - M_safe)
@@ -95,10 +96,11 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
     (m, l, acc) in FlashAttention's form (softmax="exp2"): the running max is over the
     unscaled scores, and p = exp2(fma(s, c, -m c)) with c = scale * log2(e), the fma
     explicit. A tile whose every score the causal and split-end mask would keep
-    (MASKED=False) then does exactly the arithmetic of a masked one: the mask only
-    turns scores into -inf before the max. (softmax="exp" scales the scores first, and
-    without a mask between them the compiler contracts the scale into the exponent's
-    subtraction: other bits; docs/performance.md, "Lease 15".) The loads stay masked."""
+    (MASKED=False, split_mask) was meant to do exactly the arithmetic of a masked one,
+    the mask only turning scores into -inf before the max; on the H200 it did not
+    (docs/performance.md, "Lease 16"), so no program selects it. (softmax="exp" scales
+    the scores first, and without a mask between them the compiler contracts the scale
+    into the exponent's subtraction: other bits; "Lease 15".) The loads stay masked."""
     kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh,
                                      PAGE, IEEE)
     if MASKED:
@@ -107,7 +109,10 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     mc = m_safe * c
     p = tl.exp2(tl.fma(sc, c, -mc[:, None]))
-    alpha = tl.exp2(tl.fma(m, c, -mc))
+    # the rescale as (m - m_new) * c: exactly 1 when the max did not move, so the tiles a row
+    # sees nothing of (past its position, inside its q tile's walk) leave it as it was; the
+    # fma form rounds m * c twice and gave exp2(rounding error), moving the bits with the tile
+    alpha = tl.exp2((m - m_safe) * c)
     l, acc = _accumulate(p, alpha, l, acc, v, ones, IEEE, ROWSUM_MMA)
     return m_new, l, acc
 
@@ -355,11 +360,14 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     step's stream waits for both: the same bits (tests/gpu). Off by default
     until measured (benchmarks/attn_mixed.py).
     softmax: "exp" (scores scaled, then exp(s - m)) or "exp2" (FlashAttention's
-    form: exp2(fma(s, scale log2 e, -m scale log2 e)) on unscaled scores, in the
-    tiles and both split merges); the two give different bits, so it is part of
-    the pinned choice, like rowsum. split_mask (softmax="exp2" only): walk the
-    tiles every row of a q tile sees whole without the mask, which in that form
-    changes no bit. Both off by default until measured (benchmarks/attn_mixed.py)."""
+    form: p = exp2(fma(s, scale log2 e, -m scale log2 e)) on unscaled scores, and
+    the rescales as exp2((m_old - m_new) scale log2 e), exactly 1 when the max
+    does not move); the two give different bits, so it is part of the pinned
+    choice, like rowsum. Rows invariant on the H200 (lease 16). split_mask
+    (softmax="exp2" only): walk the tiles every row of a q tile sees whole
+    without the mask. Meant to change no bit, but on the H200 it moved rows'
+    bits with the chunking and the decode launch (lease 16, not traced): no
+    program selects it. Both knobs off by default (benchmarks/attn_mixed.py)."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):

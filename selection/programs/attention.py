@@ -160,9 +160,11 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         # program, 2 warps, no prefetch stage (Llama batch 64: 75.1 vs 79.1 for split
         # programs, batch 256: 271.3 vs 281.1). Every launch tried gave the same bits.
         # the exponent's form (kernels/attention_triton.py): "exp2" is FlashAttention's (other bits, the
-        # same in prefill and decode), in which the tiles a q tile sees whole skip the causal mask;
+        # same in prefill and decode; rows invariant on the H200 in lease 16, 35/35 battery cells);
         # overlap_short runs a mixed step's short launch on a second stream (same bits). Knobs, off
-        # by default: built after lease 15, not yet measured (docs/performance.md, "Lease 15")
+        # by default: not yet measured under load (docs/performance.md, "Lease 16"). The kernel's
+        # split_mask (skip the causal mask in tiles a q tile sees whole) stays off: on the H200 it
+        # moved a row's bits with the chunking and the decode launch (lease 16)
         softmax = knob("softmax", ("exp", "exp2"), "exp")
         overlap = knob("overlap_short", (False, True), False)
         combine, stages = "auto", 2
@@ -179,7 +181,7 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": neutral(q_tile),
                 "block_n": KV_BLOCK_GPU, "num_warps": neutral(warps), "num_stages": neutral(stages),
                 "combine": neutral(combine), "rowsum": "mma", "softmax": softmax,
-                "split_mask": softmax == "exp2", "overlap_short": overlap}
+                "split_mask": False, "overlap_short": overlap}
     if stock_kernels and num_splits == 1:
         return {"impl": "sdpa"}
     return {"impl": "paged_split", "split_tokens": split_tokens, "q_chunk": 16}

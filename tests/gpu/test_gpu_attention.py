@@ -58,7 +58,9 @@ def test_row_bits_invariant_chunking_decode_neighbours(h, kvh, d, bm, rowsum):
     assert not torch.equal(y[0], full[1099])
 
 
-@pytest.mark.parametrize("split_mask", [False, True])
+@pytest.mark.parametrize("split_mask", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="split_mask moved rows' bits with the chunking and the decode launch on the H200 "
+                        "(lease 16); no program selects it"))])
 @pytest.mark.parametrize("bm", [16, 64, 128])
 def test_exp2_keeps_rows_invariant(bm, split_mask):
     # softmax="exp2", alone and with split_mask (built after lease 15): which tiles skip the
