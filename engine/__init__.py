@@ -34,6 +34,10 @@ _LAZY = {
     "freeze_startup_heap": "detent.engine.core_process",
     "load_tokenizer": "detent.engine.loader",
     "update_weights_from_file": "detent.engine.weight_update",
+    # --profiler-config, POST /start_profile and /stop_profile (server/profile.py)
+    "ProfilerConfig": "detent.engine.profiler",
+    "start_profile": "detent.engine.profiler",
+    "stop_profile": "detent.engine.profiler",
     # the request log and its re-execution (docs/verify.md)
     "RecordError": "detent.engine.log_record",
     "parse_record": "detent.engine.log_record",

@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     a.profiler = None
     if a.profiler_config is not None:
-        from detent.engine.profiler import ProfilerConfig
+        from detent.engine import ProfilerConfig
         try:
             a.profiler = ProfilerConfig.from_json(a.profiler_config)
         except ValueError as e:

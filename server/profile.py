@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from detent.engine.profiler import start_profile, stop_profile
+from detent.engine import start_profile, stop_profile
 from detent.server.errors import APIError
 from detent.server.serving import ServerState
 
