@@ -10,7 +10,11 @@ result with the profile.
 `cost`: "engine" (default: `EngineCost`, the workload's steps timed on this
 engine), "kernels" (`KernelCost`, the profiled kernel calls timed one by
 one), or a function (installer, profiled calls) -> cost model; tests pass a
-fake one.
+fake one. `confirm`: None, "engine" or such a function: the search's winner
+and the default measured again on that model (the default before and after),
+and the default kept unless the winner is cheaper there; `detent tune --cost
+kernels` confirms on the engine, so a fast search still answers to the
+workload's own steps.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ SIGNATURE_INPUTS = 512  # per call site: the most called runtime inputs a repin'
 
 def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
          families: list[str] | None = None, repeats: int = 1, dedupe: bool = True,
+         confirm: str | Callable[[TupleInstaller, Calls], Any] | None = None,
          progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
     """dedupe: measure once for every set of assignments that select the same kernels and
     parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
@@ -68,7 +73,30 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
             raise ValueError(f"cost model must be 'engine', 'kernels' or a function, got {cost!r}")
         sigs = {s.family: _signature_fn(s, facts, calls) for s in spaces} if dedupe else None
         res = Search(base, model, facts, signatures=sigs, progress=progress, **search).run(spaces)
+        if confirm is not None and res.chosen.hash != base.hash:
+            check = EngineCost(inst, workload, repeats) if confirm == "engine" else confirm(inst, calls)
+            res = confirmed(res, base, check, progress)
     return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"))
+
+
+def confirmed(res: TuneResult, base, model, progress: Callable[[str], None]) -> TuneResult:
+    """The winner against the default on `model` (the whole workload; the default before and
+    after it, after one untimed run): the default stays unless the winner is cheaper."""
+    unit = getattr(model, "unit", "cost")
+    progress(f"confirming the tuned tuple against the default ({unit}; after one untimed run)")
+    model.measure(base, 1.0)
+    first = float(model.measure(base, 1.0))
+    tuned = float(model.measure(res.chosen, 1.0))
+    last = float(model.measure(base, 1.0))
+    default = (first + last) / 2
+    keep = tuned >= default
+    progress(f"  default {first:.4g} / {last:.4g}, tuned {tuned:.4g}: "
+             + ("kept the default" if keep else f"tuned is {100 * (1 - tuned / default):.1f}% cheaper"))
+    res.confirmed = {"unit": unit, "default": default, "default_first_last": [first, last], "tuned": tuned,
+                     "kept_default": keep}
+    if keep:
+        res.chosen, res.kept_default = base, True
+    return res
 
 
 def _signature_fn(space, facts: dict[str, Any], calls: Calls) -> Callable[[dict], Any]:

@@ -40,6 +40,9 @@ def add_subparsers(sub) -> None:
     p.add_argument("--interactions", type=int, default=3, help="extra mixes measured for the additivity check")
     p.add_argument("--cost", choices=("engine", "kernels"), default="engine", help="engine: time the workload's "
                    "steps on the engine (default); kernels: time the profiled kernel calls one by one (faster)")
+    p.add_argument("--confirm", choices=("engine", "none"), default=None, help="engine: measure the search's "
+                   "winner against the default on the engine (the workload's steps) and keep the default unless "
+                   "the winner is faster there (default with --cost kernels); none: take the search's word")
     p.add_argument("--no-dedupe", dest="dedupe", action="store_false", help="measure every candidate, also "
                    "those that select the same kernels and parameters on the profiled calls as one measured before")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement (the median counts)")
@@ -119,13 +122,16 @@ def _tune(a: argparse.Namespace) -> int:
     try:
         w = load_workload(a.workload, vocab=llm.llm_engine.limits().vocab_size, num_requests=a.num_requests,
                           max_len=a.max_len, seed=a.seed)
+        confirm = a.confirm or ("engine" if a.cost == "kernels" else "none")
         out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, dedupe=a.dedupe, progress=say,
+                   confirm=None if confirm == "none" else confirm,
                    max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction, refine=a.refine,
                    interactions=a.interactions, seed=a.seed)
         res, prof = out.result, out.profile
         res.chosen.save(a.output)
         meta = {"workload": w.name, "num_requests": len(w.requests), "model": a.model, "tp": a.tp,
                 "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "cost_model": a.cost,
+                "confirm": confirm,
                 "seconds": time.perf_counter() - t_start}
         report = report_dict(res, meta=meta, profile=profile_summary(prof), unit=out.unit)
         stem = a.output[:-5] if a.output.endswith(".json") else a.output
@@ -137,5 +143,10 @@ def _tune(a: argparse.Namespace) -> int:
         + (f", {a.plot or stem + '.png'}" if plotted else ""))
     print(f"default {res.base_cost:.4g}, tuned {report['measured_cost']:.4g} {out.unit} "
           f"(predicted {report['predicted_cost']:.4g}; additivity delta {100 * res.delta:.2f}%)"
-          + ("; kept the default tuple (the combined one measured slower)" if res.kept_default else ""))
+          + ("; kept the default tuple (the combined one measured slower)"
+             if report["measured_cost"] > res.base_cost else ""))
+    if res.confirmed:
+        c = res.confirmed
+        print(f"confirmed on the engine: default {c['default']:.4g}, tuned {c['tuned']:.4g} {c['unit']}"
+              + ("; kept the default" if c["kept_default"] else ""))
     return 0

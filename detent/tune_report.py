@@ -35,6 +35,7 @@ def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any
         "predicted_cost": combined["predicted"] if combined else res.base_cost,
         "measured_cost": combined["measured"] if combined else res.base_cost,
         "additivity": {"delta": res.delta, "checks": res.checks},
+        "confirmed": res.confirmed,
         "families": fams,
         "profile": profile,
     }

@@ -53,6 +53,9 @@ class TuneResult:
     chosen: CommitmentTuple
     kept_default: bool
     base_costs: tuple[float, float] = ()  # the default tuple measured first and last
+    # the search's winner against the default on a second cost model (tune(confirm=...)):
+    # {"unit", "default", "default_first_last", "tuned", "kept_default"}; None: not confirmed
+    confirmed: dict[str, Any] | None = None
 
     @property
     def delta(self) -> float:

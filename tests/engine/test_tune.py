@@ -281,3 +281,48 @@ def test_a_candidate_whose_graphs_did_not_capture_stops_the_tune(llm, monkeypatc
     with pytest.raises(GraphCaptureError, match=r"mixed_graphs: mixed-step capture failed .*--cost kernels"):
         inst.install(other)
     assert inst.current is None  # the next install tries again
+
+
+class Confirm:
+    """A second cost model for the confirmation: the default costs 10, every other tuple `tuned`."""
+
+    def __init__(self, base_hash: str, tuned: float):
+        self.base_hash, self.tuned, self.seen = base_hash, tuned, []
+
+    def measure(self, t: CommitmentTuple, fraction: float) -> float:
+        self.seen.append((t.hash == self.base_hash, fraction))
+        return 10.0 if t.hash == self.base_hash else self.tuned
+
+
+@pytest.mark.parametrize("tuned, keeps_default", [(12.0, True), (8.0, False)])
+def test_the_winner_is_confirmed_against_the_default_on_a_second_cost_model(llm, tuned, keeps_default):
+    # the search (a fake cost) picks BEST; the confirmation measures the default before and after
+    # the winner on the whole workload and keeps the default unless the winner is cheaper there
+    from detent.selection import default_tuple
+    from detent.tune_engine import engine_facts
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    fake = FakeCost(facts)
+    fake.default = {f: family_assignment(base, f) for f in ("gemm", "attention")}
+    check = Confirm(base.hash, tuned)
+    out = tune(llm, workload(), cost=lambda inst, calls: fake, confirm=lambda inst, calls: check,
+               max_candidates=64, refine=0, interactions=0)
+    res = out.result
+    assert check.seen == [(True, 1.0), (True, 1.0), (False, 1.0), (True, 1.0)]  # untimed, default, tuned, default
+    assert res.confirmed == {"unit": "cost", "default": 10.0, "default_first_last": [10.0, 10.0], "tuned": tuned,
+                             "kept_default": keeps_default}
+    assert res.kept_default is keeps_default
+    assert (res.chosen.hash == base.hash) is keeps_default
+    if not keeps_default:  # the search's combined winner
+        assert all(family_assignment(res.chosen, f) == r.chosen for f, r in res.families.items())
+
+
+def test_kernel_cost_search_confirmed_on_the_engine(llm):
+    out = tune(llm, workload(), cost="kernels", confirm="engine", families=["gemm"], max_candidates=2,
+               min_fraction=1.0, refine=0, interactions=0)
+    c = out.result.confirmed
+    if out.result.families["gemm"].chosen == out.result.families["gemm"].default:
+        assert c is None  # nothing to confirm: the search kept the default
+    else:
+        assert c["unit"] == "ms per output token" and c["default"] > 0 and c["tuned"] > 0
+        assert out.result.kept_default is c["kept_default"]
