@@ -52,8 +52,10 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # chosen token's logprob (raw or processed per row)
-    ranks: list[int]  # 1-based rank of the chosen token under the reported distribution
+    # chosen token's logprob (raw or processed per row) and its 1-based rank under the reported
+    # distribution; NaN and 0 on every row of a step in which no row asked for logprobs
+    logprobs: list[float]
+    ranks: list[int]
     topk_ids: list[list[int]] = field(default_factory=list)  # per row, up to its params.logprobs
     topk_logprobs: list[list[float]] = field(default_factory=list)
 
@@ -142,7 +144,10 @@ def _rows_to(vals: list, dtype: torch.dtype, dev) -> torch.Tensor:
 def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
     B, V = x_raw.shape
     dev = x_raw.device
-    raw_lp = ops.log_softmax(x_raw)  # [B, V] fp32
+    # the reported distribution's [B, V] passes (log-softmax, the chosen token's rank) only
+    # when some row reports logprobs: the tokens come from z alone
+    want_lp = any(r.params.logprobs is not None for r in rows)
+    raw_lp = ops.log_softmax(x_raw) if want_lp else None  # [B, V] fp32
     x = P.apply_request_masks(x_raw, rows)  # a copy only when some row is masked
     x = P.apply_penalties(x, rows)
     greedy = [r.params.greedy for r in rows]
@@ -179,6 +184,9 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
     if golden:
         toks = toks.index_copy(0, _rows_to(golden, torch.long, dev),
                                _rows_to([rows[j].golden_token for j in golden], torch.long, dev))
+    if not want_lp:  # nothing to report: NaN logprobs and rank 0, never read (OutputProcessor)
+        return PendingSample(toks, torch.stack([toks, torch.zeros_like(toks)], dim=1),
+                             torch.full((B, 1), float("nan"), device=dev), [0] * B)
     lp = raw_lp
     modes = [r.params.logprobs_mode for r in rows]
     for mode in set(modes) - {"raw"}:
@@ -207,6 +215,6 @@ def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:
 
 def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> SamplerOutput:
     """Raw logprobs of given tokens (prompt logprobs, trainer checks): row i scores token_ids[i]."""
-    p = SamplingParams(temperature=0.0, logprobs=k or None)
+    p = SamplingParams(temperature=0.0, logprobs=k)  # 0: the given token's own logprob and rank
     rows = [SamplingRow(p, seed=0, position=0, golden_token=int(t)) for t in token_ids]
     return sample(logits, rows)

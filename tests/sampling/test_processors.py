@@ -135,3 +135,22 @@ def test_a_huge_top_k_keeps_every_token_instead_of_overflowing():
     a = sample(logits, rows[:1])
     b = sample(logits, rows[1:])
     assert (a.token_ids, a.logprobs, a.topk_ids) == (b.token_ids, b.logprobs, b.topk_ids)
+
+
+def test_a_step_without_logprobs_skips_the_distribution_and_samples_the_same_tokens(monkeypatch):
+    # no row asks for logprobs: no [B, V] log-softmax (NaN logprobs, rank 0, never reported);
+    # one row asks: the whole step computes them as before. The tokens are the same either way
+    from detent.selection import ops
+    calls = []
+    real = ops.log_softmax
+    monkeypatch.setattr(ops, "log_softmax", lambda x: calls.append(x.shape) or real(x))
+    x = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
+    plain = [SamplingRow(SamplingParams(temperature=0.8, seed=i, top_k=20), seed=i, position=5) for i in range(4)]
+    out = sample(x, plain)
+    assert calls == [] and out.ranks == [0] * 4 and all(v != v for v in out.logprobs)  # NaN
+    asked = plain[:3] + [SamplingRow(SamplingParams(temperature=0.8, seed=3, top_k=20, logprobs=0), seed=3,
+                                     position=5)]
+    out2 = sample(x, asked)
+    assert calls == [(4, V)] and out2.token_ids == out.token_ids
+    assert out2.ranks[3] >= 1
+    assert abs(out2.logprobs[3] - torch.log_softmax(x[3].double(), -1)[out2.token_ids[3]].item()) < 1e-5
