@@ -332,6 +332,9 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
             json.dump(kernels, f, indent=1)
         print(f"{a.server} kernels:", json.dumps({k: round(v, 1) for k, v in kernels["families_ms"].items()}),
               f"window {kernels['window_ms']:.0f} ms", flush=True)
+        for step, d in kernels.get("by_step", {}).items():  # Detent's step ranges
+            print(f"  {step}: {d['ranges']} steps,", json.dumps({k: round(v, 1) for k, v in d["families_ms"].items()}),
+                  flush=True)
 
 
 def write_summary(path: str, summary: dict) -> None:

@@ -12,15 +12,20 @@ one load and sums the trace's GPU kernels.
 
 The summary: the window (first kernel start to last kernel end), the kernels' total,
 the same split into families by name (`kernel_families.py`, the table
-`mixed_kernels.py` uses for Detent's kernels), and the top kernels.
+`mixed_kernels.py` uses for Detent's kernels), and the top kernels. Where the trace
+holds Detent's step ranges (`detent.step.decode`, `.mixed`, `.prefill`: each step's
+launch, engine/profiler.py), `by_step` splits the kernel time by the step kind that
+launched it: a kernel links to its launch call by its correlation id.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import glob
 import gzip
 import json
 import os
+from collections import Counter
 
 from kernel_families import family
 
@@ -36,8 +41,8 @@ def summarize(trace_dir: str, top: int = 30) -> dict:
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json*"), recursive=True))
     if not paths:
         raise SystemExit(f"no trace under {trace_dir}: was the server started with --profiler-config?")
-    kernels = [e for p in paths for e in _events(p)
-               if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
+    events = [e for p in paths for e in _events(p)]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
     if not kernels:
         raise SystemExit(f"the traces under {trace_dir} hold no GPU kernel")
     start = min(e["ts"] for e in kernels)
@@ -54,7 +59,40 @@ def summarize(trace_dir: str, top: int = 30) -> dict:
     return {"traces": [os.path.relpath(p, trace_dir) for p in paths], "window_ms": (end - start) / 1e3,
             "kernel_ms": sum(ms for ms, _ in by_name.values()),
             "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [[name[:120], ms, n] for name, (ms, n) in ranked[:top]]}
+            "top_kernels": [[name[:120], ms, n] for name, (ms, n) in ranked[:top]],
+            **({"by_step": steps} if (steps := by_annotation(events, kernels, STEP_PREFIX)) else {})}
+
+
+STEP_PREFIX = "detent.step."
+
+
+def by_annotation(events: list[dict], kernels: list[dict], prefix: str) -> dict:
+    """Kernel time by the host range named `prefix...` that launched it: {name: {"ranges",
+    "kernel_ms", "families_ms"}}, "unattributed" for kernels launched outside every range;
+    empty when the trace has no such range. A kernel's launch is the runtime or driver call
+    with its correlation id (cudaLaunchKernel, cudaGraphLaunch, ...)."""
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                    if e.get("ph") == "X" and e.get("cat") == "user_annotation" and "dur" in e
+                    and e.get("name", "").startswith(prefix))
+    if not ranges:
+        return {}
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    starts = [r[0] for r in ranges]
+    counts = Counter(r[2] for r in ranges)
+    out: dict[str, dict] = {}
+    for k in kernels:
+        t = launched.get(k.get("args", {}).get("correlation"))
+        name = "unattributed"
+        if t is not None:
+            i = bisect.bisect_right(starts, t) - 1
+            if i >= 0 and t <= ranges[i][1]:
+                name = ranges[i][2]
+        d = out.setdefault(name, {"ranges": counts.get(name, 0), "kernel_ms": 0.0, "families_ms": {}})
+        ms = k["dur"] / 1e3
+        d["kernel_ms"] += ms
+        d["families_ms"][family(k["name"])] = d["families_ms"].get(family(k["name"]), 0.0) + ms
+    return out
 
 
 def server_flags(trace_dir: str, delay_iterations: int = 300, max_iterations: int = 200) -> list[str]:

@@ -301,9 +301,14 @@ class LLMEngine:
         while not plan.is_empty:
             try:
                 t0 = time.perf_counter()
-                handle = self.runner.launch(plan, prev)
+                kind = step_kind(plan)
+                if self.profiler is None:
+                    handle = self.runner.launch(plan, prev)
+                else:
+                    with self.profiler.annotate(f"detent.step.{kind}"):
+                        handle = self.runner.launch(plan, prev)
                 self._launched_at[id(handle)] = t1 = time.perf_counter()
-                c = self._step_kinds[step_kind(plan)]
+                c = self._step_kinds[kind]
                 c[4] += t1 - t0
                 split = getattr(handle, "launch_split", None)  # ModelRunner's StepHandle; not every runner's
                 if split is not None:

@@ -4,12 +4,15 @@ and `POST /stop_profile`, as `vllm serve` has them (docs/server.md).
 A window records the host's ops and the device's kernels (through CUPTI; kernels replayed
 from CUDA graphs included) for `max_iterations` engine steps after `delay_iterations`, then
 writes one Chrome trace into `torch_profiler_dir` (`benchmarks/vllm_profile.py` sums a
-trace's kernels by family, for vLLM's traces and Detent's alike). The profiler runs where
+trace's kernels by family, for vLLM's traces and Detent's alike). Each step's launch is a
+host range `detent.step.KIND` (decode, mixed, prefill), so Detent's kernel time also splits
+by step kind. The profiler runs where
 the engine steps (the core process under `detent-serve`); at tp > 1 it sees rank 0's host
 and the kernels CUPTI reports to that process.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -102,6 +105,15 @@ class StepProfiler:
                 self._end()
         elif self._seen >= self.cfg.delay_iterations:
             self._begin()
+
+    def annotate(self, name: str):
+        """While recording, a host range named `name` (the step's launch: the kernels it launches,
+        CUDA-graph replays included, link to it by their correlation ids, so a trace's kernel
+        time splits by step kind; benchmarks/vllm_profile.py `by_annotation`)."""
+        if self._prof is None:
+            return contextlib.nullcontext()
+        from torch.profiler import record_function
+        return record_function(name)
 
     def stop(self) -> str | None:
         """End the window: the trace's path, or None if nothing was recorded yet."""

@@ -301,7 +301,34 @@ def test_vllm_profile_sums_a_traces_kernels_by_family(tmp_path):
     s = vllm_profile.summarize(str(tmp_path))
     assert s["families_ms"] == {"gemm": 2.0, "attention": 0.5, "norm": 0.3, "kv_store": 0.1}
     assert s["window_ms"] == 2.9 and s["kernel_ms"] == 2.9 and s["top_kernels"][0][1:] == [2.0, 1]
+    assert "by_step" not in s  # vLLM's trace: no step ranges
     flags = vllm_profile.server_flags(str(tmp_path / "p"))
     assert flags[0] == "--profiler-config" and json.loads(flags[1])["profiler"] == "torch"
     with pytest.raises(SystemExit, match="no trace"):
         vllm_profile.summarize(str(tmp_path / "empty"))
+
+
+def test_detent_step_ranges_split_the_kernel_time_by_step_kind(tmp_path):
+    # each step's launch is a host range (engine/profiler.py); a kernel belongs to the range
+    # holding the runtime call with its correlation id (a CUDA-graph launch too)
+    import json
+
+    import vllm_profile
+    ann = lambda name, ts, dur: {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    call = lambda c, ts: {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 1,  # noqa: E731
+                          "args": {"correlation": c}}
+    kern = lambda c, name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                     "args": {"correlation": c}}
+    ev = [ann("detent.step.mixed", 0, 100), call(1, 10), call(2, 20), ann("detent.step.decode", 200, 50),
+          call(3, 210), call(4, 400),
+          kern(1, "_tma_matmul_kernel", 300, 4000), kern(2, "_paged_attn_kernel", 4300, 2000),
+          kern(3, "_tma_matmul_kernel", 6300, 1000), kern(4, "_rms_norm_kernel", 7300, 100),
+          kern(9, "_rope_kernel", 7400, 50)]  # no launch call in the trace
+    (tmp_path / "w").mkdir()
+    with open(tmp_path / "w" / "detent-1.pt.trace.json", "w") as f:
+        json.dump({"traceEvents": ev}, f)
+    s = vllm_profile.summarize(str(tmp_path))
+    assert s["by_step"] == {
+        "detent.step.mixed": {"ranges": 1, "kernel_ms": 6.0, "families_ms": {"gemm": 4.0, "attention": 2.0}},
+        "detent.step.decode": {"ranges": 1, "kernel_ms": 1.0, "families_ms": {"gemm": 1.0}},
+        "unattributed": {"ranges": 0, "kernel_ms": pytest.approx(0.15), "families_ms": {"norm": 0.1, "rope": 0.05}}}

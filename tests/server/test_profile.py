@@ -45,6 +45,9 @@ def test_a_window_records_the_engine_steps_it_was_given_and_writes_one_trace(tin
         with gzip.open(traces[0], "rt") as f:
             events = json.load(f)["traceEvents"]
         assert any(e.get("cat") == "cpu_op" for e in events)
+        steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("detent.step.")]
+        assert steps and {e["name"] for e in steps} <= {"detent.step.decode", "detent.step.mixed",
+                                                         "detent.step.prefill"}
         # a window closed by /stop_profile before its steps ran out
         assert httpx.post(s.url + "/start_profile", headers=AUTH, timeout=30).json()["started"]
         _complete(s.url, 4)  # 4 steps: 2 skipped, 2 recorded
