@@ -89,10 +89,11 @@ def _get(url: str, timeout: float = 5.0) -> int:
         return 0
 
 
-def seed_for(load: str) -> int:
+def seed_for(load: str, profiled: bool = False) -> int:
     """The load's prompt seed, from its name: a run of some of the loads (`--loads`) sends
-    the same prompts as a run of all of them."""
-    return list(LOADS).index(load) + 1
+    the same prompts as a run of all of them. The profiled rerun (`--profile-load`) draws
+    other prompts than every load's: with its load's own, the prefix cache would serve them."""
+    return list(LOADS).index(load) + 1 + (len(LOADS) if profiled else 0)
 
 
 def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
@@ -295,8 +296,8 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
                 th.start()
             before = step_kinds(url)
             label = name + ("-profiled" if profiled else "")
-            r = bench(port, a.model_dir, args, n, ds, seed_for(name), a.out, f"{a.server}-{label}{tag}", sharegpt,
-                      a.vllm_path, worker)
+            r = bench(port, a.model_dir, args, n, ds, seed_for(name, profiled), a.out, f"{a.server}-{label}{tag}",
+                      sharegpt, a.vllm_path, worker)
             stop.set()
             time.sleep(1.0)  # the idle core's stats snapshot
             after = step_kinds(url)

@@ -89,9 +89,9 @@ def by_annotation(events: list[dict], kernels: list[dict], prefix: str) -> dict:
             if i >= 0 and t <= ranges[i][1]:
                 name = ranges[i][2]
         d = out.setdefault(name, {"ranges": counts.get(name, 0), "kernel_ms": 0.0, "families_ms": {}})
-        ms = k["dur"] / 1e3
+        ms, fam = k["dur"] / 1e3, family(k["name"])
         d["kernel_ms"] += ms
-        d["families_ms"][family(k["name"])] = d["families_ms"].get(family(k["name"]), 0.0) + ms
+        d["families_ms"][fam] = d["families_ms"].get(fam, 0.0) + ms
     return out
 
 

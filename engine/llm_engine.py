@@ -259,8 +259,10 @@ class LLMEngine:
     def stop_profile(self) -> dict:
         """End the window (its trace written); every trace written so far."""
         with self._step_lock:
-            path = self.profiler.stop() if self.profiler is not None else None
-            return {"trace": path, "traces": list(self.profiler.traces) if self.profiler is not None else []}
+            if self.profiler is None:
+                return {"trace": None, "traces": []}
+            path = self.profiler.stop()
+            return {"trace": path, "traces": list(self.profiler.traces)}
 
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step; outputs (cumulative) of the

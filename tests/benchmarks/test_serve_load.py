@@ -332,3 +332,47 @@ def test_detent_step_ranges_split_the_kernel_time_by_step_kind(tmp_path):
         "detent.step.mixed": {"ranges": 1, "kernel_ms": 6.0, "families_ms": {"gemm": 4.0, "attention": 2.0}},
         "detent.step.decode": {"ranges": 1, "kernel_ms": 1.0, "families_ms": {"gemm": 1.0}},
         "unattributed": {"ranges": 0, "kernel_ms": pytest.approx(0.15), "families_ms": {"norm": 0.1, "rope": 0.05}}}
+
+
+def test_the_profiled_load_runs_last_on_prompts_no_load_sent(tmp_path, monkeypatch):
+    # the profiled rerun comes after every load, with --profile, under its own name, and with a
+    # seed no load (nor the warm-up) uses: the same prompts again would be the prefix cache's
+    benched = []
+
+    class Proc:
+        def poll(self):
+            return None
+
+    class Worker:
+        def __init__(self, env, log):
+            pass
+
+        def close(self):
+            pass
+
+        def dead(self):
+            return False
+
+    monkeypatch.setattr(serve_load, "start_server", lambda *args: Proc())
+    monkeypatch.setattr(serve_load, "stop_server", lambda proc: None)
+    monkeypatch.setattr(serve_load, "BenchWorker", Worker)
+    monkeypatch.setattr(serve_load, "_get", lambda url, timeout=5.0: 200)
+    monkeypatch.setattr(serve_load, "_post", lambda url, body: {"choices": [{"text": "x"}]})
+    monkeypatch.setattr(serve_load, "step_kinds", lambda url: {})
+    monkeypatch.setattr(serve_load.time, "sleep", lambda s: None)
+    monkeypatch.setattr(serve_load, "bench", lambda port, md, args, n, ds, seed, out, name, sg, vp, worker: benched.append(
+        (name, seed, "--profile" in args)) or {"output_throughput": 1.0})
+    monkeypatch.setattr(serve_load, "write_sharegpt", lambda path: path)
+    monkeypatch.setattr(serve_load.signal, "signal", lambda *args: None)
+    a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1,c16",
+                                      server_args="", tag="", vllm_path="", startup_timeout=5, pack="", arm=[],
+                                      load_format="dummy", profile_load="c1")
+    serve_load.run(a)  # no trace is written here: the summary step says so and the loads stand
+    names = [n for n, _, _ in benched]
+    assert names == ["detent-warmup", "detent-c1", "detent-c16", "detent-c1-profiled"]
+    assert [p for _, _, p in benched] == [False, False, False, True]
+    seeds = [s for _, s, _ in benched]
+    assert seeds[3] not in seeds[:3] and seeds[3] not in {serve_load.seed_for(n) for n in serve_load.LOADS}
+    import json
+    s = json.loads((tmp_path / "summary-detent.json").read_text())
+    assert set(s["loads"]) == {"c1", "c16", "c1-profiled"}
