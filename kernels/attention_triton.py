@@ -154,8 +154,10 @@ def _paged_attn_kernel(
         BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
         PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr,
         SHORT: tl.constexpr, SKIP_Q: tl.constexpr, EXP2: tl.constexpr = False,
-        SPLIT_MASK: tl.constexpr = False):
+        SPLIT_MASK: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False):
     qtile = tl.program_id(0)
+    if HEAVY_FIRST:  # the blocks start in program order: the longest causal walks first
+        qtile = tl.num_programs(0) - 1 - qtile
     kvh = tl.program_id(1)
     if DECODE:  # one query per sequence: q tile b is sequence b (no search, no idle tiles)
         b = qtile
@@ -343,7 +345,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                            num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
                            short_launch: bool = True, overlap_short: bool = False, softmax: str = "exp",
-                           split_mask: bool = False) -> torch.Tensor:
+                           split_mask: bool = False, tile_order: str = "heavy_first") -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
     short_launch: in a step whose tile is taller than 16 rows (a long chunk's
@@ -367,7 +369,12 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     (softmax="exp2" only): walk the tiles every row of a q tile sees whole
     without the mask. Meant to change no bit, but on the H200 it moved rows'
     bits with the chunking and the decode launch (lease 16, not traced): no
-    program selects it. Both knobs off by default (benchmarks/attn_mixed.py)."""
+    program selects it. Both knobs off by default (benchmarks/attn_mixed.py).
+    tile_order: "heavy_first" (the long launch's programs take their q tiles
+    last to first, so a sequence's longest causal walks start in the first wave
+    and the last wave holds short ones, as FlashAttention orders them) or
+    "ascending" (kept for benchmarks/attn_mixed.py's comparison). Each program's
+    arithmetic follows its q tile alone: the same bits (tests/gpu)."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -377,6 +384,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     if split_mask and softmax != "exp2":
         raise ValueError(f"{name}: split_mask needs softmax='exp2' (with 'exp' an unmasked tile rounds "
                          f"otherwise than a masked one)")
+    if tile_order not in ("heavy_first", "ascending"):
+        raise ValueError(f"{name}: tile_order={tile_order!r} must be 'heavy_first' or 'ascending'")
     store_kv_triton(k, v, kv_cache, meta.slot_mapping)
     t, h, d = q.shape
     kvh = k.shape[1]
@@ -412,7 +421,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
         ps = pas = (0, 0, 0)
     _paged_attn_kernel[(n_qtiles, kvh, max_splits if parallel else 1)](
         *common, pm, pl, pacc, *tail, *ps, *pas, BLOCK_M=block_m, BLOCK_Q=block_q, PARALLEL=parallel,
-        DECODE=decode, SHORT=False, SKIP_Q=skip_q, **flags, num_warps=num_warps, num_stages=num_stages)
+        DECODE=decode, SHORT=False, SKIP_Q=skip_q, HEAVY_FIRST=tile_order == "heavy_first" and not decode, **flags,
+        num_warps=num_warps, num_stages=num_stages)
     if parallel:
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, skip_q,
                                 out.stride(0), out.stride(1), *ps, *pas, float(scale), D=d, SPLIT=split_tokens,

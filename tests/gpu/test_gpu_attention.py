@@ -170,3 +170,16 @@ def test_a_short_launch_of_512_programs_keeps_the_decode_steps_bits():
     dec, _ = _run(case, [(0, 0)] + chunks[1:], order=list(range(1, 70)), block_m=16, num_warps=2,
                   num_stages=1, combine="sequential", rowsum="mma", split_tokens=256)
     assert torch.equal(y[700:], dec)
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+def test_heavy_first_tile_order_keeps_every_row(bm):
+    # the long launch takes its q tiles last to first (the longest causal walks in the first
+    # wave): every row, prompt and decode, keeps the ascending order's bits
+    lens = [2048, 700, 1100] + [300 + 17 * i for i in range(40)]
+    case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=23)
+    chunks = [(0, 2048), (0, 700), (400, 1100)] + [(n - 1, n) for n in lens[3:]]
+    kw = dict(block_m=bm, num_warps=8 if bm == 128 else 4, rowsum="mma")
+    heavy, _ = _run(case, chunks, **kw)
+    asc, _ = _run(case, chunks, tile_order="ascending", **kw)
+    assert not heavy.isnan().any() and torch.equal(heavy, asc)

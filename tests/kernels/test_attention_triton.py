@@ -220,3 +220,15 @@ def test_the_short_launch_takes_the_decode_launchs_warps_from_512_programs():
                        if v[4]}
     assert short(few) == {("paged", 16, False, False, True, 0, 4, 2)}
     assert short(many) == {("paged", 16, False, False, True, 0, 2, 1)}
+
+
+def test_heavy_first_tile_order_gives_the_ascending_orders_bits():
+    # the long launch's programs take their q tiles last to first: the same rows, same bits
+    case = PagedCase([40, 23, 9], h=4, kvh=2, d=16, block_size=8, seed=29)
+    chunks = [(0, 40), (8, 23), (8, 9)]
+    kw = dict(split_tokens=16, block_m=16, block_n=16, combine="sequential")
+    heavy, _ = _run(case, chunks, **kw)
+    asc, _ = _run(case, chunks, tile_order="ascending", **kw)
+    assert not heavy.isnan().any() and torch.equal(heavy, asc)
+    with pytest.raises(ValueError, match="tile_order"):
+        _run(case, chunks, tile_order="random", **kw)
