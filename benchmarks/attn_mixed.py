@@ -11,7 +11,8 @@ one's bits:
 - the long launch's q tile, warps and stages, the short launch's warps and
   stages, the decode launch's warps, stages and combine (all neutral);
 - the long launch's q tiles first to last (`tile_order="ascending"`) against
-  the default last to first (neutral);
+  the default last to first, and a loop per KV split (`tile_loop="nested"`)
+  against the default one loop over a program's tiles (all neutral);
 - the short launch on a second stream beside the long one (`overlap_short`);
 - softmax="exp2" with and without split_mask (FlashAttention's exponent form,
   in which the tiles every row sees whole can skip the mask: other bits than
@@ -98,6 +99,10 @@ def variants(mixed: bool, decode: bool, long_m: int):
                                  (4, 2, "parallel")):
                 out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}",
                             dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb), None))
+            for nw, ns, comb in ((2, 1, "sequential"), (2, 4, "parallel"), (4, 2, "sequential")):
+                out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}_nested",
+                            dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb, tile_loop="nested"),
+                            None))
             for nw, ns, comb in ((2, 1, "sequential"), (2, 4, "parallel")):
                 for sm in (False, True):
                     out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}_exp2{'_smask' if sm else ''}",
@@ -106,10 +111,14 @@ def variants(mixed: bool, decode: bool, long_m: int):
             continue
         for (bm, nw, ns) in ((long_m, 8 if long_m == 128 else 4, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3)):
             out.append((f"{tag}m{bm}_w{nw}_st{ns}", dict(base, block_m=bm, num_warps=nw, num_stages=ns), None))
-        for bm in (long_m, 64) if long_m != 64 else (64,):  # the q tiles first to last (before lease 17)
-            out.append((f"{tag}m{bm}_w{8 if bm == 128 else 4}_st2_ascending",
-                        dict(base, block_m=bm, num_warps=8 if bm == 128 else 4, num_stages=2,
-                             tile_order="ascending"), None))
+        # before lease 17: the q tiles first to last, a loop per split
+        for bm in (long_m, 64) if long_m != 64 else (64,):
+            for order, loop in (("ascending", "nested"), ("heavy_first", "nested"), ("ascending", "flat")):
+                out.append((f"{tag}m{bm}_w{8 if bm == 128 else 4}_st2_{order}_{loop}",
+                            dict(base, block_m=bm, num_warps=8 if bm == 128 else 4, num_stages=2,
+                                 tile_order=order, tile_loop=loop), None))
+        for bm, nw, ns in ((long_m, 8 if long_m == 128 else 4, 4), (64, 4, 4), (64, 8, 3)):
+            out.append((f"{tag}m{bm}_w{nw}_st{ns}", dict(base, block_m=bm, num_warps=nw, num_stages=ns), None))
         if mixed:  # the first long launch, with each short launch, and the program's beside it on a stream
             for sw, ss in ((2, 1), (2, 2), (4, 1), (4, 2)):
                 out.append((f"{tag}m{long_m}_short_w{sw}_st{ss}",

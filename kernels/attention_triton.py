@@ -118,6 +118,24 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
 
 
 @triton.jit
+def _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones, scale, sc_blk, sc_off, sc_h,
+                 kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+    """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into a split's online softmax
+    (m, l, acc), softmax="exp": the scores scaled, masked (causal, and inside the split:
+    a split size that is not a multiple of BLOCK_N ends inside a tile), then exp(s - m)."""
+    kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh,
+                                     PAGE, IEEE)
+    sc = sc * scale
+    sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(sc - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    l, acc = _accumulate(p, alpha, l, acc, v, ones, IEEE, ROWSUM_MMA)
+    return m_new, l, acc
+
+
+@triton.jit
 def _accumulate(p, alpha, l, acc, v, ones, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     """A tile's probabilities p into the split's row sum l and output acc, both rescaled by
     alpha. The row sum goes through the MMA (p @ ones, then an exact max over 16 equal
@@ -154,7 +172,7 @@ def _paged_attn_kernel(
         BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
         PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr,
         SHORT: tl.constexpr, SKIP_Q: tl.constexpr, EXP2: tl.constexpr = False,
-        SPLIT_MASK: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False):
+        SPLIT_MASK: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False, FLAT: tl.constexpr = False):
     qtile = tl.program_id(0)
     if HEAVY_FIRST:  # the blocks start in program order: the longest causal walks first
         qtile = tl.num_programs(0) - 1 - qtile
@@ -211,47 +229,66 @@ def _paged_attn_kernel(
         M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         L = tl.zeros((BLOCK_M,), tl.float32)
         ACC = tl.zeros((BLOCK_M, D), tl.float32)
-        for s in range(s_first, s_last):
+        if FLAT:
+            # the same tiles, splits and merges in one loop over the KV tiles (SPLIT a multiple
+            # of BLOCK_N): the compiler's pipeline prefetches across split ends, which a loop
+            # per split (4 tiles at 256 / 64) restarts
             m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l = tl.zeros((BLOCK_M,), tl.float32)
             acc = tl.zeros((BLOCK_M, D), tl.float32)
-            kv_hi = tl.minimum((s + 1) * SPLIT, max_pos + 1)
-            if EXP2:
-                # the split's tiles in order: with SPLIT_MASK first those every row of the q
-                # tile sees whole (no mask), then the rest masked; the same arithmetic either way
-                c = scale * 1.4426950408889634
-                j_full = s * SPLIT
-                if SPLIT_MASK:
-                    j_full += tl.maximum(tl.minimum(kv_hi, ctx + q_blk * BLOCK_Q + 1) - s * SPLIT, 0) \
-                        // BLOCK_N * BLOCK_N
-                    for j0 in range(s * SPLIT, j_full, BLOCK_N):
-                        m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
-                                                  ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, False)
-                for j0 in range(j_full, kv_hi, BLOCK_N):
+            c = scale * 1.4426950408889634
+            for j0 in range(s_first * SPLIT, tl.minimum(s_last * SPLIT, max_pos + 1), BLOCK_N):
+                kv_hi = tl.minimum((j0 // SPLIT + 1) * SPLIT, max_pos + 1)  # this tile's split's end
+                if EXP2:
                     m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
                                               ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
-            else:
-                for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
-                    kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk,
-                                                     sc_off, sc_h, kvh, PAGE, IEEE)
-                    sc = sc * scale
-                    # causal, and inside this split (a split size that is not a
-                    # multiple of BLOCK_N ends inside a tile)
-                    sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(sc, axis=1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp(sc - m_safe[:, None])
-                    alpha = tl.exp(m - m_safe)
-                    l, acc = _accumulate(p, alpha, l, acc, v, ones, IEEE, ROWSUM_MMA)
-                    m = m_new
-            if PARALLEL:
-                ps = tl.cast(s, tl.int64)
-                tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
-                tl.store(pl_ptr + ps * sp_s + tok * sp_t + head * sp_h, l, mask=row_ok)
-                tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :],
-                         acc, mask=row_ok[:, None])
-            else:
-                M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)
+                else:
+                    m, l, acc = _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones,
+                                             scale, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA)
+                if j0 + BLOCK_N >= kv_hi:  # the split's last tile
+                    if PARALLEL:
+                        ps = tl.cast(j0 // SPLIT, tl.int64)
+                        tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
+                        tl.store(pl_ptr + ps * sp_s + tok * sp_t + head * sp_h, l, mask=row_ok)
+                        tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :],
+                                 acc, mask=row_ok[:, None])
+                    else:
+                        M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)
+                    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                    l = tl.zeros((BLOCK_M,), tl.float32)
+                    acc = tl.zeros((BLOCK_M, D), tl.float32)
+        else:
+            for s in range(s_first, s_last):
+                m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                l = tl.zeros((BLOCK_M,), tl.float32)
+                acc = tl.zeros((BLOCK_M, D), tl.float32)
+                kv_hi = tl.minimum((s + 1) * SPLIT, max_pos + 1)
+                if EXP2:
+                    # the split's tiles in order: with SPLIT_MASK first those every row of the q
+                    # tile sees whole (no mask), then the rest masked; the same arithmetic either way
+                    c = scale * 1.4426950408889634
+                    j_full = s * SPLIT
+                    if SPLIT_MASK:
+                        j_full += tl.maximum(tl.minimum(kv_hi, ctx + q_blk * BLOCK_Q + 1) - s * SPLIT, 0) \
+                            // BLOCK_N * BLOCK_N
+                        for j0 in range(s * SPLIT, j_full, BLOCK_N):
+                            m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
+                                                      ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, False)
+                    for j0 in range(j_full, kv_hi, BLOCK_N):
+                        m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
+                                                  ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
+                else:
+                    for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
+                        m, l, acc = _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones,
+                                                 scale, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA)
+                if PARALLEL:
+                    ps = tl.cast(s, tl.int64)
+                    tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
+                    tl.store(pl_ptr + ps * sp_s + tok * sp_t + head * sp_h, l, mask=row_ok)
+                    tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :],
+                             acc, mask=row_ok[:, None])
+                else:
+                    M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)
         if not PARALLEL:
             out = ACC / L[:, None]
             tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
@@ -345,7 +382,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                            num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
                            short_launch: bool = True, overlap_short: bool = False, softmax: str = "exp",
-                           split_mask: bool = False, tile_order: str = "heavy_first") -> torch.Tensor:
+                           split_mask: bool = False, tile_order: str = "heavy_first",
+                           tile_loop: str = "flat") -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
     short_launch: in a step whose tile is taller than 16 rows (a long chunk's
@@ -374,7 +412,13 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     last to first, so a sequence's longest causal walks start in the first wave
     and the last wave holds short ones, as FlashAttention orders them) or
     "ascending" (kept for benchmarks/attn_mixed.py's comparison). Each program's
-    arithmetic follows its q tile alone: the same bits (tests/gpu)."""
+    arithmetic follows its q tile alone: the same bits (tests/gpu).
+    tile_loop: "flat" (one loop over a program's KV tiles, merging at each
+    split's last tile, so the compiler's software pipeline runs across split
+    ends) or "nested" (a loop per split, as before lease 17, kept for
+    benchmarks/attn_mixed.py's comparison). The same operations on the same
+    values (tests/gpu); a split size that is not a multiple of block_n, or
+    split_mask, walks the nested loops."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -386,6 +430,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
                          f"otherwise than a masked one)")
     if tile_order not in ("heavy_first", "ascending"):
         raise ValueError(f"{name}: tile_order={tile_order!r} must be 'heavy_first' or 'ascending'")
+    if tile_loop not in ("flat", "nested"):
+        raise ValueError(f"{name}: tile_loop={tile_loop!r} must be 'flat' or 'nested'")
     store_kv_triton(k, v, kv_cache, meta.slot_mapping)
     t, h, d = q.shape
     kvh = k.shape[1]
@@ -406,7 +452,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
             meta.block_tables.stride(0))
     flags = dict(G=g, D=d, BLOCK_N=block_n, SPLIT=split_tokens, PAGE=meta.block_size, IEEE=ieee,
-                 ROWSUM_MMA=rowsum == "mma", EXP2=softmax == "exp2", SPLIT_MASK=split_mask)
+                 ROWSUM_MMA=rowsum == "mma", EXP2=softmax == "exp2", SPLIT_MASK=split_mask,
+                 FLAT=tile_loop == "flat" and split_tokens % block_n == 0 and not split_mask)
     skip_q = short_q if split else 0
     side = _side_stream(q.device) if overlap_short and split and has_short and q.is_cuda else None
     if side is not None:  # forks here, after the KV store and the step's inputs: beside the long launch

@@ -222,13 +222,24 @@ def test_the_short_launch_takes_the_decode_launchs_warps_from_512_programs():
     assert short(many) == {("paged", 16, False, False, True, 0, 2, 1)}
 
 
-def test_heavy_first_tile_order_gives_the_ascending_orders_bits():
-    # the long launch's programs take their q tiles last to first: the same rows, same bits
-    case = PagedCase([40, 23, 9], h=4, kvh=2, d=16, block_size=8, seed=29)
-    chunks = [(0, 40), (8, 23), (8, 9)]
-    kw = dict(split_tokens=16, block_m=16, block_n=16, combine="sequential")
-    heavy, _ = _run(case, chunks, **kw)
-    asc, _ = _run(case, chunks, tile_order="ascending", **kw)
-    assert not heavy.isnan().any() and torch.equal(heavy, asc)
-    with pytest.raises(ValueError, match="tile_order"):
-        _run(case, chunks, tile_order="random", **kw)
+@pytest.mark.parametrize("combine", ["sequential", "parallel"])
+@pytest.mark.parametrize("softmax", ["exp", "exp2"])
+def test_launch_order_and_tile_loop_give_the_same_bits(combine, softmax):
+    # the long launch's programs take their q tiles last to first, and one loop walks a
+    # program's KV tiles across its splits: the same rows, same bits as ascending q tiles and
+    # a loop per split; a split size that is not a multiple of block_n walks the nested loops
+    case = PagedCase([70, 23, 9], h=4, kvh=2, d=16, block_size=8, seed=29)
+    chunks = [(0, 70), (8, 23), (8, 9)]
+    kw = dict(split_tokens=32, block_m=16, block_n=16, combine=combine, softmax=softmax)
+    flat, _ = _run(case, chunks, **kw)
+    nested, _ = _run(case, chunks, tile_order="ascending", tile_loop="nested", **kw)
+    assert not flat.isnan().any() and torch.equal(flat, nested)
+    ref_cache = case.fresh_cache()
+    _, (q, k, v, meta) = _run(case, chunks, **kw)
+    case.prefill_prefix(ref_cache, [s for s, _ in chunks])
+    assert _rel(flat, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
+    odd, _ = _run(case, chunks, **{**kw, "split_tokens": 24})  # 24 % 16: the nested loops
+    assert _rel(odd, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
+    for bad in (dict(tile_order="random"), dict(tile_loop="unrolled")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            _run(case, chunks, **kw, **bad)
