@@ -11,8 +11,9 @@ one's bits:
 - the long launch's q tile, warps and stages, the short launch's warps and
   stages, the decode launch's warps, stages and combine (all neutral);
 - the long launch's q tiles first to last (`tile_order="ascending"`) against
-  the default last to first, and a loop per KV split (`tile_loop="nested"`)
-  against the default one loop over a program's tiles (all neutral);
+  the default last to first, and one loop over a program's KV tiles
+  (`tile_loop="flat"`) against a loop per split (the default's long launch;
+  all neutral);
 - the short launch on a second stream beside the long one (`overlap_short`);
 - softmax="exp2" with and without split_mask (FlashAttention's exponent form,
   in which the tiles every row sees whole can skip the mask: other bits than
@@ -113,7 +114,7 @@ def variants(mixed: bool, decode: bool, long_m: int):
             out.append((f"{tag}m{bm}_w{nw}_st{ns}", dict(base, block_m=bm, num_warps=nw, num_stages=ns), None))
         # before lease 17: the q tiles first to last, a loop per split
         for bm in (long_m, 64) if long_m != 64 else (64,):
-            for order, loop in (("ascending", "nested"), ("heavy_first", "nested"), ("ascending", "flat")):
+            for order, loop in (("ascending", "nested"), ("heavy_first", "flat")):
                 out.append((f"{tag}m{bm}_w{8 if bm == 128 else 4}_st2_{order}_{loop}",
                             dict(base, block_m=bm, num_warps=8 if bm == 128 else 4, num_stages=2,
                                  tile_order=order, tile_loop=loop), None))

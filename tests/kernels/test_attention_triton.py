@@ -231,9 +231,10 @@ def test_launch_order_and_tile_loop_give_the_same_bits(combine, softmax):
     case = PagedCase([70, 23, 9], h=4, kvh=2, d=16, block_size=8, seed=29)
     chunks = [(0, 70), (8, 23), (8, 9)]
     kw = dict(split_tokens=32, block_m=16, block_n=16, combine=combine, softmax=softmax)
-    flat, _ = _run(case, chunks, **kw)
+    flat, _ = _run(case, chunks, tile_loop="flat", **kw)
     nested, _ = _run(case, chunks, tile_order="ascending", tile_loop="nested", **kw)
-    assert not flat.isnan().any() and torch.equal(flat, nested)
+    auto, _ = _run(case, chunks, **kw)  # flat for the short launch, nested for the long one
+    assert not flat.isnan().any() and torch.equal(flat, nested) and torch.equal(auto, nested)
     ref_cache = case.fresh_cache()
     _, (q, k, v, meta) = _run(case, chunks, **kw)
     case.prefill_prefix(ref_cache, [s for s, _ in chunks])
