@@ -59,14 +59,14 @@ def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, que
 
 def short_launch_config(programs: int) -> tuple[int, int]:
     """(num_warps, num_stages) of the short launch: one program per (sequence, KV head) on a
-    16-row tile, splits walked in order, which is the decode launch's arithmetic. From 512
-    programs it takes what the decode launch measured best there (2 warps, no prefetch stage:
-    selection/programs/attention.py); in a mixed step of 105 decodes beside a prompt chunk
-    (H200, Llama-3.1-8B shapes, 1.1k contexts) 4 warps and 2 stages took 5.65 ms over the 32
-    layers, 2 warps and 1 stage 5.17, the decode-only step's launch 4.68-4.71
-    (benchmarks/mixed_kernels.py, docs/performance.md "Lease 12").
-    Warps and stages do not move a row's bits (rowsum="mma"; tests/gpu)."""
-    return (2, 1) if programs >= 512 else (4, 2)
+    16-row tile, splits walked in order in one loop, which is the decode launch's arithmetic.
+    From 512 programs it takes what the decode launch measured best there (2 warps, 3 stages:
+    selection/programs/attention.py). H200, Llama-3.1-8B shapes, 1.1k contexts, us per layer:
+    105 decodes alone 128.9 at 2 warps and 3 stages, 150.3 at 1 stage; a mixed step of 105
+    decodes beside a 750-token chunk 229.0 with a 2-stage short launch, 246.6 with 1
+    (benchmarks/attn_mixed.py, docs/performance.md "Lease 17"). Below 512, 4 warps and 2
+    stages. Warps and stages do not move a row's bits (rowsum="mma"; tests/gpu)."""
+    return (2, 3) if programs >= 512 else (4, 2)
 
 
 def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_stages: int = 2,

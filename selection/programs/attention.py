@@ -157,8 +157,10 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         # (Llama batch 1: 11.5 vs 12.7 at 4; Qwen3-30B-A3B batch 8: 12.2 vs 13.2);
         # 128 to 511 - the same with 2 warps, 4 stages (Qwen3 batch 64, 4 KV heads:
         # 46.4 vs 51.5 for the splits in one program); from 512 - the splits in one
-        # program, 2 warps, no prefetch stage (Llama batch 64: 75.1 vs 79.1 for split
-        # programs, batch 256: 271.3 vs 281.1). Every launch tried gave the same bits.
+        # program (one loop over them since lease 17), 2 warps, 3 stages (Llama, 1.1k
+        # contexts: batch 64 75.6 vs 87.3 for split programs, 105 128.9 vs 135.9, 256
+        # 283.5 vs 317.2; 83.7 / 150.3 / 303.0 with 1 stage). Every launch tried gave the
+        # same bits.
         # the exponent's form (kernels/attention_triton.py): "exp2" is FlashAttention's (other bits, the
         # same in prefill and decode; rows invariant on the H200 in lease 16, 35/35 battery cells);
         # overlap_short runs a mixed step's short launch on a second stream (same bits). Knobs, off
@@ -171,7 +173,7 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         if q_tile == 16:
             programs = num_seqs * num_kv_heads
             if programs >= 512:
-                combine, warps, stages = "sequential", 2, 1
+                combine, warps, stages = "sequential", 2, 3
             elif programs >= 128:
                 combine, warps, stages = "parallel", 2, 4
             else:
