@@ -376,7 +376,7 @@ def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
 
 @register("attention", "triton_paged",
           params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine", "rowsum",
-                  "short_launch", "overlap_short", "softmax", "split_mask"),
+                  "short_launch", "overlap_short", "softmax", "split_mask", "tile_loop"),
           devices=("cuda",), variants=step_variants)
 def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
@@ -415,12 +415,14 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     arithmetic follows its q tile alone: the same bits (tests/gpu).
     tile_loop: "flat" (one loop over a program's KV tiles, merging at each
     split's last tile, so the compiler's software pipeline runs across split
-    ends), "nested" (a loop per split), or "auto": flat for the decode and
-    short launches, nested for the long launch (H200, lease 17: flat took 105
-    decodes at 1,100 context from 151.9 to 134.2 us at 2 warps and 2 stages,
-    and a 2,048-token prompt from 243.5 to 261.1). The same operations on the
-    same values either way (tests/gpu); a split size that is not a multiple of
-    block_n, or split_mask, walks the nested loops."""
+    ends), "nested" (a loop per split), or "auto": flat for the short launch
+    and the decode launch's in-program splits, nested for the long launch and
+    for one program per split (H200, lease 17, us per layer: 105 decodes at
+    1,100 context 128.9 flat against 140.1 nested at 2 warps and 3 stages; a
+    2,048-token prompt 261.1 flat against 243.5; one program per split 138.2
+    flat against 133.7). The same operations on the same values either way
+    (tests/gpu); a split size that is not a multiple of block_n, or
+    split_mask, walks the nested loops."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -473,7 +475,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     _paged_attn_kernel[(n_qtiles, kvh, max_splits if parallel else 1)](
         *common, pm, pl, pacc, *tail, *ps, *pas, BLOCK_M=block_m, BLOCK_Q=block_q, PARALLEL=parallel,
         DECODE=decode, SHORT=False, SKIP_Q=skip_q, HEAVY_FIRST=tile_order == "heavy_first" and not decode,
-        FLAT=flat_short if decode else flat_long, **flags, num_warps=num_warps, num_stages=num_stages)
+        FLAT=(flat_short and not parallel) if decode else flat_long, **flags, num_warps=num_warps,
+        num_stages=num_stages)
     if parallel:
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, skip_q,
                                 out.stride(0), out.stride(1), *ps, *pas, float(scale), D=d, SPLIT=split_tokens,

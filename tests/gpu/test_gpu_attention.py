@@ -173,13 +173,18 @@ def test_a_short_launch_of_512_programs_keeps_the_decode_steps_bits():
 
 
 @pytest.mark.parametrize("bm", [64, 128])
-def test_heavy_first_tile_order_keeps_every_row(bm):
+@pytest.mark.parametrize("combine", ["sequential", "parallel"])
+def test_tile_order_and_loop_keep_every_row(bm, combine):
     # the long launch takes its q tiles last to first (the longest causal walks in the first
-    # wave): every row, prompt and decode, keeps the ascending order's bits
+    # wave), and a program may walk its KV tiles in one loop across its splits: every row,
+    # prompt and decode, keeps the bits of ascending q tiles and a loop per split
     lens = [2048, 700, 1100] + [300 + 17 * i for i in range(40)]
     case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=23)
     chunks = [(0, 2048), (0, 700), (400, 1100)] + [(n - 1, n) for n in lens[3:]]
-    kw = dict(block_m=bm, num_warps=8 if bm == 128 else 4, rowsum="mma")
-    heavy, _ = _run(case, chunks, **kw)
-    asc, _ = _run(case, chunks, tile_order="ascending", **kw)
-    assert not heavy.isnan().any() and torch.equal(heavy, asc)
+    kw = dict(block_m=bm, num_warps=8 if bm == 128 else 4, rowsum="mma", combine=combine)
+    auto, _ = _run(case, chunks, **kw)
+    old, _ = _run(case, chunks, tile_order="ascending", tile_loop="nested", **kw)
+    flat, _ = _run(case, chunks, tile_loop="flat", **kw)
+    assert not auto.isnan().any() and torch.equal(auto, old) and torch.equal(flat, old)
+    dec, _ = _run(case, [(n - 1, n) for n in lens], block_m=16, num_warps=2, num_stages=3, combine=combine)
+    assert torch.equal(dec[3:], auto[2048 + 700 + 700:])  # the decode launch's rows, flat or not
