@@ -12,8 +12,8 @@ one's bits:
   stages, the decode launch's warps, stages and combine (all neutral);
 - the long launch's q tiles first to last (`tile_order="ascending"`) against
   the default last to first, and one loop over a program's KV tiles
-  (`tile_loop="flat"`) against a loop per split (the default's long launch;
-  all neutral);
+  (`tile_loop="flat"`, and `"prefetch"`: the block table read a tile ahead)
+  against a loop per split (the default's long launch; all neutral);
 - the short launch on a second stream beside the long one (`overlap_short`);
 - softmax="exp2" with and without split_mask (FlashAttention's exponent form,
   in which the tiles every row sees whole can skip the mask: other bits than
@@ -100,6 +100,10 @@ def variants(mixed: bool, decode: bool, long_m: int):
                                  (4, 2, "parallel")):
                 out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}",
                             dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb), None))
+            for nw, ns, comb in ((2, 3, "sequential"), (2, 4, "parallel")):
+                out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}_prefetch",
+                            dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb, tile_loop="prefetch"),
+                            None))
             for nw, ns, comb in ((2, 1, "sequential"), (2, 4, "parallel"), (4, 2, "sequential")):
                 out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}_nested",
                             dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb, tile_loop="nested"),
@@ -120,6 +124,13 @@ def variants(mixed: bool, decode: bool, long_m: int):
                                  tile_order=order, tile_loop=loop), None))
         for bm, nw, ns in ((long_m, 8 if long_m == 128 else 4, 4), (64, 4, 4), (64, 8, 3)):
             out.append((f"{tag}m{bm}_w{nw}_st{ns}", dict(base, block_m=bm, num_warps=nw, num_stages=ns), None))
+        # the block table read a tile ahead: from 3 stages the next tile's K and V copies are in
+        # flight during this tile's MMAs (tests/kernels/test_sm90_compile.py)
+        for bm in (long_m, 64) if long_m != 64 else (64,):
+            for ns in (2, 3, 4):
+                out.append((f"{tag}m{bm}_w{8 if bm == 128 else 4}_st{ns}_prefetch",
+                            dict(base, block_m=bm, num_warps=8 if bm == 128 else 4, num_stages=ns,
+                                 tile_loop="prefetch"), None))
         if mixed:  # the first long launch, with each short launch, and the program's beside it on a stream
             for sw, ss in ((2, 1), (2, 2), (4, 1), (4, 2)):
                 out.append((f"{tag}m{long_m}_short_w{sw}_st{ss}",

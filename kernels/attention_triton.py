@@ -72,13 +72,20 @@ def _merge(M, L, ACC, m, l, acc, scale, EXP2: tl.constexpr):
 
 
 @triton.jit
-def _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh, PAGE: tl.constexpr,
+def _tile_blocks(bt_row, j0, kv_hi, cols, PAGE: tl.constexpr):
+    """The KV pages of positions [j0, j0 + BLOCK_N) from the block table (int64; 0 for
+    positions at or past kv_hi, whose K and V loads are masked)."""
+    kpos = j0 + cols
+    return tl.load(bt_row + kpos // PAGE, mask=kpos < kv_hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_scores(q, kc_ptr, vc_ptr, blk, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh, PAGE: tl.constexpr,
                  IEEE: tl.constexpr):
-    """KV positions [j0, j0 + BLOCK_N) through the block table: (positions, which are below
+    """KV positions [j0, j0 + BLOCK_N) on their pages `blk`: (positions, which are below
     kv_hi, the raw scores q @ k^T [BLOCK_M, BLOCK_N], v [BLOCK_N, D]); masked loads."""
     kpos = j0 + cols
     k_ok = kpos < kv_hi
-    blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
     off = (blk * sc_blk + (kpos % PAGE) * sc_off + kvh * sc_h)
     k = tl.load(kc_ptr + off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [D, BN]
     v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)  # [BN, D]
@@ -90,7 +97,7 @@ def _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk, sc_off, 
 
 
 @triton.jit
-def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off, sc_h,
+def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off, sc_h,
                   kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into a split's online softmax
     (m, l, acc) in FlashAttention's form (softmax="exp2"): the running max is over the
@@ -101,7 +108,7 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
     (docs/performance.md, "Lease 16"), so no program selects it. (softmax="exp" scales
     the scores first, and without a mask between them the compiler contracts the scale
     into the exponent's subtraction: other bits; "Lease 15".) The loads stay masked."""
-    kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh,
+    kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, blk, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh,
                                      PAGE, IEEE)
     if MASKED:
         sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
@@ -118,12 +125,12 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
 
 
 @triton.jit
-def _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones, scale, sc_blk, sc_off, sc_h,
+def _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, sc_blk, sc_off, sc_h,
                  kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into a split's online softmax
     (m, l, acc), softmax="exp": the scores scaled, masked (causal, and inside the split:
     a split size that is not a multiple of BLOCK_N ends inside a tile), then exp(s - m)."""
-    kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, bt_row, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh,
+    kpos, k_ok, sc, v = _tile_scores(q, kc_ptr, vc_ptr, blk, j0, kv_hi, cols, d, sc_blk, sc_off, sc_h, kvh,
                                      PAGE, IEEE)
     sc = sc * scale
     sc = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], sc, float("-inf"))
@@ -172,7 +179,8 @@ def _paged_attn_kernel(
         BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
         PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr,
         SHORT: tl.constexpr, SKIP_Q: tl.constexpr, EXP2: tl.constexpr = False,
-        SPLIT_MASK: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False, FLAT: tl.constexpr = False):
+        SPLIT_MASK: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False, FLAT: tl.constexpr = False,
+        PREFETCH: tl.constexpr = False):
     qtile = tl.program_id(0)
     if HEAVY_FIRST:  # the blocks start in program order: the longest causal walks first
         qtile = tl.num_programs(0) - 1 - qtile
@@ -237,14 +245,29 @@ def _paged_attn_kernel(
             l = tl.zeros((BLOCK_M,), tl.float32)
             acc = tl.zeros((BLOCK_M, D), tl.float32)
             c = scale * 1.4426950408889634
-            for j0 in range(s_first * SPLIT, tl.minimum(s_last * SPLIT, max_pos + 1), BLOCK_N):
+            j_lo = s_first * SPLIT
+            j_hi = tl.minimum(s_last * SPLIT, max_pos + 1)
+            if PREFETCH:  # the first tile's pages; each tile then reads the next one's
+                blk = _tile_blocks(bt_row, j_lo, j_hi, cols, PAGE)
+            for j0 in range(j_lo, j_hi, BLOCK_N):
                 kv_hi = tl.minimum((j0 // SPLIT + 1) * SPLIT, max_pos + 1)  # this tile's split's end
+                if PREFETCH:
+                    # the next tile's pages, read a tile ahead and carried: this tile's K and V
+                    # addresses then need no load of this iteration, so the compiler's pipeline
+                    # can have the next tile's copies in flight during this tile's MMAs (at 3
+                    # stages; docs/performance.md "Lease 17"). Pages past kv_hi are masked either
+                    # way, so every loaded K and V value is the same
+                    blk_next = _tile_blocks(bt_row, j0 + BLOCK_N, j_hi, cols, PAGE)
+                else:
+                    blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
                 if EXP2:
-                    m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
+                    m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d,
                                               ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
                 else:
-                    m, l, acc = _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones,
+                    m, l, acc = _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones,
                                              scale, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA)
+                if PREFETCH:
+                    blk = blk_next
                 if j0 + BLOCK_N >= kv_hi:  # the split's last tile
                     if PARALLEL:
                         ps = tl.cast(j0 // SPLIT, tl.int64)
@@ -272,14 +295,17 @@ def _paged_attn_kernel(
                         j_full += tl.maximum(tl.minimum(kv_hi, ctx + q_blk * BLOCK_Q + 1) - s * SPLIT, 0) \
                             // BLOCK_N * BLOCK_N
                         for j0 in range(s * SPLIT, j_full, BLOCK_N):
-                            m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
+                            blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
+                            m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d,
                                                       ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, False)
                     for j0 in range(j_full, kv_hi, BLOCK_N):
-                        m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d,
+                        blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
+                        m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d,
                                                   ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
                 else:
                     for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
-                        m, l, acc = _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, bt_row, j0, kv_hi, pos, cols, d, ones,
+                        blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
+                        m, l, acc = _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones,
                                                  scale, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA)
                 if PARALLEL:
                     ps = tl.cast(s, tl.int64)
@@ -413,16 +439,20 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     and the last wave holds short ones, as FlashAttention orders them) or
     "ascending" (kept for benchmarks/attn_mixed.py's comparison). Each program's
     arithmetic follows its q tile alone: the same bits (tests/gpu).
-    tile_loop: "flat" (one loop over a program's KV tiles, merging at each
-    split's last tile, so the compiler's software pipeline runs across split
-    ends), "nested" (a loop per split), or "auto": flat for the short launch
-    and the decode launch's in-program splits, nested for the long launch and
-    for one program per split (H200, lease 17, us per layer: 105 decodes at
-    1,100 context 128.9 flat against 140.1 nested at 2 warps and 3 stages; a
-    2,048-token prompt 261.1 flat against 243.5; one program per split 138.2
-    flat against 133.7). The same operations on the same values either way
-    (tests/gpu); a split size that is not a multiple of block_n, or
-    split_mask, walks the nested loops."""
+    tile_loop: "nested" (a loop per KV split), "flat" (one loop over a
+    program's KV tiles, merging at each split's last tile, so the compiler's
+    software pipeline runs across split ends), "prefetch" (flat, and each tile
+    reads the next tile's block-table entries, so that its K and V addresses
+    need no load of the same iteration: with 3 stages the compiler then keeps
+    the next tile's copies in flight during this tile's MMAs, which it does
+    not otherwise; not measured yet, docs/performance.md "Lease 17"), or
+    "auto": flat for the short launch and the decode launch's in-program
+    splits, nested for the long launch and for one program per split (H200,
+    lease 17, us per layer: 105 decodes at 1,100 context 128.9 flat against
+    140.1 nested at 2 warps and 3 stages; a 2,048-token prompt 261.1 flat
+    against 243.5; one program per split 138.2 flat against 133.7). The same
+    operations on the same values in every form (tests/gpu); a split size that
+    is not a multiple of block_n, or split_mask, walks the nested loops."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -434,8 +464,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
                          f"otherwise than a masked one)")
     if tile_order not in ("heavy_first", "ascending"):
         raise ValueError(f"{name}: tile_order={tile_order!r} must be 'heavy_first' or 'ascending'")
-    if tile_loop not in ("auto", "flat", "nested"):
-        raise ValueError(f"{name}: tile_loop={tile_loop!r} must be 'auto', 'flat' or 'nested'")
+    if tile_loop not in ("auto", "flat", "nested", "prefetch"):
+        raise ValueError(f"{name}: tile_loop={tile_loop!r} must be 'auto', 'flat', 'nested' or 'prefetch'")
     store_kv_triton(k, v, kv_cache, meta.slot_mapping)
     t, h, d = q.shape
     kvh = k.shape[1]
@@ -458,8 +488,11 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     flags = dict(G=g, D=d, BLOCK_N=block_n, SPLIT=split_tokens, PAGE=meta.block_size, IEEE=ieee,
                  ROWSUM_MMA=rowsum == "mma", EXP2=softmax == "exp2", SPLIT_MASK=split_mask)
     can_flat = split_tokens % block_n == 0 and not split_mask
-    flat_short = can_flat and tile_loop != "nested"  # the short launch's, and the decode launch's
-    flat_long = can_flat and tile_loop == "flat"
+    if tile_loop == "auto":  # flat for the short launch's and the decode launch's in-program splits
+        flat_long, flat_short, flat_split = False, can_flat, False
+    else:
+        flat_long = flat_short = flat_split = can_flat and tile_loop != "nested"
+    flags["PREFETCH"] = can_flat and tile_loop == "prefetch"
     skip_q = short_q if split else 0
     side = _side_stream(q.device) if overlap_short and split and has_short and q.is_cuda else None
     if side is not None:  # forks here, after the KV store and the step's inputs: beside the long launch
@@ -475,7 +508,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     _paged_attn_kernel[(n_qtiles, kvh, max_splits if parallel else 1)](
         *common, pm, pl, pacc, *tail, *ps, *pas, BLOCK_M=block_m, BLOCK_Q=block_q, PARALLEL=parallel,
         DECODE=decode, SHORT=False, SKIP_Q=skip_q, HEAVY_FIRST=tile_order == "heavy_first" and not decode,
-        FLAT=(flat_short and not parallel) if decode else flat_long, **flags, num_warps=num_warps,
+        FLAT=flat_split if parallel else flat_short if decode else flat_long, **flags, num_warps=num_warps,
         num_stages=num_stages)
     if parallel:
         _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, skip_q,

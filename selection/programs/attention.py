@@ -171,9 +171,14 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         overlap = knob("overlap_short", (False, True), False)
         # the KV tiles' loop (kernels/attention_triton.py tile_loop, same bits): "auto" walks a
         # decode program's splits in one loop (lease 17: 105 decodes 128.9 vs 140.1 us per
-        # layer), "nested" a loop per split everywhere, as before lease 17 (for a serving A/B)
-        tile_loop = knob("tile_loop", ("auto", "nested"), "auto")
+        # layer), "nested" a loop per split everywhere, as before lease 17 (for a serving A/B);
+        # "prefetch" one loop everywhere with the block table read a tile ahead, and 3 stages
+        # for the prompt tiles, the form in which the compiler keeps the next tile's K and V
+        # copies in flight (tests/kernels/test_sm90_compile.py); not yet timed on the device
+        tile_loop = knob("tile_loop", ("auto", "nested", "prefetch"), "auto")
         combine, stages = "auto", 2
+        if q_tile > 16 and tile_loop == "prefetch":
+            stages = 3
         if q_tile == 16:
             programs = num_seqs * num_kv_heads
             if programs >= 512:

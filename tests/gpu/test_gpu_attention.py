@@ -185,6 +185,8 @@ def test_tile_order_and_loop_keep_every_row(bm, combine):
     auto, _ = _run(case, chunks, **kw)
     old, _ = _run(case, chunks, tile_order="ascending", tile_loop="nested", **kw)
     flat, _ = _run(case, chunks, tile_loop="flat", **kw)
+    ahead, _ = _run(case, chunks, tile_loop="prefetch", num_stages=3, **kw)
     assert not auto.isnan().any() and torch.equal(auto, old) and torch.equal(flat, old)
+    assert torch.equal(ahead, old)
     dec, _ = _run(case, [(n - 1, n) for n in lens], block_m=16, num_warps=2, num_stages=3, combine=combine)
     assert torch.equal(dec[3:], auto[2048 + 700 + 700:])  # the decode launch's rows, flat or not

@@ -209,8 +209,8 @@ def test_a_padded_launch_keeps_every_real_row(block_m, combine):
 
 def test_the_short_launch_takes_the_decode_launchs_warps_from_512_programs():
     # host-side plan only (the interpreter ignores warps and stages): a mixed step's short
-    # launch is one program per (sequence, KV head); from 512 of them it runs 2 warps without
-    # a prefetch stage, as the decode-only launch does there, and it is its own compile
+    # launch is one program per (sequence, KV head); from 512 of them it runs 2 warps and 3
+    # stages, as the decode-only launch does there, and it is its own compile
     plan = lambda n: attention_triton.launch_plan(  # noqa: E731
         1024 + n - 1, n, 1024, 2048, (1024,) + (1,) * (n - 1), 8, 4, 132, block_m=128, split_tokens=256)
     few, many = plan(63), plan(64)
@@ -219,22 +219,25 @@ def test_the_short_launch_takes_the_decode_launchs_warps_from_512_programs():
     short = lambda p: {v for v in attention_triton.kernel_variants(p, block_m=128, num_warps=8)  # noqa: E731
                        if v[4]}
     assert short(few) == {("paged", 16, False, False, True, 0, 4, 2)}
-    assert short(many) == {("paged", 16, False, False, True, 0, 2, 1)}
+    assert short(many) == {("paged", 16, False, False, True, 0, 2, 3)}
 
 
 @pytest.mark.parametrize("combine", ["sequential", "parallel"])
 @pytest.mark.parametrize("softmax", ["exp", "exp2"])
 def test_launch_order_and_tile_loop_give_the_same_bits(combine, softmax):
     # the long launch's programs take their q tiles last to first, and one loop walks a
-    # program's KV tiles across its splits: the same rows, same bits as ascending q tiles and
-    # a loop per split; a split size that is not a multiple of block_n walks the nested loops
+    # program's KV tiles across its splits (reading the block table a tile ahead with
+    # "prefetch"): the same rows, same bits as ascending q tiles and a loop per split; a split
+    # size that is not a multiple of block_n walks the nested loops
     case = PagedCase([70, 23, 9], h=4, kvh=2, d=16, block_size=8, seed=29)
     chunks = [(0, 70), (8, 23), (8, 9)]
     kw = dict(split_tokens=32, block_m=16, block_n=16, combine=combine, softmax=softmax)
     flat, _ = _run(case, chunks, tile_loop="flat", **kw)
     nested, _ = _run(case, chunks, tile_order="ascending", tile_loop="nested", **kw)
     auto, _ = _run(case, chunks, **kw)  # flat for the short launch, nested for the long one
+    ahead, _ = _run(case, chunks, tile_loop="prefetch", **kw)  # the block table read a tile ahead
     assert not flat.isnan().any() and torch.equal(flat, nested) and torch.equal(auto, nested)
+    assert torch.equal(ahead, nested)
     ref_cache = case.fresh_cache()
     _, (q, k, v, meta) = _run(case, chunks, **kw)
     case.prefill_prefix(ref_cache, [s for s, _ in chunks])

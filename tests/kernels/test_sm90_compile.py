@@ -3,8 +3,10 @@ RMSNorm that reads heads in place, the fused Gumbel-max sampler, the paged
 attention's short launch and its combine's skip) compiled for the H200 (sm_90) on this CPU
 machine: Triton lowers them to PTX and ptxas assembles a cubin, no GPU
 needed. Catches what the interpreter cannot (a construct the compiler
-refuses), and checks one property of the code itself: the fp32 combine has
-no fused multiply-add, so it rounds like torch's separate multiply and add.
+refuses), and checks two properties of the code itself: the fp32 combine has
+no fused multiply-add, so it rounds like torch's separate multiply and add;
+and the attention's KV loop keeps its next copies in flight only when the
+block table is read a tile ahead.
 
 The compiler runs in a child process: this one runs Triton's interpreter,
 which patches triton.language for the kernels the other tests interpret."""
@@ -25,12 +27,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from detent.kernels import moe_triton as mt
 
-def compile_(lazy, sig, consts, **opts):
+import re
+
+def compile_(lazy, sig, consts, aligned=(), **opts):
+    # aligned: the arguments the launch specializes as multiples of 16 (pointers, strides),
+    # which the copies' 16-byte vectors need
     fn = triton.jit(lazy.fn, **lazy.jit_kw)
     src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    return {"cubin_bytes": len(k.asm["cubin"]), "fma": k.asm["ptx"].count("fma.")}
+    return {"cubin_bytes": len(k.asm["cubin"]), "fma": k.asm["ptx"].count("fma."),
+            "async_waits": [int(n) for n in re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", k.asm["ttgir"])]}
 
 from detent.kernels import rowwise_triton as rw
 comb = {"TOPK": 8, "BLOCK_H": 1024}
@@ -66,11 +74,16 @@ attn.update({p: "*i32" for p in ("qsl_ptr", "seqlen_ptr", "bt_ptr")}, scale="fp3
 attn.update({p: "i32" for p in ("num_seqs", "sq_t", "sq_h", "sc_blk", "sc_off", "sc_h", "so_t", "so_h", "sbt",
                                 "sp_s", "sp_t", "sp_h", "spa_s", "spa_t", "spa_h")})
 base = {"G": 4, "D": 128, "BLOCK_N": 64, "SPLIT": 256, "PAGE": 16, "IEEE": False, "ROWSUM_MMA": True,
-        "EXP2": False, "SPLIT_MASK": False}
+        "EXP2": False, "SPLIT_MASK": False, "HEAVY_FIRST": False, "FLAT": False, "PREFETCH": False}
 out["attention_long_skip"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 128, "BLOCK_Q": 32,
                                       "PARALLEL": False, "DECODE": False, "SHORT": False, "SKIP_Q": 4}, num_warps=8)
 out["attention_short"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 16, "BLOCK_Q": 4,
                                   "PARALLEL": False, "DECODE": False, "SHORT": True, "SKIP_Q": 0}, num_warps=4)
+long = {**base, "BLOCK_M": 128, "BLOCK_Q": 32, "PARALLEL": False, "DECODE": False, "SHORT": False, "SKIP_Q": 4}
+aligned = [a for a in attn if a.endswith("_ptr")] + ["sq_t", "sc_blk", "sc_off", "sc_h", "so_t"]
+for loop, flags in (("nested", {}), ("flat", {"FLAT": True}), ("prefetch", {"FLAT": True, "PREFETCH": True})):
+    out["attention_long_" + loop + "_st3"] = compile_(at._paged_attn_kernel, attn, {**long, **flags}, aligned,
+                                                      num_warps=8, num_stages=3)
 exp2 = {**base, "EXP2": True, "SPLIT_MASK": True}
 out["attention_exp2_long"] = compile_(at._paged_attn_kernel, attn, {**exp2, "BLOCK_M": 128, "BLOCK_Q": 32,
                                       "PARALLEL": False, "DECODE": False, "SHORT": False, "SKIP_Q": 4}, num_warps=8)
@@ -103,9 +116,21 @@ def compiled():
 @pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm",
                                   "gumbel", "gumbel_first_max", "attention_long_skip", "attention_short",
                                   "attention_combine_skip", "attention_exp2_long", "attention_exp2_decode_parallel",
-                                  "attention_combine_exp2"])
+                                  "attention_combine_exp2", "attention_long_prefetch_st3"])
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name]["cubin_bytes"] > 0
+
+
+def test_reading_the_block_table_a_tile_ahead_lets_the_kv_copies_fly(compiled):
+    # the long launch at 3 stages: with each tile's block-table entries loaded in the same
+    # iteration as its K and V copies, the loop body waits for every outstanding copy
+    # (num = 0), so the next tile's copies overlap no compute; with the entries read a tile
+    # ahead (tile_loop="prefetch") the wait leaves the newest copies in flight
+    # (docs/performance.md "Lease 17")
+    for loop in ("nested", "flat"):
+        waits = compiled["attention_long_" + loop + "_st3"]["async_waits"]
+        assert waits and max(waits) == 0, (loop, waits)
+    assert max(compiled["attention_long_prefetch_st3"]["async_waits"]) >= 1
 
 
 def test_combine_has_no_fma_as_launched(compiled):

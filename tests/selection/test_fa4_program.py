@@ -37,6 +37,8 @@ def test_without_fa4_the_gpu_selection_is_todays_and_the_knob_says_how_to_instal
                               "block_m": 16, "num_warps": 8, "num_stages": 2, "combine": "parallel", **off}
     assert p(**POINTS[2]) == {"impl": "triton_paged", "split_tokens": 256, "block_n": 64, "rowsum": "mma",
                               "block_m": 128, "num_warps": 8, "num_stages": 2, "combine": "auto", **off}
+    ahead = s.compile(dict(d, tile_loop="prefetch"))
+    assert ahead(**POINTS[2])["num_stages"] == 3 and ahead(**POINTS[0])["num_stages"] == 2  # prompt tiles only
     on = s.compile(dict(d, softmax="exp2", overlap_short=True))(**POINTS[2])
     assert (on["softmax"], on["split_mask"], on["overlap_short"]) == ("exp2", False, True)  # split_mask: not invariant on the H200
     why = s.why_illegal(dict(d, impl="fa4"))
