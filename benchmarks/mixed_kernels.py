@@ -7,7 +7,7 @@ graphs the server replays) under torch.profiler and sums each kernel's device
 time into families: GEMM, attention (prefill rows and decode rows launch
 separately), norms, rotary, SiLU, the KV store, and the rest.
 
-    python3 benchmarks/mixed_kernels.py --out $OUT/mixed_kernels.json
+    python3 benchmarks/mixed_kernels.py --out $OUT/mixed_kernels.json [--only "r20 fresh,1024,26 dec"]
 """
 from __future__ import annotations
 
@@ -31,10 +31,16 @@ CTX = 1100  # the decodes' context
 
 
 def steps() -> list[tuple[str, StepShape]]:
-    """Sizes seen under load (lease 10's device counters) and their parts alone."""
+    """Sizes seen under load (lease 10's device counters; lease 17's on fresh prompts, where a
+    mixed step of 1,064 tokens took 30.9 ms and the 1,024-token prefill step 22.0) and their
+    parts alone."""
     d = lambda n: ((1,) * n, (CTX,) * n)
     out = []
-    for name, chunks, n in (("c128: 1024+780 prompt + 105 decodes", (1024, 780), 105),
+    for name, chunks, n in (("r20 fresh: 1038 prompt + 26 decodes", (1038,), 26),
+                            ("1024 prompt alone", (1024,), 0),
+                            ("26 decodes alone", (), 26),
+                            ("r80 fresh: 1024+105 prompt + 40 decodes", (1024, 105), 40),
+                            ("c128: 1024+780 prompt + 105 decodes", (1024, 780), 105),
                             ("r80: 750 prompt + 105 decodes", (750,), 105),
                             ("r20: 620 prompt + 20 decodes", (620,), 20),
                             ("1804 prompt alone", (1024, 780), 0),
@@ -72,7 +78,9 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="", help="comma-separated step-name prefixes")
     a = ap.parse_args()
+    only = [x for x in a.only.split(",") if x]
     from torch.profiler import ProfilerActivity, profile
 
     llm, mc, info = build(a.model, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048)
@@ -84,6 +92,8 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, shape in steps():
+        if only and not any(name.startswith(o) for o in only):
+            continue
         meta, pos = _metadata(shape, runner.block_size, nb, runner.device)
         ids = torch.randint(10, mc.vocab_size, (shape.num_tokens,), device="cuda", generator=gen)
 
