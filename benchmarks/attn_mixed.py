@@ -104,9 +104,10 @@ def variants(mixed: bool, decode: bool, long_m: int):
                 out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}_prefetch",
                             dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb, tile_loop="prefetch"),
                             None))
-            for nw, ns, comb in ((2, 1, "sequential"), (2, 4, "parallel"), (4, 2, "sequential")):
-                out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}_nested",
-                            dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb, tile_loop="nested"),
+            for nw, ns, comb in ((2, 1, "sequential"), (2, 3, "sequential"), (2, 4, "parallel"),
+                                 (4, 2, "sequential")):
+                out.append((f"{tag}dec_w{nw}_st{ns}_{comb[:3]}_flat",
+                            dict(base, block_m=16, num_warps=nw, num_stages=ns, combine=comb, tile_loop="flat"),
                             None))
             for nw, ns, comb in ((2, 1, "sequential"), (2, 4, "parallel")):
                 for sm in (False, True):
@@ -132,6 +133,10 @@ def variants(mixed: bool, decode: bool, long_m: int):
                             dict(base, block_m=bm, num_warps=8 if bm == 128 else 4, num_stages=ns,
                                  tile_loop="prefetch"), None))
         if mixed:  # the first long launch, with each short launch, and the program's beside it on a stream
+            # tile_loop="auto": the short launch in one loop over its splits, 3 stages from 512 programs
+            out.append((f"{tag}m{long_m}_w{8 if long_m == 128 else 4}_st2_auto",
+                        dict(base, block_m=long_m, num_warps=8 if long_m == 128 else 4, num_stages=2,
+                             tile_loop="auto"), None))
             for sw, ss in ((2, 1), (2, 2), (4, 1), (4, 2)):
                 out.append((f"{tag}m{long_m}_short_w{sw}_st{ss}",
                             dict(base, block_m=long_m, num_warps=8 if long_m == 128 else 4, num_stages=2), (sw, ss)))
@@ -181,7 +186,7 @@ def run_case(name: str, seqs) -> dict:
     refs: dict[tuple, torch.Tensor] = {}  # (block_n, softmax) -> the first variant's output
     own = attention_plan.short_launch_config
     for key, kw, short in variants(mixed, decode, long_m):
-        attention_plan.short_launch_config = (lambda p: short) if short else own
+        attention_plan.short_launch_config = (lambda p, loop="nested": short) if short else own
         try:
             fn = lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)  # noqa: E731
             y = fn().clone()

@@ -27,7 +27,7 @@ class LaunchPlan:
 
 def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, query_lens, kvh: int, g: int,
                 sms: int, *, block_m: int, split_tokens: int, combine: str = "auto", rowsum: str = "mma",
-                short_launch: bool = True) -> LaunchPlan:
+                short_launch: bool = True, tile_loop: str = "nested") -> LaunchPlan:
     """What `attention_triton_paged` launches for a step (host values only).
 
     A selection fixes the parameters; these are decided by the step itself,
@@ -52,21 +52,26 @@ def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, que
         parallel = combine == "parallel" and max_splits > 1  # one split: nothing to combine
     else:
         raise ValueError(f"attention/triton_paged: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
-    short_warps, short_stages = short_launch_config(num_seqs * kvh)
+    short_warps, short_stages = short_launch_config(num_seqs * kvh, tile_loop)
     return LaunchPlan(block_q, decode, split, has_short, short_m, short_q, short_warps, short_stages, n_qtiles,
                       max_splits, parallel)
 
 
-def short_launch_config(programs: int) -> tuple[int, int]:
+def short_launch_config(programs: int, tile_loop: str = "nested") -> tuple[int, int]:
     """(num_warps, num_stages) of the short launch: one program per (sequence, KV head) on a
-    16-row tile, splits walked in order in one loop, which is the decode launch's arithmetic.
-    From 512 programs it takes what the decode launch measured best there (2 warps, 3 stages:
-    selection/programs/attention.py). H200, Llama-3.1-8B shapes, 1.1k contexts, us per layer:
-    105 decodes alone 128.9 at 2 warps and 3 stages, 150.3 at 1 stage; a mixed step of 105
-    decodes beside a 750-token chunk 229.0 with a 2-stage short launch, 246.6 with 1
-    (benchmarks/attn_mixed.py, docs/performance.md "Lease 17"). Below 512, 4 warps and 2
-    stages. Warps and stages do not move a row's bits (rowsum="mma"; tests/gpu)."""
-    return (2, 3) if programs >= 512 else (4, 2)
+    16-row tile, splits walked in order, which is the decode launch's arithmetic. From 512
+    programs it takes what the decode launch measured best there (selection/programs/
+    attention.py): 2 warps and no prefetch stage with a loop per split (in a mixed step of
+    105 decodes beside a prompt chunk, H200, Llama-3.1-8B shapes, 1.1k contexts, 4 warps and
+    2 stages took 5.65 ms over the 32 layers, 2 warps and 1 stage 5.17: benchmarks/
+    mixed_kernels.py, docs/performance.md "Lease 12"); 2 warps and 3 stages with one loop
+    over the splits (tile_loop "auto" or "prefetch"; lease 17, us per layer: 105 decodes
+    alone 128.9 at 3 stages against 150.3 at 1; a mixed step 229.0 with a 2-stage short
+    launch against 246.0 with 1). Below 512, 4 warps and 2 stages. Warps and stages do not
+    move a row's bits (rowsum="mma"; tests/gpu)."""
+    if programs >= 512:
+        return (2, 1) if tile_loop == "nested" else (2, 3)
+    return (4, 2)
 
 
 def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_stages: int = 2,
@@ -85,7 +90,7 @@ def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_s
 def step_variants(selection: dict, *, query_lens, kv_lens, num_heads: int, num_kv_heads: int,
                   num_sms: int) -> set[tuple]:
     """`kernel_variants` of a step given by its query and KV lengths per sequence."""
-    keys = ("split_tokens", "block_m", "combine", "rowsum", "short_launch")
+    keys = ("split_tokens", "block_m", "combine", "rowsum", "short_launch", "tile_loop")
     plan = launch_plan(sum(query_lens), len(query_lens), max(query_lens), max(kv_lens), tuple(query_lens),
                        num_kv_heads, num_heads // num_kv_heads, num_sms,
                        **{k: selection[k] for k in keys if k in selection})

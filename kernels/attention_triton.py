@@ -409,7 +409,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
                            num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
                            short_launch: bool = True, overlap_short: bool = False, softmax: str = "exp",
                            split_mask: bool = False, tile_order: str = "heavy_first",
-                           tile_loop: str = "auto") -> torch.Tensor:
+                           tile_loop: str = "nested") -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
     short_launch: in a step whose tile is taller than 16 rows (a long chunk's
@@ -439,20 +439,23 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     and the last wave holds short ones, as FlashAttention orders them) or
     "ascending" (kept for benchmarks/attn_mixed.py's comparison). Each program's
     arithmetic follows its q tile alone: the same bits (tests/gpu).
-    tile_loop: "nested" (a loop per KV split), "flat" (one loop over a
-    program's KV tiles, merging at each split's last tile, so the compiler's
-    software pipeline runs across split ends), "prefetch" (flat, and each tile
-    reads the next tile's block-table entries, so that its K and V addresses
-    need no load of the same iteration: with 3 stages the compiler then keeps
-    the next tile's copies in flight during this tile's MMAs, which it does
-    not otherwise; not measured yet, docs/performance.md "Lease 17"), or
-    "auto": flat for the short launch and the decode launch's in-program
-    splits, nested for the long launch and for one program per split (H200,
-    lease 17, us per layer: 105 decodes at 1,100 context 128.9 flat against
-    140.1 nested at 2 warps and 3 stages; a 2,048-token prompt 261.1 flat
-    against 243.5; one program per split 138.2 flat against 133.7). The same
-    operations on the same values in every form (tests/gpu); a split size that
-    is not a multiple of block_n, or split_mask, walks the nested loops."""
+    tile_loop: "nested" (a loop per KV split; the default), "flat" (one loop
+    over a program's KV tiles, merging at each split's last tile, so the
+    compiler's software pipeline runs across split ends), "prefetch" (flat,
+    and each tile reads the next tile's block-table entries, so that its K and
+    V addresses need no load of the same iteration: with 3 stages the compiler
+    then keeps the next tile's copies in flight during this tile's MMAs, which
+    it does not otherwise; not timed yet), or "auto": flat for the short
+    launch and the decode launch's in-program splits, nested for the long
+    launch and for one program per split (H200, lease 17, us per layer: 105
+    decodes at 1,100 context 128.9 flat against 140.1 nested at 2 warps and 3
+    stages; a 2,048-token prompt 261.1 flat against 243.5; one program per
+    split 138.2 flat against 133.7). Not the default until measured under
+    load in one hold (docs/performance.md "Lease 17"). With any one loop the
+    short launch from 512 programs runs 3 stages (`short_launch_config`). The
+    same operations on the same values in every form (tests/gpu); a split
+    size that is not a multiple of block_n, or split_mask, walks the nested
+    loops."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -476,7 +479,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     lp = launch_plan(t, meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k,
                      meta.query_lens_cpu if block_m > 16 and short_launch else None, kvh, g, sms_for(q),
                      block_m=block_m, split_tokens=split_tokens, combine=combine, rowsum=rowsum,
-                     short_launch=short_launch)
+                     short_launch=short_launch, tile_loop=tile_loop)
     block_q, decode, split, has_short, parallel = lp.block_q, lp.decode, lp.split, lp.has_short, lp.parallel
     short_m, short_q, max_splits, n_qtiles = lp.short_m, lp.short_q, lp.max_splits, lp.n_qtiles
     kc, vc = kv_cache[0], kv_cache[1]

@@ -157,10 +157,10 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         # (Llama batch 1: 11.5 vs 12.7 at 4; Qwen3-30B-A3B batch 8: 12.2 vs 13.2);
         # 128 to 511 - the same with 2 warps, 4 stages (Qwen3 batch 64, 4 KV heads:
         # 46.4 vs 51.5 for the splits in one program); from 512 - the splits in one
-        # program (one loop over them since lease 17), 2 warps, 3 stages (Llama, 1.1k
-        # contexts: batch 64 75.6 vs 87.3 for split programs, 105 128.9 vs 135.9, 256
-        # 283.5 vs 317.2; 83.7 / 150.3 / 303.0 with 1 stage). Every launch tried gave the
-        # same bits.
+        # program, 2 warps, no prefetch stage (Llama batch 64: 75.1 vs 79.1 for split
+        # programs, batch 256: 271.3 vs 281.1); with one loop over the splits (tile_loop
+        # "auto" / "prefetch", lease 17) 3 stages: batch 64 75.6, 105 128.9, 256 283.5 against
+        # 83.7, 150.3, 303.0 at 1 stage. Every launch tried gave the same bits.
         # the exponent's form (kernels/attention_triton.py): "exp2" is FlashAttention's (other bits, the
         # same in prefill and decode; rows invariant on the H200 in lease 16, 35/35 battery cells);
         # overlap_short runs a mixed step's short launch on a second stream (same bits). Knobs, off
@@ -169,20 +169,23 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         # moved a row's bits with the chunking and the decode launch (lease 16)
         softmax = knob("softmax", ("exp", "exp2"), "exp")
         overlap = knob("overlap_short", (False, True), False)
-        # the KV tiles' loop (kernels/attention_triton.py tile_loop, same bits): "auto" walks a
-        # decode program's splits in one loop (lease 17: 105 decodes 128.9 vs 140.1 us per
-        # layer), "nested" a loop per split everywhere, as before lease 17 (for a serving A/B);
+        # the KV tiles' loop (kernels/attention_triton.py tile_loop, same bits): "nested" a loop
+        # per split, as measured side by side with vLLM (lease 17); "auto" walks a decode
+        # program's splits in one loop (lease 17: 105 decodes 128.9 vs 150.3 us per layer at 2
+        # warps, 3 vs 1 stage) but was not separated from hold-to-hold variation under load;
         # "prefetch" one loop everywhere with the block table read a tile ahead, and 3 stages
         # for the prompt tiles, the form in which the compiler keeps the next tile's K and V
         # copies in flight (tests/kernels/test_sm90_compile.py); not yet timed on the device
-        tile_loop = knob("tile_loop", ("auto", "nested", "prefetch"), "auto")
+        tile_loop = knob("tile_loop", ("nested", "auto", "prefetch"), "nested")
         combine, stages = "auto", 2
         if q_tile > 16 and tile_loop == "prefetch":
             stages = 3
         if q_tile == 16:
             programs = num_seqs * num_kv_heads
             if programs >= 512:
-                combine, warps, stages = "sequential", 2, 3
+                combine, warps, stages = "sequential", 2, 1
+                if tile_loop != "nested":
+                    stages = 3
             elif programs >= 128:
                 combine, warps, stages = "parallel", 2, 4
             else:

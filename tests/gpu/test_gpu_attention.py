@@ -182,11 +182,12 @@ def test_tile_order_and_loop_keep_every_row(bm, combine):
     case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=23)
     chunks = [(0, 2048), (0, 700), (400, 1100)] + [(n - 1, n) for n in lens[3:]]
     kw = dict(block_m=bm, num_warps=8 if bm == 128 else 4, rowsum="mma", combine=combine)
-    auto, _ = _run(case, chunks, **kw)
-    old, _ = _run(case, chunks, tile_order="ascending", tile_loop="nested", **kw)
+    auto, _ = _run(case, chunks, tile_loop="auto", **kw)
+    old, _ = _run(case, chunks, tile_order="ascending", **kw)
     flat, _ = _run(case, chunks, tile_loop="flat", **kw)
     ahead, _ = _run(case, chunks, tile_loop="prefetch", num_stages=3, **kw)
     assert not auto.isnan().any() and torch.equal(auto, old) and torch.equal(flat, old)
     assert torch.equal(ahead, old)
-    dec, _ = _run(case, [(n - 1, n) for n in lens], block_m=16, num_warps=2, num_stages=3, combine=combine)
+    dec, _ = _run(case, [(n - 1, n) for n in lens], block_m=16, num_warps=2, num_stages=3, combine=combine,
+                  tile_loop="auto")
     assert torch.equal(dec[3:], auto[2048 + 700 + 700:])  # the decode launch's rows, flat or not

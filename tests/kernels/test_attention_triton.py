@@ -209,17 +209,22 @@ def test_a_padded_launch_keeps_every_real_row(block_m, combine):
 
 def test_the_short_launch_takes_the_decode_launchs_warps_from_512_programs():
     # host-side plan only (the interpreter ignores warps and stages): a mixed step's short
-    # launch is one program per (sequence, KV head); from 512 of them it runs 2 warps and 3
-    # stages, as the decode-only launch does there, and it is its own compile
-    plan = lambda n: attention_triton.launch_plan(  # noqa: E731
-        1024 + n - 1, n, 1024, 2048, (1024,) + (1,) * (n - 1), 8, 4, 132, block_m=128, split_tokens=256)
+    # launch is one program per (sequence, KV head); from 512 of them it runs 2 warps, as the
+    # decode-only launch does there, without a prefetch stage for a loop per split and with 3
+    # stages for one loop over the splits, and it is its own compile
+    plan = lambda n, loop="nested": attention_triton.launch_plan(  # noqa: E731
+        1024 + n - 1, n, 1024, 2048, (1024,) + (1,) * (n - 1), 8, 4, 132, block_m=128, split_tokens=256,
+        tile_loop=loop)
     few, many = plan(63), plan(64)
     assert (few.short_warps, few.short_stages) == (4, 2)
-    assert (many.short_warps, many.short_stages) == (2, 3)
+    assert (many.short_warps, many.short_stages) == (2, 1)
+    assert (plan(64, "auto").short_warps, plan(64, "auto").short_stages) == (2, 3)
+    assert (plan(63, "auto").short_warps, plan(63, "auto").short_stages) == (4, 2)
     short = lambda p: {v for v in attention_triton.kernel_variants(p, block_m=128, num_warps=8)  # noqa: E731
                        if v[4]}
     assert short(few) == {("paged", 16, False, False, True, 0, 4, 2)}
-    assert short(many) == {("paged", 16, False, False, True, 0, 2, 3)}
+    assert short(many) == {("paged", 16, False, False, True, 0, 2, 1)}
+    assert short(plan(64, "prefetch")) == {("paged", 16, False, False, True, 0, 2, 3)}
 
 
 @pytest.mark.parametrize("combine", ["sequential", "parallel"])
