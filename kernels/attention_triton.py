@@ -167,6 +167,41 @@ def _accumulate(p, alpha, l, acc, v, ones, IEEE: tl.constexpr, ROWSUM_MMA: tl.co
     return l, acc
 
 
+@triton.jit
+def _kv_tile(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, c, sc_blk, sc_off, sc_h, kvh,
+             PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, EXP2: tl.constexpr):
+    """One masked KV tile into a split's (m, l, acc) in the deployment's exponent form."""
+    if EXP2:
+        return _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off,
+                             sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
+    else:
+        return _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, sc_blk, sc_off,
+                            sc_h, kvh, PAGE, IEEE, ROWSUM_MMA)
+
+
+@triton.jit
+def _fresh_split(BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """A split's online-softmax state before its first tile: (m, l, acc)."""
+    return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.zeros((BLOCK_M, D), tl.float32))
+
+
+@triton.jit
+def _split_end(s, m, l, acc, M, L, ACC, pm_ptr, pl_ptr, pacc_ptr, tok, head, d, row_ok, sp_s, sp_t, sp_h, spa_s,
+               spa_t, spa_h, scale, PARALLEL: tl.constexpr, EXP2: tl.constexpr):
+    """Split s's (m, l, acc): its fp32 partials for the combine kernel (PARALLEL), or merged
+    into the running (M, L, ACC) in ascending split order; the running state."""
+    if PARALLEL:
+        ps = tl.cast(s, tl.int64)
+        tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
+        tl.store(pl_ptr + ps * sp_s + tok * sp_t + head * sp_h, l, mask=row_ok)
+        tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :], acc,
+                 mask=row_ok[:, None])
+    else:
+        M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)
+    return M, L, ACC
+
+
 # not specialized: the block table's row stride follows the step's longest sequence, and a
 # compile per divisibility class would meet its second class while serving (engine/warmup.py)
 @lazy_jit(do_not_specialize=["num_seqs", "sbt"])
@@ -237,14 +272,13 @@ def _paged_attn_kernel(
         M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         L = tl.zeros((BLOCK_M,), tl.float32)
         ACC = tl.zeros((BLOCK_M, D), tl.float32)
+        c = scale * 1.4426950408889634  # scale * log2(e), for softmax="exp2"
+        sp = (pm_ptr, pl_ptr, pacc_ptr, tok, head, d, row_ok, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h, scale)
         if FLAT:
             # the same tiles, splits and merges in one loop over the KV tiles (SPLIT a multiple
             # of BLOCK_N): the compiler's pipeline prefetches across split ends, which a loop
             # per split (4 tiles at 256 / 64) restarts
-            m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l = tl.zeros((BLOCK_M,), tl.float32)
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
-            c = scale * 1.4426950408889634
+            m, l, acc = _fresh_split(BLOCK_M, D)
             j_lo = s_first * SPLIT
             j_hi = tl.minimum(s_last * SPLIT, max_pos + 1)
             if PREFETCH:  # the first tile's pages; each tile then reads the next one's
@@ -260,61 +294,33 @@ def _paged_attn_kernel(
                     blk_next = _tile_blocks(bt_row, j0 + BLOCK_N, j_hi, cols, PAGE)
                 else:
                     blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
-                if EXP2:
-                    m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d,
-                                              ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
-                else:
-                    m, l, acc = _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones,
-                                             scale, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA)
+                m, l, acc = _kv_tile(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, c,
+                                     sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, EXP2)
                 if PREFETCH:
                     blk = blk_next
                 if j0 + BLOCK_N >= kv_hi:  # the split's last tile
-                    if PARALLEL:
-                        ps = tl.cast(j0 // SPLIT, tl.int64)
-                        tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
-                        tl.store(pl_ptr + ps * sp_s + tok * sp_t + head * sp_h, l, mask=row_ok)
-                        tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :],
-                                 acc, mask=row_ok[:, None])
-                    else:
-                        M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)
-                    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-                    l = tl.zeros((BLOCK_M,), tl.float32)
-                    acc = tl.zeros((BLOCK_M, D), tl.float32)
+                    M, L, ACC = _split_end(j0 // SPLIT, m, l, acc, M, L, ACC, *sp, PARALLEL, EXP2)
+                    m, l, acc = _fresh_split(BLOCK_M, D)
         else:
             for s in range(s_first, s_last):
-                m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-                l = tl.zeros((BLOCK_M,), tl.float32)
-                acc = tl.zeros((BLOCK_M, D), tl.float32)
+                m, l, acc = _fresh_split(BLOCK_M, D)
                 kv_hi = tl.minimum((s + 1) * SPLIT, max_pos + 1)
-                if EXP2:
-                    # the split's tiles in order: with SPLIT_MASK first those every row of the q
-                    # tile sees whole (no mask), then the rest masked; the same arithmetic either way
-                    c = scale * 1.4426950408889634
-                    j_full = s * SPLIT
-                    if SPLIT_MASK:
-                        j_full += tl.maximum(tl.minimum(kv_hi, ctx + q_blk * BLOCK_Q + 1) - s * SPLIT, 0) \
-                            // BLOCK_N * BLOCK_N
-                        for j0 in range(s * SPLIT, j_full, BLOCK_N):
-                            blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
-                            m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d,
-                                                      ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, False)
-                    for j0 in range(j_full, kv_hi, BLOCK_N):
+                # the split's tiles in order: with SPLIT_MASK (softmax="exp2" only) first those
+                # every row of the q tile sees whole (no mask), then the rest masked; the same
+                # arithmetic either way
+                j_full = s * SPLIT
+                if SPLIT_MASK:
+                    j_full += tl.maximum(tl.minimum(kv_hi, ctx + q_blk * BLOCK_Q + 1) - s * SPLIT, 0) \
+                        // BLOCK_N * BLOCK_N
+                    for j0 in range(s * SPLIT, j_full, BLOCK_N):
                         blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
-                        m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d,
-                                                  ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
-                else:
-                    for j0 in range(s * SPLIT, kv_hi, BLOCK_N):
-                        blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
-                        m, l, acc = _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones,
-                                                 scale, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA)
-                if PARALLEL:
-                    ps = tl.cast(s, tl.int64)
-                    tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
-                    tl.store(pl_ptr + ps * sp_s + tok * sp_t + head * sp_h, l, mask=row_ok)
-                    tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :],
-                             acc, mask=row_ok[:, None])
-                else:
-                    M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)
+                        m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones,
+                                                  c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, False)
+                for j0 in range(j_full, kv_hi, BLOCK_N):
+                    blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
+                    m, l, acc = _kv_tile(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, c,
+                                         sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, EXP2)
+                M, L, ACC = _split_end(s, m, l, acc, M, L, ACC, *sp, PARALLEL, EXP2)
         if not PARALLEL:
             out = ACC / L[:, None]
             tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
