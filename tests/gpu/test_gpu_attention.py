@@ -191,3 +191,5 @@ def test_tile_order_and_loop_keep_every_row(bm, combine):
     dec, _ = _run(case, [(n - 1, n) for n in lens], block_m=16, num_warps=2, num_stages=3, combine=combine,
                   tile_loop="auto")
     assert torch.equal(dec[3:], auto[2048 + 700 + 700:])  # the decode launch's rows, flat or not
+    other, _ = _run(case, chunks, split_tokens=128, **kw)  # the comparator can fail: another split size
+    assert not torch.equal(other, old)
