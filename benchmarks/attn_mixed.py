@@ -82,6 +82,10 @@ def cases() -> list[tuple[str, list[tuple[int, int]]]]:
             ("r80: 105 decodes + 750 chunk after 274", dec(105) + [(750, 1024)]),
             ("c128: 105 decodes + 1024 + 780 prompt", dec(105) + [(1024, 1024), (780, 780)]),
             ("r20: 20 decodes + 620 prompt", dec(20) + [(620, 620)]),
+            # fresh 1,024-token prompts (lease 18): a chunk cut to end the step on 1,024 tokens
+            ("r20 fresh: 26 decodes + 998 prompt", dec(26) + [(998, 998)]),
+            ("r80 fresh: 40 decodes + 984 chunk after 40", dec(40) + [(984, 1024)]),
+            ("26 decodes alone", dec(26)),
             ("750 prompt alone", [(750, 750)]),
             ("2048 prompt alone", [(2048, 2048)]),
             ("105 decodes alone", dec(105)),
@@ -89,7 +93,7 @@ def cases() -> list[tuple[str, list[tuple[int, int]]]]:
 
 
 def variants(mixed: bool, decode: bool, long_m: int):
-    """(key, attention kwargs, short launch (warps, stages) or None for the program's own)."""
+    """(key, attention kwargs, short launch (warps, stages, parallel) or None for the program's own)."""
     out = []
     for bn in (64, 128):
         tag = "" if bn == 64 else "n128_"
@@ -137,9 +141,13 @@ def variants(mixed: bool, decode: bool, long_m: int):
             out.append((f"{tag}m{long_m}_w{8 if long_m == 128 else 4}_st2_auto",
                         dict(base, block_m=long_m, num_warps=8 if long_m == 128 else 4, num_stages=2,
                              tile_loop="auto"), None))
-            for sw, ss in ((2, 1), (2, 2), (4, 1), (4, 2)):
-                out.append((f"{tag}m{long_m}_short_w{sw}_st{ss}",
-                            dict(base, block_m=long_m, num_warps=8 if long_m == 128 else 4, num_stages=2), (sw, ss)))
+            # the short launch's splits walked in one program (seq) or one program per split and
+            # the combine (par, the default up to 512 programs since lease 18)
+            for sw, ss, par in ((2, 1, False), (2, 2, False), (4, 1, False), (4, 2, False), (2, 4, True),
+                                (4, 2, True), (2, 2, True)):
+                out.append((f"{tag}m{long_m}_short_w{sw}_st{ss}_{'par' if par else 'seq'}",
+                            dict(base, block_m=long_m, num_warps=8 if long_m == 128 else 4, num_stages=2),
+                            (sw, ss, par)))
             for bm, nw in ((long_m, 8 if long_m == 128 else 4), (64, 4)):
                 out.append((f"{tag}m{bm}_w{nw}_st2_overlap",
                             dict(base, block_m=bm, num_warps=nw, num_stages=2, overlap_short=True), None))
@@ -186,7 +194,7 @@ def run_case(name: str, seqs) -> dict:
     refs: dict[tuple, torch.Tensor] = {}  # (block_n, softmax) -> the first variant's output
     own = attention_plan.short_launch_config
     for key, kw, short in variants(mixed, decode, long_m):
-        attention_plan.short_launch_config = (lambda p, loop="nested": short) if short else own
+        attention_plan.short_launch_config = (lambda p, loop="nested", comb="auto": short) if short else own
         try:
             fn = lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)  # noqa: E731
             y = fn().clone()

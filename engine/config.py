@@ -58,9 +58,12 @@ class EngineConfig:
     # later steps rather than stall every generating request); None: no cap
     max_mixed_batched_tokens: int | None = 2048
     # a step that carries decodes and passes this many tokens ends on a multiple of it
-    # (scheduler.SchedulerLimits.mixed_token_align; None: off, as its effect under load was
-    # mixed: docs/performance.md)
-    mixed_token_align: int | None = None
+    # (scheduler.SchedulerLimits.mixed_token_align; None: off). 1,024: a fresh 1,024-token
+    # prompt beside 26 decodes then runs 1,024 rows, not the 1,152-row graph, whose GEMMs take a
+    # second round of the H200's 132 SMs; under load beside vLLM in one hold (lease 18) TPOT p50
+    # went from 1.24x to 1.11x vLLM's at 80 % of its maximum and from 1.35x to 1.20x at 20 req/s,
+    # C = 128 throughput 0.98x and 0.97x (docs/performance.md)
+    mixed_token_align: int | None = 1024
     # plan and launch step N+1 while step N runs on the device (None: on for CUDA)
     async_scheduling: bool | None = None
     # after startup, move every object alive to Python's permanent GC generation

@@ -20,6 +20,7 @@ class LaunchPlan:
     short_q: int
     short_warps: int  # the short launch's warps and prefetch stages (`short_launch_config`)
     short_stages: int
+    short_parallel: bool  # ... one program per KV split, then the combine kernel for its rows
     n_qtiles: int
     max_splits: int
     parallel: bool  # one program per KV split, then the combine kernel
@@ -27,7 +28,7 @@ class LaunchPlan:
 
 def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, query_lens, kvh: int, g: int,
                 sms: int, *, block_m: int, split_tokens: int, combine: str = "auto", rowsum: str = "mma",
-                short_launch: bool = True, tile_loop: str = "nested") -> LaunchPlan:
+                short_launch: bool = True, tile_loop: str = "nested", short_combine: str = "auto") -> LaunchPlan:
     """What `attention_triton_paged` launches for a step (host values only).
 
     A selection fixes the parameters; these are decided by the step itself,
@@ -52,26 +53,41 @@ def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, que
         parallel = combine == "parallel" and max_splits > 1  # one split: nothing to combine
     else:
         raise ValueError(f"attention/triton_paged: combine={combine!r} must be 'auto', 'parallel' or 'sequential'")
-    short_warps, short_stages = short_launch_config(num_seqs * kvh, tile_loop)
-    return LaunchPlan(block_q, decode, split, has_short, short_m, short_q, short_warps, short_stages, n_qtiles,
-                      max_splits, parallel)
+    if short_combine not in ("auto", "parallel", "sequential"):
+        raise ValueError(f"attention/triton_paged: short_combine={short_combine!r} must be 'auto', 'parallel' or "
+                         f"'sequential'")
+    short_warps, short_stages, short_parallel = short_launch_config(num_seqs * kvh, tile_loop, short_combine)
+    short_parallel = short_parallel and max_splits > 1  # one split: nothing to combine
+    return LaunchPlan(block_q, decode, split, has_short, short_m, short_q, short_warps, short_stages,
+                      short_parallel, n_qtiles, max_splits, parallel)
 
 
-def short_launch_config(programs: int, tile_loop: str = "nested") -> tuple[int, int]:
-    """(num_warps, num_stages) of the short launch: one program per (sequence, KV head) on a
-    16-row tile, splits walked in order, which is the decode launch's arithmetic. From 512
-    programs it takes what the decode launch measured best there (selection/programs/
-    attention.py): 2 warps and no prefetch stage with a loop per split (in a mixed step of
-    105 decodes beside a prompt chunk, H200, Llama-3.1-8B shapes, 1.1k contexts, 4 warps and
-    2 stages took 5.65 ms over the 32 layers, 2 warps and 1 stage 5.17: benchmarks/
-    mixed_kernels.py, docs/performance.md "Lease 12"); 2 warps and 3 stages with one loop
-    over the splits (tile_loop "auto" or "prefetch"; lease 17, us per layer: 105 decodes
-    alone 128.9 at 3 stages against 150.3 at 1; a mixed step 229.0 with a 2-stage short
-    launch against 246.0 with 1). Below 512, 4 warps and 2 stages. Warps and stages do not
-    move a row's bits (rowsum="mma"; tests/gpu)."""
+def short_launch_config(programs: int, tile_loop: str = "nested", combine: str = "auto") -> tuple[int, int, bool]:
+    """(num_warps, num_stages, parallel) of the short launch: one program per (sequence, KV
+    head) on a 16-row tile, splits walked in order (the decode launch's arithmetic), or with
+    `parallel` one program per (sequence, KV head, split) and then the combine kernel for the
+    short rows, which is the decode launch's split form (the same bits: tests/gpu).
+
+    Up to 512 programs it splits (2 warps, 4 stages from 128 programs, as the decode launch
+    at 128-511 (selection/programs/attention.py); 4 warps and 2 stages below): a mixed step
+    of 26 decodes beside a 1,038-token chunk took 1.95 ms over the 32 layers in a sequential
+    short launch of 216 programs, the same 26 decodes in a decode step's split launch 1.29
+    (H200, Llama-3.1-8B shapes, 1.1k contexts: benchmarks/mixed_kernels.py, docs/
+    performance.md "Lease 18"). The whole-step graphs launch it at their padded sequence count
+    (64 for 17 to 64 sequences: engine/mixed_graph.py), so the limit is 512 and not the decode
+    launch's 511. From 513 programs, sequential: 2 warps and no prefetch stage with a loop per
+    split (in a mixed step of 105 decodes beside a prompt chunk, 4 warps and 2 stages took
+    5.65 ms over the 32 layers, 2 warps and 1 stage 5.17: "Lease 12"); 2 warps and 3 stages
+    with one loop over the splits (tile_loop "auto" or "prefetch"; lease 17, us per layer:
+    105 decodes alone 128.9 at 3 stages against 150.3 at 1). Warps, stages and the split do
+    not move a row's bits (rowsum="mma"; tests/gpu). `combine` "parallel" or "sequential"
+    forces the form (benchmarks/attn_mixed.py compares them)."""
+    parallel = programs <= 512 if combine == "auto" else combine == "parallel"
+    if parallel:
+        return (2, 4, True) if programs >= 128 else (4, 2, True)
     if programs >= 512:
-        return (2, 1) if tile_loop == "nested" else (2, 3)
-    return (4, 2)
+        return (2, 1, False) if tile_loop == "nested" else (2, 3, False)
+    return (4, 2, False)
 
 
 def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_stages: int = 2,
@@ -83,14 +99,16 @@ def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_s
     if plan.parallel:
         out.add(("combine", plan.decode))
     if plan.split and plan.has_short:
-        out.add(("paged", plan.short_m, False, False, True, 0, plan.short_warps, plan.short_stages))
+        out.add(("paged", plan.short_m, plan.short_parallel, False, True, 0, plan.short_warps, plan.short_stages))
+        if plan.short_parallel:
+            out.add(("combine_short", plan.short_q))
     return out
 
 
 def step_variants(selection: dict, *, query_lens, kv_lens, num_heads: int, num_kv_heads: int,
                   num_sms: int) -> set[tuple]:
     """`kernel_variants` of a step given by its query and KV lengths per sequence."""
-    keys = ("split_tokens", "block_m", "combine", "rowsum", "short_launch", "tile_loop")
+    keys = ("split_tokens", "block_m", "combine", "rowsum", "short_launch", "tile_loop", "short_combine")
     plan = launch_plan(sum(query_lens), len(query_lens), max(query_lens), max(kv_lens), tuple(query_lens),
                        num_kv_heads, num_heads // num_kv_heads, num_sms,
                        **{k: selection[k] for k in keys if k in selection})

@@ -256,6 +256,11 @@ def _paged_attn_kernel(
         pos = ctx + qi  # [BLOCK_M] absolute positions
         d = tl.arange(0, D)
         tok = (q_start + qi).to(tl.int64)
+        # the split partials' row: the token's, or in the short launch the sequence's slot of
+        # BLOCK_Q rows (its buffer holds the short sequences' rows only)
+        prow = tok
+        if SHORT:
+            prow = (b * BLOCK_Q + qi).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
                     mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
         max_pos = ctx + tl.minimum(q_blk * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -273,7 +278,7 @@ def _paged_attn_kernel(
         L = tl.zeros((BLOCK_M,), tl.float32)
         ACC = tl.zeros((BLOCK_M, D), tl.float32)
         c = scale * 1.4426950408889634  # scale * log2(e), for softmax="exp2"
-        sp = (pm_ptr, pl_ptr, pacc_ptr, tok, head, d, row_ok, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h, scale)
+        sp = (pm_ptr, pl_ptr, pacc_ptr, prow, head, d, row_ok, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h, scale)
         if FLAT:
             # the same tiles, splits and merges in one loop over the KV tiles (SPLIT a multiple
             # of BLOCK_N): the compiler's pipeline prefetches across split ends, which a loop
@@ -332,13 +337,20 @@ def _paged_attn_kernel(
 @lazy_jit(do_not_specialize=["num_seqs", "skip_q"])
 def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_seqs, skip_q,
                     so_t, so_h, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h, scale,
-                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr, EXP2: tl.constexpr = False):
-    t = tl.program_id(0)
+                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr, EXP2: tl.constexpr = False,
+                    SHORT_Q: tl.constexpr = 0):
+    t = tl.program_id(0)  # the partials' row (and the output's, but for SHORT_Q)
     h = tl.program_id(1)
+    row = t
     if DECODE:  # token t is sequence t's only query
         b = t
         q_start = t
         q_len = 1
+    elif SHORT_Q > 0:  # the short launch's rows: query t % SHORT_Q of sequence t // SHORT_Q
+        b = t // SHORT_Q
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+        row = q_start + t % SHORT_Q
     else:
         lo = 0
         hi = num_seqs
@@ -351,9 +363,12 @@ def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_se
         b = lo - 1
         q_start = tl.load(qsl_ptr + b)
         q_len = tl.load(qsl_ptr + b + 1) - q_start
-    pos = tl.load(seqlen_ptr + b) - q_len + (t - q_start)
+    pos = tl.load(seqlen_ptr + b) - q_len + (row - q_start)
     n_split = pos // SPLIT + 1
-    n_split = tl.where(q_len <= skip_q, 0, n_split)  # the short launch writes this row
+    if SHORT_Q > 0:  # a slot past the sequence's queries, or a sequence the long launch wrote
+        n_split = tl.where((row - q_start < q_len) & (q_len <= SHORT_Q), n_split, 0)
+    else:
+        n_split = tl.where(q_len <= skip_q, 0, n_split)  # the short launch writes this row
     d = tl.arange(0, D)
     t64 = t.to(tl.int64)
     M = tl.full((1,), float("-inf"), tl.float32)
@@ -368,7 +383,7 @@ def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_se
         M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)  # the program's merge, the same operations
     if n_split > 0:
         out = ACC / L[:, None]
-        tl.store(o_ptr + t64 * so_t + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty))
+        tl.store(o_ptr + row.to(tl.int64) * so_t + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty))
 
 
 def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
@@ -415,7 +430,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
                            num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
                            short_launch: bool = True, overlap_short: bool = False, softmax: str = "exp",
                            split_mask: bool = False, tile_order: str = "heavy_first",
-                           tile_loop: str = "nested") -> torch.Tensor:
+                           tile_loop: str = "nested", short_combine: str = "auto") -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
     short_launch: in a step whose tile is taller than 16 rows (a long chunk's
@@ -461,7 +476,11 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     short launch from 512 programs runs 3 stages (`short_launch_config`). The
     same operations on the same values in every form (tests/gpu); a split
     size that is not a multiple of block_n, or split_mask, walks the nested
-    loops."""
+    loops.
+    short_combine: the short launch's splits walked in one program per (sequence,
+    KV head) ("sequential"), or one program per split and then the combine kernel
+    for its rows ("parallel"), the decode launch's two forms; "auto" splits up to
+    512 programs (`attention_plan.short_launch_config`). Same bits (tests/gpu)."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -485,7 +504,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     lp = launch_plan(t, meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k,
                      meta.query_lens_cpu if block_m > 16 and short_launch else None, kvh, g, sms_for(q),
                      block_m=block_m, split_tokens=split_tokens, combine=combine, rowsum=rowsum,
-                     short_launch=short_launch, tile_loop=tile_loop)
+                     short_launch=short_launch, tile_loop=tile_loop, short_combine=short_combine)
     block_q, decode, split, has_short, parallel = lp.block_q, lp.decode, lp.split, lp.has_short, lp.parallel
     short_m, short_q, max_splits, n_qtiles = lp.short_m, lp.short_q, lp.max_splits, lp.n_qtiles
     kc, vc = kv_cache[0], kv_cache[1]
@@ -524,13 +543,28 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
                                 out.stride(0), out.stride(1), *ps, *pas, float(scale), D=d, SPLIT=split_tokens,
                                 DECODE=decode, EXP2=softmax == "exp2", num_warps=1 if d <= 64 else 2)
     if split and has_short:
-        # one program per (sequence, KV head), splits walked in order: two compiles, by the
-        # program count (tests/gpu: the 16-row tile gives the 128-row tile's bits)
+        # one program per (sequence, KV head), splits walked in order, or one per split and the
+        # combine of the short rows (tests/gpu: the 16-row tile gives the 128-row tile's bits)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _paged_attn_kernel[(meta.num_seqs, kvh, 1)](
-                *common, out, out, out, *tail, 0, 0, 0, 0, 0, 0, BLOCK_M=short_m, BLOCK_Q=short_q,
-                PARALLEL=False, DECODE=False, SHORT=True, SKIP_Q=0, FLAT=flat_short, **flags,
-                num_warps=lp.short_warps, num_stages=lp.short_stages)
+            if lp.short_parallel:  # partials in slots of short_q rows per sequence
+                spm = empty((max_splits, meta.num_seqs * short_q, h), torch.float32, q.device)
+                spl = empty_like(spm)
+                spacc = empty((max_splits, meta.num_seqs * short_q, h, d), torch.float32, q.device)
+                sps, spas = (spm.stride(0), spm.stride(1), spm.stride(2)), (spacc.stride(0), spacc.stride(1),
+                                                                           spacc.stride(2))
+            else:
+                spm = spl = spacc = out  # unused
+                sps = spas = (0, 0, 0)
+            _paged_attn_kernel[(meta.num_seqs, kvh, max_splits if lp.short_parallel else 1)](
+                *common, spm, spl, spacc, *tail, *sps, *spas, BLOCK_M=short_m, BLOCK_Q=short_q,
+                PARALLEL=lp.short_parallel, DECODE=False, SHORT=True, SKIP_Q=0,
+                FLAT=flat_split if lp.short_parallel else flat_short, **flags, num_warps=lp.short_warps,
+                num_stages=lp.short_stages)
+            if lp.short_parallel:
+                _combine_kernel[(meta.num_seqs * short_q, h)](
+                    out, spm, spl, spacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, 0, out.stride(0),
+                    out.stride(1), *sps, *spas, float(scale), D=d, SPLIT=split_tokens, DECODE=False,
+                    EXP2=softmax == "exp2", SHORT_Q=short_q, num_warps=1 if d <= 64 else 2)
         if side is not None:  # every later use of `out` (and of the inputs) waits for it
             torch.cuda.current_stream(q.device).wait_stream(side)
     return out

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-token-align", type=int, default=None,
                    help="a step that carries decodes and passes this many tokens ends on a multiple of it, "
                         "its last prompt chunk leaving the rest to the next step (a chunk another prompt "
-                        "follows is taken whole; GEMM shapes; no bits change; default off)")
+                        "follows is taken whole; GEMM shapes; no bits change; default 1024; 0: off)")
     p.add_argument("--mixed-graph-max-tokens", type=int, default=None,
                    help="GPU: steps with prompt tokens of up to this many tokens (16 to 2048) replay one "
                         "whole-step CUDA graph, attention inside, as vLLM's full graphs do up to 512 (no bits "
@@ -82,8 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for d in a.allowed_weight_dir:
         if not os.path.isdir(d):
             p.error(f"--allowed-weight-dir {d!r} is not a directory")
-    if a.mixed_token_align is not None and a.mixed_token_align < 1:
-        p.error(f"--mixed-token-align must be >= 1, got {a.mixed_token_align}")
+    if a.mixed_token_align is not None and a.mixed_token_align < 0:
+        p.error(f"--mixed-token-align must be >= 0, got {a.mixed_token_align}")
     if a.mixed_graph_max_tokens and not MIXED_GRAPH_MIN_TOKENS <= a.mixed_graph_max_tokens <= MIXED_GRAPH_MAX_TOKENS:
         p.error(f"--mixed-graph-max-tokens must be 0 (off) or {MIXED_GRAPH_MIN_TOKENS} to {MIXED_GRAPH_MAX_TOKENS}, "
                 f"got {a.mixed_graph_max_tokens}")
@@ -149,8 +149,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                  "mixed_graph_max_tokens"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
-    if a.max_mixed_batched_tokens == 0:
-        kw["max_mixed_batched_tokens"] = None
+    for name in ("max_mixed_batched_tokens", "mixed_token_align"):  # 0: off
+        if getattr(a, name) == 0:
+            kw[name] = None
     return kw
 
 

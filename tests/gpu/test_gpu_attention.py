@@ -172,6 +172,48 @@ def test_a_short_launch_of_512_programs_keeps_the_decode_steps_bits():
     assert torch.equal(y[700:], dec)
 
 
+@pytest.mark.parametrize("loop", ["nested", "auto"])
+def test_the_short_launch_split_into_programs_keeps_every_row(loop):
+    # a mixed step as under 20 req/s with fresh prompts (a 998-token chunk, 26 decodes at about
+    # 1.1k context) plus a 3-token chunk: the short launch split into one program per KV split
+    # and combined over slots of 4 rows per sequence (the default up to 512 programs), walked in
+    # one program per sequence, or no short launch: every row the same bits; each decode row
+    # the decode launch's (its split form, as a decode step of 26 takes it), eagerly and
+    # replayed from a CUDA graph of the step padded to 64 sequences as the whole-step graphs are
+    lens = [998] + [1050 + 7 * i for i in range(26)] + [333]
+    case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=29)
+    chunks = [(0, 998)] + [(n - 1, n) for n in lens[1:-1]] + [(330, 333)]
+    kw = dict(block_m=128, num_warps=8, rowsum="mma", tile_loop=loop)
+    split, (q, k, v, meta) = _run(case, chunks, short_combine="parallel", **kw)
+    walked, _ = _run(case, chunks, short_combine="sequential", **kw)
+    one, _ = _run(case, chunks, short_launch=False, **kw)
+    assert not split.isnan().any() and torch.equal(split, walked) and torch.equal(split, one)
+    dec, _ = _run(case, [(0, 0)] + chunks[1:-1] + [(333, 333)], order=list(range(1, 27)), block_m=16,
+                  num_warps=2, num_stages=4, combine="parallel", rowsum="mma", tile_loop=loop)
+    assert torch.equal(split[998:998 + 26], dec)
+    cache = case.fresh_cache()
+    case.prefill_prefix(cache, [s for s, _ in chunks])
+    pad_s = 64 - meta.num_seqs
+    padded = type(meta)(
+        query_start_loc=torch.cat([meta.query_start_loc, meta.query_start_loc[-1:].repeat(pad_s)]),
+        seq_lens=torch.cat([meta.seq_lens, torch.ones(pad_s, dtype=torch.int32, device="cuda")]),
+        block_tables=torch.cat([meta.block_tables, meta.block_tables.new_zeros((pad_s, meta.block_tables.shape[1]))]),
+        slot_mapping=meta.slot_mapping, num_seqs=64, num_tokens=meta.num_tokens, max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=4096, block_size=meta.block_size)
+    plan = attention_triton.launch_plan(meta.num_tokens, 64, meta.max_seqlen_q, 4096, None, 8, 4, 132,
+                                        block_m=128, split_tokens=256, tile_loop=loop)
+    assert plan.short_parallel and (plan.short_warps, plan.short_stages) == (2, 4)  # 512 programs
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        zg = attention_triton_paged(q, k, v, cache, padded, SCALE, **{**KW, **kw})
+    zg.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(zg, split)
+    other, _ = _run(case, chunks, split_tokens=128, short_combine="parallel", **kw)
+    assert not torch.equal(other[998:], walked[998:])  # the comparator can fail: another split size
+
+
 @pytest.mark.parametrize("bm", [64, 128])
 @pytest.mark.parametrize("combine", ["sequential", "parallel"])
 def test_tile_order_and_loop_keep_every_row(bm, combine):

@@ -207,24 +207,65 @@ def test_a_padded_launch_keeps_every_real_row(block_m, combine):
     assert torch.equal(cache.nan_to_num(7.0), ref.nan_to_num(7.0))  # padded tokens wrote nothing
 
 
-def test_the_short_launch_takes_the_decode_launchs_warps_from_512_programs():
+def test_the_short_launch_splits_up_to_512_programs_and_walks_past_them():
     # host-side plan only (the interpreter ignores warps and stages): a mixed step's short
-    # launch is one program per (sequence, KV head); from 512 of them it runs 2 warps, as the
-    # decode-only launch does there, without a prefetch stage for a loop per split and with 3
-    # stages for one loop over the splits, and it is its own compile
-    plan = lambda n, loop="nested": attention_triton.launch_plan(  # noqa: E731
-        1024 + n - 1, n, 1024, 2048, (1024,) + (1,) * (n - 1), 8, 4, 132, block_m=128, split_tokens=256,
-        tile_loop=loop)
-    few, many = plan(63), plan(64)
-    assert (few.short_warps, few.short_stages) == (4, 2)
-    assert (many.short_warps, many.short_stages) == (2, 1)
-    assert (plan(64, "auto").short_warps, plan(64, "auto").short_stages) == (2, 3)
-    assert (plan(63, "auto").short_warps, plan(63, "auto").short_stages) == (4, 2)
+    # launch is one program per (sequence, KV head) and split up to 512 of them (the whole-step
+    # graphs' 64 padded sequences at 8 KV heads), with the decode launch's 2 warps and 4 stages
+    # from 128; past 512 it walks the splits in one program, without a prefetch stage for a
+    # loop per split and with 3 for one loop over the splits; each form is its own compile
+    plan = lambda n, loop="nested", comb="auto", kv=2048: attention_triton.launch_plan(  # noqa: E731
+        1024 + n - 1, n, 1024, kv, (1024,) + (1,) * (n - 1), 8, 4, 132, block_m=128, split_tokens=256,
+        tile_loop=loop, short_combine=comb)
+    form = lambda p: (p.short_warps, p.short_stages, p.short_parallel)  # noqa: E731
+    assert form(plan(15)) == (4, 2, True) and form(plan(16)) == (2, 4, True) and form(plan(64)) == (2, 4, True)
+    assert form(plan(65)) == (2, 1, False) and form(plan(65, "auto")) == (2, 3, False)
+    assert form(plan(64, comb="sequential")) == (2, 1, False) and form(plan(63, comb="sequential")) == (4, 2, False)
+    assert form(plan(65, comb="parallel")) == (2, 4, True)
+    assert not plan(16, kv=256).short_parallel  # one split: nothing to combine
     short = lambda p: {v for v in attention_triton.kernel_variants(p, block_m=128, num_warps=8)  # noqa: E731
-                       if v[4]}
-    assert short(few) == {("paged", 16, False, False, True, 0, 4, 2)}
-    assert short(many) == {("paged", 16, False, False, True, 0, 2, 1)}
-    assert short(plan(64, "prefetch")) == {("paged", 16, False, False, True, 0, 2, 3)}
+                       if v[0] == "combine_short" or v[4]}
+    assert short(plan(16)) == {("paged", 16, True, False, True, 0, 2, 4), ("combine_short", 4)}
+    assert short(plan(65)) == {("paged", 16, False, False, True, 0, 2, 1)}
+    assert short(plan(65, "prefetch")) == {("paged", 16, False, False, True, 0, 2, 3)}
+    with pytest.raises(ValueError, match="short_combine"):
+        plan(16, comb="split")
+
+
+class _CombineSpy:
+    """Records the combine launches' grid and SHORT_Q."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append((grid, kw.get("SHORT_Q", 0)))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("loop", ["nested", "auto"])
+def test_the_short_launch_split_into_programs_gives_the_walks_bits(loop, monkeypatch):
+    # the short launch's splits walked in one program per (sequence, KV head), or one program
+    # per split whose partials sit in slots of BLOCK_Q rows per sequence and a combine over the
+    # slots: every row written once (outputs and partials are NaN-poisoned), the same bits, and
+    # the same as the whole step in one launch. A chunk of 8 queries fills its slot, one of 3 and
+    # a decode leave slots empty, and the 45-token chunk is the long launch's
+    case = PagedCase([45, 30, 12, 40], h=4, kvh=2, d=16, block_size=8, seed=31)
+    chunks = [(0, 45), (29, 30), (9, 12), (32, 40)]
+    kw = dict(split_tokens=16, block_m=64, block_n=16, tile_loop=loop)
+    spy = _CombineSpy(attention_triton._combine_kernel)
+    monkeypatch.setattr(attention_triton, "_combine_kernel", spy)
+    split, (q, k, v, meta) = _run(case, chunks, short_combine="parallel", **kw)
+    assert spy.launches == [((4 * 8, 4), 8)]  # 4 sequences x 8 slots, 4 heads
+    walked, _ = _run(case, chunks, short_combine="sequential", **kw)
+    one, _ = _run(case, chunks, short_launch=False, **kw)
+    assert not split.isnan().any() and torch.equal(split, walked) and torch.equal(split[45:], one[45:])
+    ref_cache = case.fresh_cache()
+    case.prefill_prefix(ref_cache, [s for s, _ in chunks])
+    assert _rel(split, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5
+    other, _ = _run(case, chunks, short_combine="parallel", **{**kw, "split_tokens": 8})
+    assert not torch.equal(other[45:], walked[45:])  # the comparator can fail: another split size
 
 
 @pytest.mark.parametrize("combine,softmax", [("sequential", "exp"), ("sequential", "exp2"), ("parallel", "exp")])

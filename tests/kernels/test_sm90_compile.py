@@ -1,6 +1,6 @@
 """Kernels changed since the last device run (the MoE glue of fuse_glue, the
 RMSNorm that reads heads in place, the fused Gumbel-max sampler, the paged
-attention's short launch and its combine's skip) compiled for the H200 (sm_90) on this CPU
+attention's short launch, its split form and its combine's skip and row slots) compiled for the H200 (sm_90) on this CPU
 machine: Triton lowers them to PTX and ptxas assembles a cubin, no GPU
 needed. Catches what the interpreter cannot (a construct the compiler
 refuses), and checks two properties of the code itself: the fp32 combine has
@@ -94,9 +94,15 @@ comb_sig = {"o_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": 
             "seqlen_ptr": "*i32", **{p: "i32" for p in ("num_seqs", "skip_q", "so_t", "so_h", "sp_s", "sp_t", "sp_h",
                                                         "spa_s", "spa_t", "spa_h")}, "scale": "fp32"}
 out["attention_combine_skip"] = compile_(at._combine_kernel, comb_sig, {"D": 128, "SPLIT": 256, "DECODE": False,
-                                                                        "EXP2": False}, num_warps=2)
+                                                                        "EXP2": False, "SHORT_Q": 0}, num_warps=2)
 out["attention_combine_exp2"] = compile_(at._combine_kernel, comb_sig, {"D": 128, "SPLIT": 256, "DECODE": True,
-                                                                        "EXP2": True}, num_warps=2)
+                                                                        "EXP2": True, "SHORT_Q": 0}, num_warps=2)
+# the short launch split into one program per KV split, and the combine over its row slots
+out["attention_short_parallel"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 16, "BLOCK_Q": 4,
+                                           "PARALLEL": True, "DECODE": False, "SHORT": True, "SKIP_Q": 0},
+                                           num_warps=2, num_stages=4)
+out["attention_combine_short"] = compile_(at._combine_kernel, comb_sig, {"D": 128, "SPLIT": 256, "DECODE": False,
+                                                                         "EXP2": False, "SHORT_Q": 4}, num_warps=2)
 print(json.dumps(out))
 '''
 
@@ -116,7 +122,8 @@ def compiled():
 @pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm",
                                   "gumbel", "gumbel_first_max", "attention_long_skip", "attention_short",
                                   "attention_combine_skip", "attention_exp2_long", "attention_exp2_decode_parallel",
-                                  "attention_combine_exp2", "attention_long_prefetch_st3"])
+                                  "attention_combine_exp2", "attention_long_prefetch_st3", "attention_short_parallel",
+                                  "attention_combine_short"])
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name]["cubin_bytes"] > 0
 

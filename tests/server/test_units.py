@@ -139,9 +139,12 @@ def test_scheduling_flags_reach_the_engine_config():
     assert kw["mixed_token_align"] == 1024 and kw["max_mixed_batched_tokens"] is None
     cfg = EngineConfig(**{k: kw[k] for k in ("mixed_token_align", "max_mixed_batched_tokens")})
     assert cfg.mixed_token_align == 1024
-    assert "mixed_token_align" not in engine_kwargs(parse_args([]))  # default: off
+    assert "mixed_token_align" not in engine_kwargs(parse_args([]))  # the engine's default
+    assert EngineConfig().mixed_token_align == 1024
+    off = engine_kwargs(parse_args(["--mixed-token-align", "0"]))
+    assert off["mixed_token_align"] is None and EngineConfig(mixed_token_align=None).mixed_token_align is None
     with pytest.raises(SystemExit):
-        parse_args(["--mixed-token-align", "0"])
+        parse_args(["--mixed-token-align", "-1"])
 
 
 def test_mixed_graph_flag_reaches_the_engine_config():
