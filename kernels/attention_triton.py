@@ -444,8 +444,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     overlap_short: run the short launch on a second CUDA stream beside the long
     one, so the decode rows' programs (memory-bound) can fill the SMs the prompt
     tiles' causal walks leave idle. The launches write disjoint rows and the
-    step's stream waits for both: the same bits (tests/gpu). Off by default
-    until measured (benchmarks/attn_mixed.py).
+    step's stream waits for both: the same bits (tests/gpu). The attention
+    program's default since lease 18 (docs/performance.md).
     softmax: "exp" (scores scaled, then exp(s - m)) or "exp2" (FlashAttention's
     form: p = exp2(fma(s, scale log2 e, -m scale log2 e)) on unscaled scores, and
     the rescales as exp2((m_old - m_new) scale log2 e), exactly 1 when the max
@@ -454,7 +454,7 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     (softmax="exp2" only): walk the tiles every row of a q tile sees whole
     without the mask. Meant to change no bit, but on the H200 it moved rows'
     bits with the chunking and the decode launch (lease 16, not traced): no
-    program selects it. Both knobs off by default (benchmarks/attn_mixed.py).
+    program selects it. The program's default softmax is "exp2" since lease 18.
     tile_order: "heavy_first" (the long launch's programs take their q tiles
     last to first, so a sequence's longest causal walks start in the first wave
     and the last wave holds short ones, as FlashAttention orders them) or

@@ -163,12 +163,15 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         # 83.7, 150.3, 303.0 at 1 stage. Every launch tried gave the same bits.
         # the exponent's form (kernels/attention_triton.py): "exp2" is FlashAttention's (other bits, the
         # same in prefill and decode; rows invariant on the H200 in lease 16, 35/35 battery cells);
-        # overlap_short runs a mixed step's short launch on a second stream (same bits). Knobs, off
-        # by default: not yet measured under load (docs/performance.md, "Lease 16"). The kernel's
-        # split_mask (skip the causal mask in tiles a q tile sees whole) stays off: on the H200 it
-        # moved a row's bits with the chunking and the decode launch (lease 16)
-        softmax = knob("softmax", ("exp", "exp2"), "exp")
-        overlap = knob("overlap_short", (False, True), False)
+        # overlap_short runs a mixed step's short launch on a second stream beside the prompt tiles
+        # (same bits). Both on by default since lease 18: on a mixed step of 998 prompt tokens and
+        # 26 decodes, 133.8 us per layer with neither, 97.1 with the overlap, 89.0 with both; under
+        # load beside vLLM in one hold, TPOT p50 1.00x vLLM's at 80 % of its maximum and 1.05x at
+        # 20 req/s with both, 1.13x and 1.15x without (docs/performance.md "Lease 18"). The
+        # kernel's split_mask (skip the causal mask in tiles a q tile sees whole) stays off: on the
+        # H200 it moved a row's bits with the chunking and the decode launch (lease 16)
+        softmax = knob("softmax", ("exp", "exp2"), "exp2")
+        overlap = knob("overlap_short", (False, True), True)
         # the KV tiles' loop (kernels/attention_triton.py tile_loop, same bits): "nested" a loop
         # per split, as measured side by side with vLLM (lease 17); "auto" walks a decode
         # program's splits in one loop (lease 17: 105 decodes 128.9 vs 150.3 us per layer at 2

@@ -179,7 +179,8 @@ def test_the_short_launch_split_into_programs_keeps_every_row(loop):
     # and combined over slots of 4 rows per sequence (the default up to 512 programs), walked in
     # one program per sequence, or no short launch: every row the same bits; each decode row
     # the decode launch's (its split form, as a decode step of 26 takes it), eagerly and
-    # replayed from a CUDA graph of the step padded to 64 sequences as the whole-step graphs are
+    # replayed from a CUDA graph of the step padded to 64 sequences as the whole-step graphs are,
+    # with the short launch after the long one or beside it on a second stream
     lens = [998] + [1050 + 7 * i for i in range(26)] + [333]
     case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=29)
     chunks = [(0, 998)] + [(n - 1, n) for n in lens[1:-1]] + [(330, 333)]
@@ -203,13 +204,16 @@ def test_the_short_launch_split_into_programs_keeps_every_row(loop):
     plan = attention_triton.launch_plan(meta.num_tokens, 64, meta.max_seqlen_q, 4096, None, 8, 4, 132,
                                         block_m=128, split_tokens=256, tile_loop=loop)
     assert plan.short_parallel and (plan.short_warps, plan.short_stages) == (2, 4)  # 512 programs
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        zg = attention_triton_paged(q, k, v, cache, padded, SCALE, **{**KW, **kw})
-    zg.zero_()
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(zg, split)
+    for overlap in (False, True):  # and on a second stream beside the long launch (the default since lease 18)
+        ov, _ = _run(case, chunks, overlap_short=overlap, **kw)
+        assert torch.equal(ov, split), overlap
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            zg = attention_triton_paged(q, k, v, cache, padded, SCALE, **{**KW, **kw}, overlap_short=overlap)
+        zg.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(zg, split), overlap
     other, _ = _run(case, chunks, split_tokens=128, short_combine="parallel", **kw)
     assert not torch.equal(other[998:], walked[998:])  # the comparator can fail: another split size
 

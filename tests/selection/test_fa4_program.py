@@ -30,9 +30,9 @@ def test_without_fa4_the_gpu_selection_is_todays_and_the_knob_says_how_to_instal
     assert s.knobs["impl"] == (("triton_paged", "fa4"), "triton_paged")
     d = s.default_assignment()
     assert d == {"num_splits": 1, "split_tokens": 256, "impl": "triton_paged", "split_stride": 256,
-                 "softmax": "exp", "overlap_short": False, "tile_loop": "nested"}
+                 "softmax": "exp2", "overlap_short": True, "tile_loop": "nested"}
     p = s.compile(d)
-    off = {"softmax": "exp", "split_mask": False, "overlap_short": False, "tile_loop": "nested"}  # knobs' defaults
+    off = {"softmax": "exp2", "split_mask": False, "overlap_short": True, "tile_loop": "nested"}  # knobs' defaults
     assert p(**POINTS[0]) == {"impl": "triton_paged", "split_tokens": 256, "block_n": 64, "rowsum": "mma",
                               "block_m": 16, "num_warps": 8, "num_stages": 2, "combine": "parallel", **off}
     assert p(**POINTS[2]) == {"impl": "triton_paged", "split_tokens": 256, "block_n": 64, "rowsum": "mma",
@@ -86,7 +86,7 @@ def _fa4_split(num_seqs, max_q, max_k, kvh=8, gqa=4, num_sms=132, tile_m=128, ti
 def test_the_split_count_is_the_pin_fa4_would_read_from_the_batch():
     s = sol(dict(GPU, fa4=FA4))
     assert s.pins == ("num_splits", "split_tokens")
-    knobs = tuple({"impl": "fa4", "split_stride": 256, "softmax": "exp", "overlap_short": False, "tile_loop": "nested"}[k]
+    knobs = tuple({"impl": "fa4", "split_stride": 256, "softmax": "exp2", "overlap_short": True, "tile_loop": "nested"}[k]
                   for k in s.vra.knob_names)
     for point in POINTS:
         args = (point["num_seqs"], point["max_seqlen_q"], point["max_seqlen_k"])
@@ -103,8 +103,8 @@ def test_tuple_chooses_fa4_per_deployment_and_refuses_a_split(tmp_path):
                               triton=True, fa4=FA4)
     t = default_tuple(facts, ("attention",))
     assert t.families["attention"] == {"pins": {"num_splits": 1, "split_tokens": 256},
-                                       "knobs": {"impl": "triton_paged", "split_stride": 256, "softmax": "exp",
-                                                 "overlap_short": False, "tile_loop": "nested"}, "sites": {}}
+                                       "knobs": {"impl": "triton_paged", "split_stride": 256, "softmax": "exp2",
+                                                 "overlap_short": True, "tile_loop": "nested"}, "sites": {}}
     t.families["attention"]["knobs"]["impl"] = "fa4"
     path = tmp_path / "t.json"
     t.save(str(path))
@@ -173,8 +173,8 @@ def test_cli_default_tuple_with_fa4(tmp_path, capsys):
     ff.write_text(json.dumps(facts))
     assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4", "-o", str(out)]) == 0
     t = CommitmentTuple.load(str(out))
-    assert t.families["attention"]["knobs"] == {"impl": "fa4", "split_stride": 256, "softmax": "exp",
-                                                "overlap_short": False, "tile_loop": "nested"}
+    assert t.families["attention"]["knobs"] == {"impl": "fa4", "split_stride": 256, "softmax": "exp2",
+                                                "overlap_short": True, "tile_loop": "nested"}
     assert main(["tuple", "check", str(out), "--facts", str(ff)]) == 0
     ff.write_text(json.dumps(dict(facts, fa4="")))
     assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4"]) == 1
@@ -191,7 +191,7 @@ def test_transcription_equals_fa4s_own_selection(monkeypatch, d, kvh):
     monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
     s = sol(dict(GPU, fa4=FA4), dict(SITE, head_dim=d, num_kv_heads=kvh))
     sel = s.compile(dict(s.default_assignment(), impl="fa4"))
-    knobs = tuple({"impl": "fa4", "split_stride": 256, "softmax": "exp", "overlap_short": False, "tile_loop": "nested"}[k]
+    knobs = tuple({"impl": "fa4", "split_stride": 256, "softmax": "exp2", "overlap_short": True, "tile_loop": "nested"}[k]
                   for k in s.vra.knob_names)
     gqa = 32 // kvh
     points = POINTS + [rt(num_seqs=b, max_seqlen_q=q, max_seqlen_k=k) for b, q, k in
