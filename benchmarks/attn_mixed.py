@@ -24,7 +24,7 @@ one's bits:
   FlashAttention 3's varlen paged launch, as `vllm serve` runs them on the
   H200 (its bits are its own: not checked).
 
-    python3 benchmarks/attn_mixed.py --out $OUT/attn_mixed.json
+    python3 benchmarks/attn_mixed.py --out $OUT/attn_mixed.json [--only CASES] [--variants KEYS]
 """
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def fa3(q, k, v, cache, meta, scale: float):
     return run
 
 
-def run_case(name: str, seqs) -> dict:
+def run_case(name: str, seqs, keep=()) -> dict:
     q, k, v, cache, meta = step(seqs)
     decode = all(ql == 1 for ql, _ in seqs)
     mixed = not decode and any(ql == 1 for ql, _ in seqs)
@@ -194,6 +194,8 @@ def run_case(name: str, seqs) -> dict:
     refs: dict[tuple, torch.Tensor] = {}  # (block_n, softmax) -> the first variant's output
     own = attention_plan.short_launch_config
     for key, kw, short in variants(mixed, decode, long_m):
+        if keep and not any(x in key for x in keep):
+            continue
         attention_plan.short_launch_config = (lambda p, loop="nested", comb="auto": short) if short else own
         try:
             fn = lambda: attention_triton_paged(q, k, v, cache, meta, 0.088, **kw)  # noqa: E731
@@ -232,6 +234,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attn_mixed.json")
     ap.add_argument("--only", default="", help="comma-separated case-name prefixes")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated substrings: only the variants whose key holds one (each case's first "
+                         "variant is its baseline; e.g. 'm128_w8_st2,overlap,_par')")
     ap.add_argument("--vllm-path", default="", help="where the vLLM peer is installed (e.g. /tmp/vsite): also time "
                                                     "vLLM's attention on each step")
     a = ap.parse_args()
@@ -241,7 +246,7 @@ def main():
     res = []
     for n, s in cases():
         if not only or any(n.startswith(o) for o in only):
-            res.append(run_case(n, s))
+            res.append(run_case(n, s, tuple(x for x in a.variants.split(",") if x)))
             with open(a.out, "w") as f:  # after every case: a later crash keeps the earlier ones
                 json.dump({"device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
 

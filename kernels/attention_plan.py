@@ -10,6 +10,13 @@ from dataclasses import dataclass
 import triton
 
 
+# the split short launch's partials, in (split, row, head) rows of head_dim + 2 floats: 2^17 is
+# 68 MB at head dim 128, what 64 padded sequences of 4 rows, 32 heads and 16 splits (a 4,096-token
+# context) take. A longer context walks the splits in one program past that (the same bits),
+# rather than take memory the KV cache could hold (a 131,072-token context would need 2.2 GB)
+SHORT_PARTIAL_ROWS = 1 << 17
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     block_q: int
@@ -56,8 +63,11 @@ def launch_plan(t: int, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, que
     if short_combine not in ("auto", "parallel", "sequential"):
         raise ValueError(f"attention/triton_paged: short_combine={short_combine!r} must be 'auto', 'parallel' or "
                          f"'sequential'")
-    short_warps, short_stages, short_parallel = short_launch_config(num_seqs * kvh, tile_loop, short_combine)
-    short_parallel = short_parallel and max_splits > 1  # one split: nothing to combine
+    # split only with more than one split, and with its fp32 partials (a slot of short_q rows
+    # per sequence, every head, every split of the longest KV) within SHORT_PARTIAL_ROWS
+    fits = 1 < max_splits and max_splits * num_seqs * short_q * kvh * g <= SHORT_PARTIAL_ROWS
+    short_warps, short_stages, short_parallel = short_launch_config(num_seqs * kvh, tile_loop,
+                                                                    short_combine if fits else "sequential")
     return LaunchPlan(block_q, decode, split, has_short, short_m, short_q, short_warps, short_stages,
                       short_parallel, n_qtiles, max_splits, parallel)
 

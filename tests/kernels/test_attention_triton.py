@@ -222,6 +222,9 @@ def test_the_short_launch_splits_up_to_512_programs_and_walks_past_them():
     assert form(plan(64, comb="sequential")) == (2, 1, False) and form(plan(63, comb="sequential")) == (4, 2, False)
     assert form(plan(65, comb="parallel")) == (2, 4, True)
     assert not plan(16, kv=256).short_parallel  # one split: nothing to combine
+    # the partials stay within 2^17 rows: 64 sequences x 4 rows x 32 heads x 16 splits (4,096 tokens)
+    assert plan(64, kv=4096).short_parallel and not plan(64, kv=4097).short_parallel
+    assert plan(32, kv=8192).short_parallel and form(plan(64, kv=8192)) == (2, 1, False)
     short = lambda p: {v for v in attention_triton.kernel_variants(p, block_m=128, num_warps=8)  # noqa: E731
                        if v[0] == "combine_short" or v[4]}
     assert short(plan(16)) == {("paged", 16, True, False, True, 0, 2, 4), ("combine_short", 4)}
