@@ -175,21 +175,21 @@ def test_a_short_launch_of_512_programs_keeps_the_decode_steps_bits():
 @pytest.mark.parametrize("loop", ["nested", "auto"])
 def test_the_short_launch_split_into_programs_keeps_every_row(loop):
     # a mixed step as under 20 req/s with fresh prompts (a 998-token chunk, 26 decodes at about
-    # 1.1k context) plus a 3-token chunk: the short launch split into one program per KV split
-    # and combined over slots of 4 rows per sequence (the default up to 512 programs), walked in
-    # one program per sequence, or no short launch: every row the same bits; each decode row
-    # the decode launch's (its split form, as a decode step of 26 takes it), eagerly and
-    # replayed from a CUDA graph of the step padded to 64 sequences as the whole-step graphs are,
-    # with the short launch after the long one or beside it on a second stream
-    lens = [998] + [1050 + 7 * i for i in range(26)] + [333]
+    # 1.1k context) plus a 4-token chunk across a split's end: the short launch split into one
+    # program per KV split and combined over slots of 4 rows per sequence (the default up to 512
+    # programs), walked in one program per sequence, or no short launch: every row the same bits;
+    # each decode row the decode launch's (its split form, as a decode step of 26 takes it),
+    # eagerly and replayed from a CUDA graph of the step padded to 64 sequences as the whole-step
+    # graphs are, with the short launch after the long one or beside it on a second stream
+    lens = [998] + [1050 + 7 * i for i in range(26)] + [514]
     case = PagedCase(lens, h=32, kvh=8, d=128, dtype=BF16, device="cuda", seed=29)
-    chunks = [(0, 998)] + [(n - 1, n) for n in lens[1:-1]] + [(330, 333)]
+    chunks = [(0, 998)] + [(n - 1, n) for n in lens[1:-1]] + [(510, 514)]
     kw = dict(block_m=128, num_warps=8, rowsum="mma", tile_loop=loop)
     split, (q, k, v, meta) = _run(case, chunks, short_combine="parallel", **kw)
     walked, _ = _run(case, chunks, short_combine="sequential", **kw)
     one, _ = _run(case, chunks, short_launch=False, **kw)
     assert not split.isnan().any() and torch.equal(split, walked) and torch.equal(split, one)
-    dec, _ = _run(case, [(0, 0)] + chunks[1:-1] + [(333, 333)], order=list(range(1, 27)), block_m=16,
+    dec, _ = _run(case, [(0, 0)] + chunks[1:-1] + [(514, 514)], order=list(range(1, 27)), block_m=16,
                   num_warps=2, num_stages=4, combine="parallel", rowsum="mma", tile_loop=loop)
     assert torch.equal(split[998:998 + 26], dec)
     cache = case.fresh_cache()

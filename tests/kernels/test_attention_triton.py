@@ -252,10 +252,11 @@ def test_the_short_launch_split_into_programs_gives_the_walks_bits(loop, monkeyp
     # the short launch's splits walked in one program per (sequence, KV head), or one program
     # per split whose partials sit in slots of BLOCK_Q rows per sequence and a combine over the
     # slots: every row written once (outputs and partials are NaN-poisoned), the same bits, and
-    # the same as the whole step in one launch. A chunk of 8 queries fills its slot, one of 3 and
-    # a decode leave slots empty, and the 45-token chunk is the long launch's
-    case = PagedCase([45, 30, 12, 40], h=4, kvh=2, d=16, block_size=8, seed=31)
-    chunks = [(0, 45), (29, 30), (9, 12), (32, 40)]
+    # the same as the whole step in one launch. A chunk of 8 queries fills its slot (and crosses
+    # a split's end: its first rows need one split less than its last), one of 3 and a decode
+    # leave slots empty, and the 45-token chunk is the long launch's
+    case = PagedCase([45, 30, 12, 34], h=4, kvh=2, d=16, block_size=8, seed=31)
+    chunks = [(0, 45), (29, 30), (9, 12), (26, 34)]
     kw = dict(split_tokens=16, block_m=64, block_n=16, tile_loop=loop)
     spy = _CombineSpy(attention_triton._combine_kernel)
     monkeypatch.setattr(attention_triton, "_combine_kernel", spy)
