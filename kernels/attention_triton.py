@@ -97,8 +97,9 @@ def _tile_scores(q, kc_ptr, vc_ptr, blk, j0, kv_hi, cols, d, sc_blk, sc_off, sc_
 
 
 @triton.jit
-def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off, sc_h,
-                  kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, MASKED: tl.constexpr):
+def _kv_tile_exp2(q, m, l, acc, rs, ra, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off, sc_h,
+                  kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, MASKED: tl.constexpr,
+                  DEFER: tl.constexpr):
     """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into a split's online softmax
     (m, l, acc) in FlashAttention's form (softmax="exp2"): the running max is over the
     unscaled scores, and p = exp2(fma(s, c, -m c)) with c = scale * log2(e), the fma
@@ -120,13 +121,13 @@ def _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, on
     # sees nothing of (past its position, inside its q tile's walk) leave it as it was; the
     # fma form rounds m * c twice and gave exp2(rounding error), moving the bits with the tile
     alpha = tl.exp2((m - m_safe) * c)
-    l, acc = _accumulate(p, alpha, l, acc, v, ones, IEEE, ROWSUM_MMA)
-    return m_new, l, acc
+    l, acc, rs, ra = _accumulate(p, alpha, l, acc, rs, ra, v, ones, IEEE, ROWSUM_MMA, DEFER)
+    return m_new, l, acc, rs, ra
 
 
 @triton.jit
-def _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, sc_blk, sc_off, sc_h,
-                 kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+def _kv_tile_exp(q, m, l, acc, rs, ra, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, sc_blk, sc_off,
+                 sc_h, kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DEFER: tl.constexpr):
     """One BLOCK_N tile of KV positions [j0, j0 + BLOCK_N) into a split's online softmax
     (m, l, acc), softmax="exp": the scores scaled, masked (causal, and inside the split:
     a split size that is not a multiple of BLOCK_N ends inside a tile), then exp(s - m)."""
@@ -138,52 +139,74 @@ def _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, one
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(sc - m_safe[:, None])
     alpha = tl.exp(m - m_safe)
-    l, acc = _accumulate(p, alpha, l, acc, v, ones, IEEE, ROWSUM_MMA)
-    return m_new, l, acc
+    l, acc, rs, ra = _accumulate(p, alpha, l, acc, rs, ra, v, ones, IEEE, ROWSUM_MMA, DEFER)
+    return m_new, l, acc, rs, ra
 
 
 @triton.jit
-def _accumulate(p, alpha, l, acc, v, ones, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+def _accumulate(p, alpha, l, acc, rs, ra, v, ones, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+                DEFER: tl.constexpr):
     """A tile's probabilities p into the split's row sum l and output acc, both rescaled by
     alpha. The row sum goes through the MMA (p @ ones, then an exact max over 16 equal
     columns): tl.sum's order follows the register layout, which changes with BLOCK_M /
-    num_warps / MMA kind."""
+    num_warps / MMA kind. DEFER (defer_rowsum): the previous tile's row-sum MMA `rs` and
+    rescale `ra` are folded into l now, and this tile's are returned to be folded at the
+    next tile or the split's end (`_fold`): the same fma on the same values, but the MMA
+    need not be waited for before the P.V one is issued (on sm_90 with Triton 3.6 it then
+    retires with the next tile's QK^T: one wait per tile instead of two)."""
     if IEEE:
         pb = p
     else:
         pb = p.to(v.dtype)
     if ROWSUM_MMA:
         if IEEE:
-            rs = tl.dot(pb, ones, input_precision="ieee")
+            r = tl.dot(pb, ones, input_precision="ieee")
         else:
-            rs = tl.dot(pb, ones)
-        l = tl.fma(l, alpha, tl.max(rs, axis=1))
+            r = tl.dot(pb, ones)
+        if DEFER:
+            l = _fold(l, rs, ra, True)
+            rs = r
+            ra = alpha
+        else:
+            l = tl.fma(l, alpha, tl.max(r, axis=1))
     else:
         l = l * alpha + tl.sum(p, axis=1)
     if IEEE:
         acc = tl.dot(pb, v, acc * alpha[:, None], input_precision="ieee")
     else:
         acc = tl.dot(pb, v, acc * alpha[:, None])
-    return l, acc
+    return l, acc, rs, ra
 
 
 @triton.jit
-def _kv_tile(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, c, sc_blk, sc_off, sc_h, kvh,
-             PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, EXP2: tl.constexpr):
-    """One masked KV tile into a split's (m, l, acc) in the deployment's exponent form."""
+def _fold(l, rs, ra, DEFER: tl.constexpr):
+    """l with a deferred row sum folded in (DEFER), as `_accumulate` would have folded it."""
+    if DEFER:
+        l = tl.fma(l, ra, tl.max(rs, axis=1))
+    return l
+
+
+@triton.jit
+def _kv_tile(q, m, l, acc, rs, ra, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, c, sc_blk, sc_off,
+             sc_h, kvh, PAGE: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, EXP2: tl.constexpr,
+             DEFER: tl.constexpr):
+    """One masked KV tile into a split's (m, l, acc, deferred row sum) in the deployment's
+    exponent form."""
     if EXP2:
-        return _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, c, sc_blk, sc_off,
-                             sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True)
+        return _kv_tile_exp2(q, m, l, acc, rs, ra, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, c, sc_blk,
+                             sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, True, DEFER)
     else:
-        return _kv_tile_exp(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, sc_blk, sc_off,
-                            sc_h, kvh, PAGE, IEEE, ROWSUM_MMA)
+        return _kv_tile_exp(q, m, l, acc, rs, ra, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, sc_blk,
+                            sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, DEFER)
 
 
 @triton.jit
 def _fresh_split(BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """A split's online-softmax state before its first tile: (m, l, acc)."""
+    """A split's online-softmax state before its first tile: (m, l, acc, rs, ra), the last
+    two a deferred row sum of zeros at a rescale of 1 (folded: fma(0, 1, 0) = 0 exactly)."""
     return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
-            tl.zeros((BLOCK_M, D), tl.float32))
+            tl.zeros((BLOCK_M, D), tl.float32), tl.zeros((BLOCK_M, 16), tl.float32),
+            tl.full((BLOCK_M,), 1.0, tl.float32))
 
 
 @triton.jit
@@ -215,7 +238,7 @@ def _paged_attn_kernel(
         PARALLEL: tl.constexpr, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr, DECODE: tl.constexpr,
         SHORT: tl.constexpr, SKIP_Q: tl.constexpr, EXP2: tl.constexpr = False,
         SPLIT_MASK: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False, FLAT: tl.constexpr = False,
-        PREFETCH: tl.constexpr = False):
+        PREFETCH: tl.constexpr = False, DEFER: tl.constexpr = False):
     qtile = tl.program_id(0)
     if HEAVY_FIRST:  # the blocks start in program order: the longest causal walks first
         qtile = tl.num_programs(0) - 1 - qtile
@@ -283,7 +306,7 @@ def _paged_attn_kernel(
             # the same tiles, splits and merges in one loop over the KV tiles (SPLIT a multiple
             # of BLOCK_N): the compiler's pipeline prefetches across split ends, which a loop
             # per split (4 tiles at 256 / 64) restarts
-            m, l, acc = _fresh_split(BLOCK_M, D)
+            m, l, acc, rs, ra = _fresh_split(BLOCK_M, D)
             j_lo = s_first * SPLIT
             j_hi = tl.minimum(s_last * SPLIT, max_pos + 1)
             if PREFETCH:  # the first tile's pages; each tile then reads the next one's
@@ -299,16 +322,17 @@ def _paged_attn_kernel(
                     blk_next = _tile_blocks(bt_row, j0 + BLOCK_N, j_hi, cols, PAGE)
                 else:
                     blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
-                m, l, acc = _kv_tile(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, c,
-                                     sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, EXP2)
+                m, l, acc, rs, ra = _kv_tile(q, m, l, acc, rs, ra, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones,
+                                             scale, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, EXP2, DEFER)
                 if PREFETCH:
                     blk = blk_next
                 if j0 + BLOCK_N >= kv_hi:  # the split's last tile
-                    M, L, ACC = _split_end(j0 // SPLIT, m, l, acc, M, L, ACC, *sp, PARALLEL, EXP2)
-                    m, l, acc = _fresh_split(BLOCK_M, D)
+                    M, L, ACC = _split_end(j0 // SPLIT, m, _fold(l, rs, ra, DEFER), acc, M, L, ACC, *sp, PARALLEL,
+                                           EXP2)
+                    m, l, acc, rs, ra = _fresh_split(BLOCK_M, D)
         else:
             for s in range(s_first, s_last):
-                m, l, acc = _fresh_split(BLOCK_M, D)
+                m, l, acc, rs, ra = _fresh_split(BLOCK_M, D)
                 kv_hi = tl.minimum((s + 1) * SPLIT, max_pos + 1)
                 # the split's tiles in order: with SPLIT_MASK (softmax="exp2" only) first those
                 # every row of the q tile sees whole (no mask), then the rest masked; the same
@@ -319,13 +343,15 @@ def _paged_attn_kernel(
                         // BLOCK_N * BLOCK_N
                     for j0 in range(s * SPLIT, j_full, BLOCK_N):
                         blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
-                        m, l, acc = _kv_tile_exp2(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones,
-                                                  c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, False)
+                        m, l, acc, rs, ra = _kv_tile_exp2(q, m, l, acc, rs, ra, kc_ptr, vc_ptr, blk, j0, kv_hi, pos,
+                                                          cols, d, ones, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE,
+                                                          ROWSUM_MMA, False, DEFER)
                 for j0 in range(j_full, kv_hi, BLOCK_N):
                     blk = _tile_blocks(bt_row, j0, kv_hi, cols, PAGE)
-                    m, l, acc = _kv_tile(q, m, l, acc, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d, ones, scale, c,
-                                         sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA, EXP2)
-                M, L, ACC = _split_end(s, m, l, acc, M, L, ACC, *sp, PARALLEL, EXP2)
+                    m, l, acc, rs, ra = _kv_tile(q, m, l, acc, rs, ra, kc_ptr, vc_ptr, blk, j0, kv_hi, pos, cols, d,
+                                                 ones, scale, c, sc_blk, sc_off, sc_h, kvh, PAGE, IEEE, ROWSUM_MMA,
+                                                 EXP2, DEFER)
+                M, L, ACC = _split_end(s, m, _fold(l, rs, ra, DEFER), acc, M, L, ACC, *sp, PARALLEL, EXP2)
         if not PARALLEL:
             out = ACC / L[:, None]
             tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
@@ -423,14 +449,15 @@ def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
 
 @register("attention", "triton_paged",
           params=("split_tokens", "block_m", "block_n", "num_warps", "num_stages", "combine", "rowsum",
-                  "short_launch", "overlap_short", "softmax", "split_mask", "tile_loop"),
+                  "short_launch", "overlap_short", "softmax", "split_mask", "tile_loop", "defer_rowsum"),
           devices=("cuda",), variants=step_variants)
 def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: int = 256,
                            block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                            num_stages: int = 2, combine: str = "auto", rowsum: str = "mma",
                            short_launch: bool = True, overlap_short: bool = False, softmax: str = "exp",
                            split_mask: bool = False, tile_order: str = "heavy_first",
-                           tile_loop: str = "nested", short_combine: str = "auto") -> torch.Tensor:
+                           tile_loop: str = "nested", short_combine: str = "auto",
+                           defer_rowsum: bool = False) -> torch.Tensor:
     """combine: "sequential" | "parallel" | "auto" (parallel when the
     sequential grid would leave most SMs idle). Same bits either way.
     short_launch: in a step whose tile is taller than 16 rows (a long chunk's
@@ -480,7 +507,12 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     short_combine: the short launch's splits walked in one program per (sequence,
     KV head) ("sequential"), or one program per split and then the combine kernel
     for its rows ("parallel"), the decode launch's two forms; "auto" splits up to
-    512 programs (`attention_plan.short_launch_config`). Same bits (tests/gpu)."""
+    512 programs (`attention_plan.short_launch_config`). Same bits (tests/gpu).
+    defer_rowsum (rowsum="mma" only): each KV tile's row-sum MMA is folded into the
+    row sum at the next tile (or the split's end) instead of right away: the same
+    fma on the same values, so the same bits; compiled for sm_90 with Triton 3.6, the
+    long launch then waits for its MMAs once per KV tile instead of twice
+    (tests/kernels/test_sm90_compile.py). Not timed yet (docs/performance.md)."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):
@@ -514,7 +546,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
             meta.block_tables.stride(0))
     flags = dict(G=g, D=d, BLOCK_N=block_n, SPLIT=split_tokens, PAGE=meta.block_size, IEEE=ieee,
-                 ROWSUM_MMA=rowsum == "mma", EXP2=softmax == "exp2", SPLIT_MASK=split_mask)
+                 ROWSUM_MMA=rowsum == "mma", EXP2=softmax == "exp2", SPLIT_MASK=split_mask,
+                 DEFER=bool(defer_rowsum) and rowsum == "mma")
     can_flat = split_tokens % block_n == 0 and not split_mask
     if tile_loop == "auto":  # flat for the short launch's and the decode launch's in-program splits
         flat_long, flat_short, flat_split = False, can_flat, False

@@ -180,6 +180,10 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         # for the prompt tiles, the form in which the compiler keeps the next tile's K and V
         # copies in flight (tests/kernels/test_sm90_compile.py); not yet timed on the device
         tile_loop = knob("tile_loop", ("nested", "auto", "prefetch"), "nested")
+        # each KV tile's row-sum MMA folded into the row sum at the next tile (kernels/attention_triton.py
+        # defer_rowsum, same bits): one MMA wait per tile instead of two in the prompt tiles' loop on
+        # sm_90 (tests/kernels/test_sm90_compile.py); a knob, off, until timed on the device
+        defer = knob("defer_rowsum", (False, True), False)
         combine, stages = "auto", 2
         if q_tile > 16 and tile_loop == "prefetch":
             stages = 3
@@ -198,7 +202,7 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         return {"impl": "triton_paged", "split_tokens": split_tokens, "block_m": neutral(q_tile),
                 "block_n": KV_BLOCK_GPU, "num_warps": neutral(warps), "num_stages": neutral(stages),
                 "combine": neutral(combine), "rowsum": "mma", "softmax": softmax,
-                "split_mask": False, "overlap_short": overlap, "tile_loop": tile_loop}
+                "split_mask": False, "overlap_short": overlap, "tile_loop": tile_loop, "defer_rowsum": defer}
     if stock_kernels and num_splits == 1:
         return {"impl": "sdpa"}
     return {"impl": "paged_split", "split_tokens": split_tokens, "q_chunk": 16}

@@ -234,6 +234,9 @@ def test_tile_order_and_loop_keep_every_row(bm, combine):
     ahead, _ = _run(case, chunks, tile_loop="prefetch", num_stages=3, **kw)
     assert not auto.isnan().any() and torch.equal(auto, old) and torch.equal(flat, old)
     assert torch.equal(ahead, old)
+    for loop in ("nested", "prefetch"):  # each tile's row sum folded a tile late (defer_rowsum)
+        deferred, _ = _run(case, chunks, tile_loop=loop, defer_rowsum=True, **kw)
+        assert torch.equal(deferred, old), loop
     dec, _ = _run(case, [(n - 1, n) for n in lens], block_m=16, num_warps=2, num_stages=3, combine=combine,
                   tile_loop="auto")
     assert torch.equal(dec[3:], auto[2048 + 700 + 700:])  # the decode launch's rows, flat or not

@@ -276,8 +276,9 @@ def test_the_short_launch_split_into_programs_gives_the_walks_bits(loop, monkeyp
 def test_launch_order_and_tile_loop_give_the_same_bits(combine, softmax):
     # the long launch's programs take their q tiles last to first, and one loop walks a
     # program's KV tiles across its splits (reading the block table a tile ahead with
-    # "prefetch"): the same rows, same bits as ascending q tiles and a loop per split; a split
-    # size that is not a multiple of block_n walks the nested loops
+    # "prefetch"), and the row sums may be folded a tile late: the same rows, same bits as
+    # ascending q tiles and a loop per split; a split size that is not a multiple of block_n
+    # walks the nested loops
     case = PagedCase([70, 23, 9], h=4, kvh=2, d=16, block_size=8, seed=29)
     chunks = [(0, 70), (8, 23), (8, 9)]
     # a 32-row tile (G = 2) leaves the 1-query sequence to the short launch, which "auto" runs flat
@@ -288,6 +289,11 @@ def test_launch_order_and_tile_loop_give_the_same_bits(combine, softmax):
     ahead, _ = _run(case, chunks, tile_loop="prefetch", **kw)  # the block table read a tile ahead
     assert not flat.isnan().any() and torch.equal(flat, nested) and torch.equal(auto, nested)
     assert torch.equal(ahead, nested)
+    # each tile's row sum folded at the next tile or the split's end (defer_rowsum): the same fma
+    # on the same values, in every loop form
+    for loop in ("nested", "auto", "prefetch"):
+        deferred, _ = _run(case, chunks, tile_loop=loop, defer_rowsum=True, **kw)
+        assert torch.equal(deferred, nested), loop
     ref_cache = case.fresh_cache()
     case.prefill_prefix(ref_cache, [s for s, _ in chunks])
     assert _rel(flat, attention_reference(q, k, v, ref_cache, meta, SCALE)) < 1e-5

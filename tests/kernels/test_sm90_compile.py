@@ -38,7 +38,8 @@ def compile_(lazy, sig, consts, aligned=(), **opts):
                     attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     return {"cubin_bytes": len(k.asm["cubin"]), "fma": k.asm["ptx"].count("fma."),
-            "async_waits": [int(n) for n in re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", k.asm["ttgir"])]}
+            "async_waits": [int(n) for n in re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", k.asm["ttgir"])],
+            "dot_waits": len(re.findall(r"ttng\.warp_group_dot_wait", k.asm["ttgir"]))}
 
 from detent.kernels import rowwise_triton as rw
 comb = {"TOPK": 8, "BLOCK_H": 1024}
@@ -74,7 +75,7 @@ attn.update({p: "*i32" for p in ("qsl_ptr", "seqlen_ptr", "bt_ptr")}, scale="fp3
 attn.update({p: "i32" for p in ("num_seqs", "sq_t", "sq_h", "sc_blk", "sc_off", "sc_h", "so_t", "so_h", "sbt",
                                 "sp_s", "sp_t", "sp_h", "spa_s", "spa_t", "spa_h")})
 base = {"G": 4, "D": 128, "BLOCK_N": 64, "SPLIT": 256, "PAGE": 16, "IEEE": False, "ROWSUM_MMA": True,
-        "EXP2": False, "SPLIT_MASK": False, "HEAVY_FIRST": False, "FLAT": False, "PREFETCH": False}
+        "EXP2": False, "SPLIT_MASK": False, "HEAVY_FIRST": False, "FLAT": False, "PREFETCH": False, "DEFER": False}
 out["attention_long_skip"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 128, "BLOCK_Q": 32,
                                       "PARALLEL": False, "DECODE": False, "SHORT": False, "SKIP_Q": 4}, num_warps=8)
 out["attention_short"] = compile_(at._paged_attn_kernel, attn, {**base, "BLOCK_M": 16, "BLOCK_Q": 4,
@@ -84,6 +85,9 @@ aligned = [a for a in attn if a.endswith("_ptr")] + ["sq_t", "sc_blk", "sc_off",
 for loop, flags in (("nested", {}), ("flat", {"FLAT": True}), ("prefetch", {"FLAT": True, "PREFETCH": True})):
     out["attention_long_" + loop + "_st3"] = compile_(at._paged_attn_kernel, attn, {**long, **flags}, aligned,
                                                       num_warps=8, num_stages=3)
+for defer in (False, True):  # the row sum's MMA folded a tile late (defer_rowsum)
+    out["attention_long_defer" if defer else "attention_long_nodefer"] = compile_(
+        at._paged_attn_kernel, attn, {**long, "EXP2": True, "DEFER": defer}, aligned, num_warps=8, num_stages=2)
 exp2 = {**base, "EXP2": True, "SPLIT_MASK": True}
 out["attention_exp2_long"] = compile_(at._paged_attn_kernel, attn, {**exp2, "BLOCK_M": 128, "BLOCK_Q": 32,
                                       "PARALLEL": False, "DECODE": False, "SHORT": False, "SKIP_Q": 4}, num_warps=8)
@@ -138,6 +142,15 @@ def test_reading_the_block_table_a_tile_ahead_lets_the_kv_copies_fly(compiled):
         waits = compiled["attention_long_" + loop + "_st3"]["async_waits"]
         assert waits and max(waits) == 0, (loop, waits)
     assert max(compiled["attention_long_prefetch_st3"]["async_waits"]) >= 1
+
+
+def test_deferring_the_row_sum_leaves_one_mma_wait_per_kv_tile(compiled):
+    # the long launch's KV loop waits for QK^T (which also retires the previous tile's P.V)
+    # and then, alone, for the row sum's MMA; folding each row sum at the next tile leaves
+    # that MMA in flight with P.V until the next QK^T's wait (docs/performance.md "Lease 18").
+    # Three waits in the kernel (two in the loop, one after it) against two
+    assert compiled["attention_long_nodefer"]["dot_waits"] == 3
+    assert compiled["attention_long_defer"]["dot_waits"] == 2
 
 
 def test_combine_has_no_fma_as_launched(compiled):

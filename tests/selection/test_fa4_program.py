@@ -13,6 +13,8 @@ from tests.selection.conftest import ATTN_SITE, CPU, GPU, rt
 
 FA4 = "4.0.0b36"
 SITE = dict(ATTN_SITE, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+# the Triton attention's knobs at their defaults (selection/programs/attention.py)
+KNOBS = {"softmax": "exp2", "overlap_short": True, "tile_loop": "nested", "defer_rowsum": False}
 # decode batch 1 and 64, one 8k prefill, a mixed step, a long-context decode
 POINTS = [rt(num_seqs=1, max_seqlen_q=1, max_seqlen_k=8192), rt(num_seqs=64, max_seqlen_q=1, max_seqlen_k=1024),
           rt(num_seqs=1, max_seqlen_q=8192, max_seqlen_k=8192), rt(num_seqs=9, max_seqlen_q=300, max_seqlen_k=5000),
@@ -29,10 +31,9 @@ def test_without_fa4_the_gpu_selection_is_todays_and_the_knob_says_how_to_instal
     s = sol(GPU)
     assert s.knobs["impl"] == (("triton_paged", "fa4"), "triton_paged")
     d = s.default_assignment()
-    assert d == {"num_splits": 1, "split_tokens": 256, "impl": "triton_paged", "split_stride": 256,
-                 "softmax": "exp2", "overlap_short": True, "tile_loop": "nested"}
+    assert d == {"num_splits": 1, "split_tokens": 256, "impl": "triton_paged", "split_stride": 256, **KNOBS}
     p = s.compile(d)
-    off = {"softmax": "exp2", "split_mask": False, "overlap_short": True, "tile_loop": "nested"}  # knobs' defaults
+    off = {"split_mask": False, **KNOBS}  # knobs' defaults
     assert p(**POINTS[0]) == {"impl": "triton_paged", "split_tokens": 256, "block_n": 64, "rowsum": "mma",
                               "block_m": 16, "num_warps": 8, "num_stages": 2, "combine": "parallel", **off}
     assert p(**POINTS[2]) == {"impl": "triton_paged", "split_tokens": 256, "block_n": 64, "rowsum": "mma",
@@ -86,7 +87,7 @@ def _fa4_split(num_seqs, max_q, max_k, kvh=8, gqa=4, num_sms=132, tile_m=128, ti
 def test_the_split_count_is_the_pin_fa4_would_read_from_the_batch():
     s = sol(dict(GPU, fa4=FA4))
     assert s.pins == ("num_splits", "split_tokens")
-    knobs = tuple({"impl": "fa4", "split_stride": 256, "softmax": "exp2", "overlap_short": True, "tile_loop": "nested"}[k]
+    knobs = tuple({"impl": "fa4", "split_stride": 256, **KNOBS}[k]
                   for k in s.vra.knob_names)
     for point in POINTS:
         args = (point["num_seqs"], point["max_seqlen_q"], point["max_seqlen_k"])
@@ -103,8 +104,7 @@ def test_tuple_chooses_fa4_per_deployment_and_refuses_a_split(tmp_path):
                               triton=True, fa4=FA4)
     t = default_tuple(facts, ("attention",))
     assert t.families["attention"] == {"pins": {"num_splits": 1, "split_tokens": 256},
-                                       "knobs": {"impl": "triton_paged", "split_stride": 256, "softmax": "exp2",
-                                                 "overlap_short": True, "tile_loop": "nested"}, "sites": {}}
+                                       "knobs": {"impl": "triton_paged", "split_stride": 256, **KNOBS}, "sites": {}}
     t.families["attention"]["knobs"]["impl"] = "fa4"
     path = tmp_path / "t.json"
     t.save(str(path))
@@ -173,8 +173,7 @@ def test_cli_default_tuple_with_fa4(tmp_path, capsys):
     ff.write_text(json.dumps(facts))
     assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4", "-o", str(out)]) == 0
     t = CommitmentTuple.load(str(out))
-    assert t.families["attention"]["knobs"] == {"impl": "fa4", "split_stride": 256, "softmax": "exp2",
-                                                "overlap_short": True, "tile_loop": "nested"}
+    assert t.families["attention"]["knobs"] == {"impl": "fa4", "split_stride": 256, **KNOBS}
     assert main(["tuple", "check", str(out), "--facts", str(ff)]) == 0
     ff.write_text(json.dumps(dict(facts, fa4="")))
     assert main(["tuple", "default", "--facts", str(ff), "--attention", "fa4"]) == 1
@@ -191,7 +190,7 @@ def test_transcription_equals_fa4s_own_selection(monkeypatch, d, kvh):
     monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
     s = sol(dict(GPU, fa4=FA4), dict(SITE, head_dim=d, num_kv_heads=kvh))
     sel = s.compile(dict(s.default_assignment(), impl="fa4"))
-    knobs = tuple({"impl": "fa4", "split_stride": 256, "softmax": "exp2", "overlap_short": True, "tile_loop": "nested"}[k]
+    knobs = tuple({"impl": "fa4", "split_stride": 256, **KNOBS}[k]
                   for k in s.vra.knob_names)
     gqa = 32 // kvh
     points = POINTS + [rt(num_seqs=b, max_seqlen_q=q, max_seqlen_k=k) for b, q, k in
@@ -221,11 +220,12 @@ def test_cli_default_tuple_sets_any_knob(tmp_path, capsys):
                               triton=True)
     ff, out = tmp_path / "facts.json", tmp_path / "t.json"
     ff.write_text(json.dumps(facts))
-    assert main(["tuple", "default", "--facts", str(ff), "--knob", "attention.softmax=exp2",
-                 "--knob", "attention.overlap_short=true", "--knob", "attention.tile_loop=auto", "-o", str(out)]) == 0
+    assert main(["tuple", "default", "--facts", str(ff), "--knob", "attention.softmax=exp",
+                 "--knob", "attention.overlap_short=false", "--knob", "attention.tile_loop=auto",
+                 "--knob", "attention.defer_rowsum=true", "-o", str(out)]) == 0
     t = CommitmentTuple.load(str(out))
-    assert t.families["attention"]["knobs"] == {"impl": "triton_paged", "split_stride": 256, "softmax": "exp2",
-                                                "overlap_short": True, "tile_loop": "auto"}
+    assert t.families["attention"]["knobs"] == {"impl": "triton_paged", "split_stride": 256, "softmax": "exp",
+                                                "overlap_short": False, "tile_loop": "auto", "defer_rowsum": True}
     assert main(["tuple", "check", str(out), "--facts", str(ff)]) == 0
     capsys.readouterr()
     assert main(["tuple", "default", "--facts", str(ff), "--knob", "attention.softmax=exp3"]) == 1
