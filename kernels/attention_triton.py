@@ -558,49 +558,45 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     side = _side_stream(q.device) if overlap_short and split and has_short and q.is_cuda else None
     if side is not None:  # forks here, after the KV store and the step's inputs: beside the long launch
         side.wait_stream(torch.cuda.current_stream(q.device))
-    if parallel:
-        pm = empty((max_splits, t, h), torch.float32, q.device)
-        pl = empty_like(pm)
-        pacc = empty((max_splits, t, h, d), torch.float32, q.device)
-        ps, pas = (pm.stride(0), pm.stride(1), pm.stride(2)), (pacc.stride(0), pacc.stride(1), pacc.stride(2))
-    else:
-        pm = pl = pacc = out  # unused
-        ps = pas = (0, 0, 0)
+    combine_kw = dict(D=d, SPLIT=split_tokens, EXP2=softmax == "exp2", num_warps=1 if d <= 64 else 2)
+    parts = _partials(parallel, max_splits, t, h, d, out)
     _paged_attn_kernel[(n_qtiles, kvh, max_splits if parallel else 1)](
-        *common, pm, pl, pacc, *tail, *ps, *pas, BLOCK_M=block_m, BLOCK_Q=block_q, PARALLEL=parallel,
+        *common, *parts[:3], *tail, *parts[3:], BLOCK_M=block_m, BLOCK_Q=block_q, PARALLEL=parallel,
         DECODE=decode, SHORT=False, SKIP_Q=skip_q, HEAVY_FIRST=tile_order == "heavy_first" and not decode,
         FLAT=flat_split if parallel else flat_short if decode else flat_long, **flags, num_warps=num_warps,
         num_stages=num_stages)
     if parallel:
-        _combine_kernel[(t, h)](out, pm, pl, pacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, skip_q,
-                                out.stride(0), out.stride(1), *ps, *pas, float(scale), D=d, SPLIT=split_tokens,
-                                DECODE=decode, EXP2=softmax == "exp2", num_warps=1 if d <= 64 else 2)
+        _combine_kernel[(t, h)](out, *parts[:3], meta.query_start_loc, meta.seq_lens, meta.num_seqs, skip_q,
+                                out.stride(0), out.stride(1), *parts[3:], float(scale), DECODE=decode, **combine_kw)
     if split and has_short:
         # one program per (sequence, KV head), splits walked in order, or one per split and the
         # combine of the short rows (tests/gpu: the 16-row tile gives the 128-row tile's bits)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if lp.short_parallel:  # partials in slots of short_q rows per sequence
-                spm = empty((max_splits, meta.num_seqs * short_q, h), torch.float32, q.device)
-                spl = empty_like(spm)
-                spacc = empty((max_splits, meta.num_seqs * short_q, h, d), torch.float32, q.device)
-                sps, spas = (spm.stride(0), spm.stride(1), spm.stride(2)), (spacc.stride(0), spacc.stride(1),
-                                                                           spacc.stride(2))
-            else:
-                spm = spl = spacc = out  # unused
-                sps = spas = (0, 0, 0)
+            # partials in slots of short_q rows per sequence
+            sparts = _partials(lp.short_parallel, max_splits, meta.num_seqs * short_q, h, d, out)
             _paged_attn_kernel[(meta.num_seqs, kvh, max_splits if lp.short_parallel else 1)](
-                *common, spm, spl, spacc, *tail, *sps, *spas, BLOCK_M=short_m, BLOCK_Q=short_q,
+                *common, *sparts[:3], *tail, *sparts[3:], BLOCK_M=short_m, BLOCK_Q=short_q,
                 PARALLEL=lp.short_parallel, DECODE=False, SHORT=True, SKIP_Q=0,
                 FLAT=flat_split if lp.short_parallel else flat_short, **flags, num_warps=lp.short_warps,
                 num_stages=lp.short_stages)
             if lp.short_parallel:
                 _combine_kernel[(meta.num_seqs * short_q, h)](
-                    out, spm, spl, spacc, meta.query_start_loc, meta.seq_lens, meta.num_seqs, 0, out.stride(0),
-                    out.stride(1), *sps, *spas, float(scale), D=d, SPLIT=split_tokens, DECODE=False,
-                    EXP2=softmax == "exp2", SHORT_Q=short_q, num_warps=1 if d <= 64 else 2)
+                    out, *sparts[:3], meta.query_start_loc, meta.seq_lens, meta.num_seqs, 0, out.stride(0),
+                    out.stride(1), *sparts[3:], float(scale), DECODE=False, SHORT_Q=short_q, **combine_kw)
         if side is not None:  # every later use of `out` (and of the inputs) waits for it
             torch.cuda.current_stream(q.device).wait_stream(side)
     return out
+
+
+def _partials(parallel: bool, splits: int, rows: int, h: int, d: int, out: torch.Tensor) -> tuple:
+    """The fp32 split partials of a launch that writes them (parallel): (m, l, acc) buffers of
+    `splits` x `rows` x `h` (x `d`), then their six strides, as the kernels take them; else `out`
+    three times and zero strides (unused)."""
+    if not parallel:
+        return (out, out, out) + (0,) * 6
+    pm = empty((splits, rows, h), torch.float32, out.device)
+    pacc = empty((splits, rows, h, d), torch.float32, out.device)
+    return (pm, empty_like(pm), pacc, *pm.stride(), *pacc.stride()[:3])
 
 
 _SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}

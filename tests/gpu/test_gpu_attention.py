@@ -18,6 +18,17 @@ def _run(case, chunks, order=None, **kw):
     return attention_triton_paged(q, k, v, cache, meta, SCALE, **{**KW, **kw}), (q, k, v, meta)
 
 
+def _replayed(launch):
+    """`launch()`'s output captured in a CUDA graph, zeroed, then written by one replay."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = launch()
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -144,12 +155,7 @@ def test_the_short_launch_beside_the_long_one_keeps_every_row():
     for _ in range(3):
         z = attention_triton_paged(q, k, v, cache, meta, SCALE, **{**KW, **kw}, overlap_short=True)
         assert torch.equal(z, y) and z.float().sum().item() == y.float().sum().item()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        zg = attention_triton_paged(q, k, v, cache, meta, SCALE, **{**KW, **kw}, overlap_short=True)
-    zg.zero_()
-    g.replay()
-    torch.cuda.synchronize()
+    zg = _replayed(lambda: attention_triton_paged(q, k, v, cache, meta, SCALE, **{**KW, **kw}, overlap_short=True))
     assert torch.equal(zg, y)
 
 
@@ -207,12 +213,8 @@ def test_the_short_launch_split_into_programs_keeps_every_row(loop):
     for overlap in (False, True):  # and on a second stream beside the long launch (the default since lease 18)
         ov, _ = _run(case, chunks, overlap_short=overlap, **kw)
         assert torch.equal(ov, split), overlap
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            zg = attention_triton_paged(q, k, v, cache, padded, SCALE, **{**KW, **kw}, overlap_short=overlap)
-        zg.zero_()
-        g.replay()
-        torch.cuda.synchronize()
+        zg = _replayed(lambda: attention_triton_paged(q, k, v, cache, padded, SCALE, **{**KW, **kw},
+                                                      overlap_short=overlap))
         assert torch.equal(zg, split), overlap
     other, _ = _run(case, chunks, split_tokens=128, short_combine="parallel", **kw)
     assert not torch.equal(other[998:], walked[998:])  # the comparator can fail: another split size
