@@ -382,16 +382,19 @@ METRICS = [("output_throughput", "output tok/s"), ("median_tpot_ms", "TPOT p50")
 def report(a) -> None:
     """Tables (markdown, also serve_load.md) and serve_load.png from a folder's summaries:
     vLLM's, Detent's, and each other Detent configuration's (`summary-detent<tag>.json`,
-    from `run --tag`), whose rows are labelled `load (tag)` against the same vLLM run."""
+    from `run --tag`), whose rows are labelled `load (tag)`. A tagged Detent run is set
+    against vLLM's run of the same tag where there is one (a repeat of both servers),
+    else against vLLM's untagged run."""
     s = {}
-    tags = sorted(f[len("summary-detent"):-len(".json")] for f in os.listdir(a.dir)
-                  if f.startswith("summary-detent") and f.endswith(".json"))
-    for k in ["vllm"] + [f"detent{t}" for t in tags]:
-        p = os.path.join(a.dir, f"summary-{k}.json")
-        if os.path.exists(p):
-            with open(p) as f:
-                s[k] = json.load(f)
+    tags = {srv: sorted(f[len(f"summary-{srv}"):-len(".json")] for f in os.listdir(a.dir)
+                        if f.startswith(f"summary-{srv}") and f.endswith(".json")) for srv in ("vllm", "detent")}
+    for k in [f"{srv}{t}" for srv in ("vllm", "detent") for t in tags[srv]]:
+        with open(os.path.join(a.dir, f"summary-{k}.json")) as f:
+            s[k] = json.load(f)
     detents = [k for k in s if k.startswith("detent")]
+
+    def peer(k: str) -> dict:  # the vLLM run a Detent run is set against
+        return s.get("vllm" + k[len("detent"):], s.get("vllm", {}))
 
     def label(n: str, k: str) -> str:
         return n if k == "detent" else f"{n} ({k[len('detent'):].lstrip('-')})"
@@ -403,7 +406,7 @@ def report(a) -> None:
             if k != "detent" and n not in s[k]["loads"]:
                 continue
             for key, metric in METRICS:
-                v = s.get("vllm", {}).get("loads", {}).get(n, {}).get(key)
+                v = peer(k).get("loads", {}).get(n, {}).get(key)
                 d = s.get(k, {}).get("loads", {}).get(n, {}).get(key)
                 ratio = f"{d / v:.2f}" if v and d else ""
                 fmt = (lambda x: f"{x:,.0f}") if key == "output_throughput" else (lambda x: f"{x:.2f}")

@@ -124,6 +124,22 @@ def test_the_report_has_a_row_block_for_each_tagged_detent_run(tmp_path):
     assert "s10 (graphs)" not in text  # a tagged run shows only the loads it ran
 
 
+def test_a_tagged_detent_run_is_set_against_vllms_run_of_the_same_tag(tmp_path):
+    import json
+    load = {"output_throughput": 100.0, "median_tpot_ms": 6.0, "p99_tpot_ms": 7.0, "median_ttft_ms": 30.0,
+            "p99_ttft_ms": 40.0}
+    (tmp_path / "summary-vllm.json").write_text(json.dumps({"loads": {"r20": load}}))
+    (tmp_path / "summary-vllmrep.json").write_text(json.dumps({"loads": {"r20": {**load, "median_tpot_ms": 8.0}}}))
+    (tmp_path / "summary-detent.json").write_text(json.dumps({"loads": {"r20": {**load, "median_tpot_ms": 6.6}}}))
+    (tmp_path / "summary-detentrep.json").write_text(json.dumps({"loads": {"r20": {**load, "median_tpot_ms": 7.2}}}))
+    (tmp_path / "summary-detent-arm.json").write_text(json.dumps({"loads": {"r20": {**load, "median_tpot_ms": 6.3}}}))
+    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    text = (tmp_path / "serve_load.md").read_text()
+    assert "| r20 | TPOT p50 | 6.00 | 6.60 | 1.10 |" in text
+    assert "| r20 (rep) | TPOT p50 | 8.00 | 7.20 | 0.90 |" in text  # the repeat against vLLM's repeat
+    assert "| r20 (arm) | TPOT p50 | 6.00 | 6.30 | 1.05 |" in text  # no vLLM run of its tag: the untagged one
+
+
 
 FAKE_BENCH = '''
 import json, os
