@@ -16,7 +16,7 @@ different kernels):
 The merge runs either inside the attention program (`sequential`: one
 program walks its splits in order) or in a second small kernel over fp32
 partials (`parallel`: one program per split, for batches too small to fill
-the GPU). Both perform the same operations on the same values, so the
+the GPU); both merges live in kernels/attention_merge.py. Both perform the same operations on the same values, so the
 choice is a launch detail (tests/gpu checks the bits agree). So is the
 decode launch (`DECODE`: every sequence has one query, program b serves
 sequence b without searching `query_start_loc`).
@@ -43,32 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
+from detent.kernels.attention_merge import _combine_kernel, _merge
 from detent.kernels.attention_plan import LaunchPlan, kernel_variants, launch_plan, step_variants  # noqa: F401
 from detent.kernels.common_triton import (check_device, check_dtype, check_last_contiguous, empty,
                                           empty_like, lazy_jit, sms_for)
 from detent.kernels.rowwise_triton import store_kv_triton
 from detent.kernels.registry import register
-
-
-@triton.jit
-def _merge(M, L, ACC, m, l, acc, scale, EXP2: tl.constexpr):
-    """Split (m, l, acc) into the running (M, L, ACC), in ascending split order, with
-    explicit fma (so the compiler cannot contract it differently in the attention program
-    and in the combine kernel); with EXP2 the maxima are of unscaled scores."""
-    M_new = tl.maximum(M, m)
-    M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
-    if EXP2:
-        # (x - max) * c, not fma(x, c, -max * c): exactly 1 where x is the max (an empty
-        # split merged into the running one changes nothing, whichever q tile walked it)
-        c = scale * 1.4426950408889634  # scale * log2(e), as the tiles use it
-        a = tl.exp2((M - M_safe) * c)
-        bw = tl.exp2((m - M_safe) * c)
-    else:
-        a = tl.exp(M - M_safe)
-        bw = tl.exp(m - M_safe)
-    L = tl.fma(L, a, l * bw)
-    ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
-    return M_new, L, ACC
 
 
 @triton.jit
@@ -356,60 +336,6 @@ def _paged_attn_kernel(
             out = ACC / L[:, None]
             tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + d[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-# skip_q (0, or the short launch's query count) is a value, not a constant: one compile
-# serves steps with and without a short launch
-@lazy_jit(do_not_specialize=["num_seqs", "skip_q"])
-def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_seqs, skip_q,
-                    so_t, so_h, sp_s, sp_t, sp_h, spa_s, spa_t, spa_h, scale,
-                    D: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr, EXP2: tl.constexpr = False,
-                    SHORT_Q: tl.constexpr = 0):
-    t = tl.program_id(0)  # the partials' row (and the output's, but for SHORT_Q)
-    h = tl.program_id(1)
-    row = t
-    if DECODE:  # token t is sequence t's only query
-        b = t
-        q_start = t
-        q_len = 1
-    elif SHORT_Q > 0:  # the short launch's rows: query t % SHORT_Q of sequence t // SHORT_Q
-        b = t // SHORT_Q
-        q_start = tl.load(qsl_ptr + b)
-        q_len = tl.load(qsl_ptr + b + 1) - q_start
-        row = q_start + t % SHORT_Q
-    else:
-        lo = 0
-        hi = num_seqs
-        while lo < hi:  # the last b with qsl[b] <= t
-            mid = (lo + hi) // 2
-            if tl.load(qsl_ptr + mid) <= t:
-                lo = mid + 1
-            else:
-                hi = mid
-        b = lo - 1
-        q_start = tl.load(qsl_ptr + b)
-        q_len = tl.load(qsl_ptr + b + 1) - q_start
-    pos = tl.load(seqlen_ptr + b) - q_len + (row - q_start)
-    n_split = pos // SPLIT + 1
-    if SHORT_Q > 0:  # a slot past the sequence's queries, or a sequence the long launch wrote
-        n_split = tl.where((row - q_start < q_len) & (q_len <= SHORT_Q), n_split, 0)
-    else:
-        n_split = tl.where(q_len <= skip_q, 0, n_split)  # the short launch writes this row
-    d = tl.arange(0, D)
-    t64 = t.to(tl.int64)
-    M = tl.full((1,), float("-inf"), tl.float32)
-    L = tl.zeros((1,), tl.float32)
-    ACC = tl.zeros((1, D), tl.float32)
-    one = tl.arange(0, 1)
-    for s in range(0, n_split):
-        ps = tl.cast(s, tl.int64)
-        m = tl.load(pm_ptr + ps * sp_s + t64 * sp_t + h * sp_h + one)
-        l = tl.load(pl_ptr + ps * sp_s + t64 * sp_t + h * sp_h + one)
-        acc = tl.load(pacc_ptr + ps * spa_s + t64 * spa_t + h * spa_h + d[None, :])
-        M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)  # the program's merge, the same operations
-    if n_split > 0:
-        out = ACC / L[:, None]
-        tl.store(o_ptr + row.to(tl.int64) * so_t + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty))
 
 
 def _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n):
