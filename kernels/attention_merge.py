@@ -7,6 +7,8 @@ attention program calls it when one program walks its splits (`sequential`);
 `_combine_kernel` calls it over the fp32 partials that one program per split
 wrote (`parallel`, and the short launch's split form). Both are the same
 operations on the same values, so the launch choice does not move a bit.
+`_owning_seq` is the search both kernels use to find the sequence of a row
+or a q tile.
 """
 
 from __future__ import annotations
@@ -39,6 +41,25 @@ def _merge(M, L, ACC, m, l, acc, scale, EXP2: tl.constexpr):
 
 
 
+@triton.jit
+def _owning_seq(qsl_ptr, num_seqs, key, BLOCK_Q: tl.constexpr):
+    """The sequence that owns row `key` (BLOCK_Q = 0: a query token) or q tile `key`
+    (sequence b's tiles start at qsl[b] // BLOCK_Q + b): a binary search over
+    query_start_loc for the last b whose first row or tile is at most `key`."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid)
+        if BLOCK_Q > 0:
+            first = first // BLOCK_Q + mid
+        if first <= key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
 # skip_q (0, or the short launch's query count) is a value, not a constant: one compile
 # serves steps with and without a short launch
 @lazy_jit(do_not_specialize=["num_seqs", "skip_q"])
@@ -59,15 +80,7 @@ def _combine_kernel(o_ptr, pm_ptr, pl_ptr, pacc_ptr, qsl_ptr, seqlen_ptr, num_se
         q_len = tl.load(qsl_ptr + b + 1) - q_start
         row = q_start + t % SHORT_Q
     else:
-        lo = 0
-        hi = num_seqs
-        while lo < hi:  # the last b with qsl[b] <= t
-            mid = (lo + hi) // 2
-            if tl.load(qsl_ptr + mid) <= t:
-                lo = mid + 1
-            else:
-                hi = mid
-        b = lo - 1
+        b = _owning_seq(qsl_ptr, num_seqs, t, 0)
         q_start = tl.load(qsl_ptr + b)
         q_len = tl.load(qsl_ptr + b + 1) - q_start
     pos = tl.load(seqlen_ptr + b) - q_len + (row - q_start)

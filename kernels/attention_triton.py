@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from detent.kernels.attention_merge import _combine_kernel, _merge
+from detent.kernels.attention_merge import _combine_kernel, _merge, _owning_seq
 from detent.kernels.attention_plan import LaunchPlan, kernel_variants, launch_plan, step_variants  # noqa: F401
 from detent.kernels.common_triton import (check_device, check_dtype, check_last_contiguous, empty,
                                           empty_like, lazy_jit, sms_for)
@@ -235,16 +235,7 @@ def _paged_attn_kernel(
         q_blk = 0
         q_len = tl.where(q_len <= BLOCK_Q, q_len, 0)  # longer ones are the long launch's
     else:
-        # the sequence owning this q tile: the last b with qsl[b] // BLOCK_Q + b <= qtile
-        lo = 0
-        hi = num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= qtile:
-                lo = mid + 1
-            else:
-                hi = mid
-        b = lo - 1
+        b = _owning_seq(qsl_ptr, num_seqs, qtile, BLOCK_Q)  # the sequence owning this q tile
         q_start = tl.load(qsl_ptr + b)
         q_len = tl.load(qsl_ptr + b + 1) - q_start
         q_blk = qtile - (q_start // BLOCK_Q + b)
