@@ -25,6 +25,7 @@ from detent.scheduler.outputs import PLACEHOLDER, ModelOutput, SampledToken, Sch
 from detent.selection.dispatch import Dispatcher
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt rows scored per log-softmax call (bounds the [rows, vocab] buffer)
+PACK_ALIGN = 2  # int64 elements: 16 bytes, the pointer alignment Triton specializes on
 
 
 @dataclass(frozen=True)
@@ -139,13 +140,16 @@ class ModelRunner:
         src = np.fromiter((prev.sample_row[seqs[i].request_id] for i in seq_of[holes]), dtype=np.int64,
                           count=holes.size) if holes.size else holes
 
-        # one host -> device copy for everything
+        # one host -> device copy for everything, each part 16-byte aligned: Triton specializes a
+        # kernel on whether a pointer is, so an unaligned part (the positions after an odd token
+        # count) would compile a variant that the warm start did not run
         parts = [ids, positions, slots, qsl, seq_lens, tables.reshape(-1), sample_rows, p_rows, p_tgts, holes, src]
-        flat = to_device(torch.from_numpy(np.concatenate(parts)), self.device)
-        views, o = [], 0
-        for p in parts:
-            views.append(flat[o:o + p.size])
-            o += p.size
+        offsets = np.cumsum([0] + [-(-p.size // PACK_ALIGN) * PACK_ALIGN for p in parts])
+        buf = np.zeros(int(offsets[-1]), dtype=np.int64)
+        for p, o in zip(parts, offsets):
+            buf[o:o + p.size] = p
+        flat = to_device(torch.from_numpy(buf), self.device)
+        views = [flat[o:o + p.size] for p, o in zip(parts, offsets)]
         ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, srows_t, prows_t, ptg_t, holes_t, src_t = views
         if holes.size:
             ids_t = ids_t.index_copy(0, holes_t, prev.sampled.tokens.index_select(0, src_t))
