@@ -16,8 +16,9 @@ different kernels):
 The merge runs either inside the attention program (`sequential`: one
 program walks its splits in order) or in a second small kernel over fp32
 partials (`parallel`: one program per split, for batches too small to fill
-the GPU); both merges live in kernels/attention_merge.py. Both perform the same operations on the same values, so the
-choice is a launch detail (tests/gpu checks the bits agree). So is the
+the GPU); both are in kernels/attention_merge.py. Both perform the same
+operations on the same values, so the choice is a launch detail (tests/gpu
+checks the bits agree). So is the
 decode launch (`DECODE`: every sequence has one query, program b serves
 sequence b without searching `query_start_loc`).
 
