@@ -40,7 +40,6 @@ def _merge(M, L, ACC, m, l, acc, scale, EXP2: tl.constexpr):
     return M_new, L, ACC
 
 
-
 @triton.jit
 def _owning_seq(qsl_ptr, num_seqs, key, BLOCK_Q: tl.constexpr):
     """The sequence that owns row `key` (BLOCK_Q = 0: a query token) or q tile `key`

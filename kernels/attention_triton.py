@@ -430,7 +430,8 @@ def attention_triton_paged(q, k, v, kv_cache, meta, scale: float, split_tokens: 
     row sum at the next tile (or the split's end) instead of right away: the same
     fma on the same values, so the same bits; compiled for sm_90 with Triton 3.6, the
     long launch then waits for its MMAs once per KV tile instead of twice
-    (tests/kernels/test_sm90_compile.py). Not timed yet (docs/performance.md)."""
+    (tests/kernels/test_sm90_compile.py). Timed on the H200 in lease 19: 3-11 % slower
+    (docs/performance.md), so no program selects it by default."""
     name = "attention/triton_paged"
     _check(name, q, k, v, kv_cache, meta, split_tokens, block_m, block_n)
     if rowsum not in ("mma", "sum"):

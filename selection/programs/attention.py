@@ -182,7 +182,8 @@ def select(device: Fact[str], arch: Fact[str], triton: Fact[bool], fa4: Fact[str
         tile_loop = knob("tile_loop", ("nested", "auto", "prefetch"), "nested")
         # each KV tile's row-sum MMA folded into the row sum at the next tile (kernels/attention_triton.py
         # defer_rowsum, same bits): one MMA wait per tile instead of two in the prompt tiles' loop on
-        # sm_90 (tests/kernels/test_sm90_compile.py); a knob, off, until timed on the device
+        # sm_90 (tests/kernels/test_sm90_compile.py); a knob, off: timed on the H200 in lease 19 it made
+        # the attention 3-11 % slower (docs/performance.md "Lease 19")
         defer = knob("defer_rowsum", (False, True), False)
         combine, stages = "auto", 2
         if q_tile > 16 and tile_loop == "prefetch":
