@@ -137,7 +137,8 @@ def variants(mixed: bool, decode: bool, long_m: int):
                             dict(base, block_m=bm, num_warps=8 if bm == 128 else 4, num_stages=ns,
                                  tile_loop="prefetch"), None))
         # each tile's row-sum MMA folded at the next tile (one MMA wait per KV tile instead of two),
-        # alone and with the default knobs since lease 18 (exp2, the short launch beside)
+        # alone and with the default knobs since lease 18 (exp2, the short launch beside): against
+        # the `_exp2` (`_exp2_overlap` in a mixed step) variants below
         for bm in (long_m, 64) if long_m != 64 else (64,):
             nw = 8 if bm == 128 else 4
             out.append((f"{tag}m{bm}_w{nw}_st2_defer", dict(base, block_m=bm, num_warps=nw, num_stages=2,
@@ -145,8 +146,6 @@ def variants(mixed: bool, decode: bool, long_m: int):
             out.append((f"{tag}m{bm}_w{nw}_st2_exp2_ov_defer",
                         dict(base, block_m=bm, num_warps=nw, num_stages=2, defer_rowsum=True, softmax="exp2",
                              overlap_short=mixed), None))
-            out.append((f"{tag}m{bm}_w{nw}_st2_exp2_ov", dict(base, block_m=bm, num_warps=nw, num_stages=2,
-                                                               softmax="exp2", overlap_short=mixed), None))
         if mixed:  # the first long launch, with each short launch, and the program's beside it on a stream
             # tile_loop="auto": the short launch in one loop over its splits, 3 stages from 512 programs
             out.append((f"{tag}m{long_m}_w{8 if long_m == 128 else 4}_st2_auto",
