@@ -7,8 +7,9 @@ attention program calls it when one program walks its splits (`sequential`);
 `_combine_kernel` calls it over the fp32 partials that one program per split
 wrote (`parallel`, and the short launch's split form). Both are the same
 operations on the same values, so the launch choice does not move a bit.
-`_owning_seq` is the search both kernels use to find the sequence of a row
-or a q tile.
+`_split_end` ends a split in the attention program: its partial stored for
+the combine kernel, or merged at once. `_owning_seq` is the search both
+kernels use to find the sequence of a row or a q tile.
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ def _merge(M, L, ACC, m, l, acc, scale, EXP2: tl.constexpr):
     L = tl.fma(L, a, l * bw)
     ACC = tl.fma(ACC, a[:, None], acc * bw[:, None])
     return M_new, L, ACC
+
+
+@triton.jit
+def _split_end(s, m, l, acc, M, L, ACC, pm_ptr, pl_ptr, pacc_ptr, tok, head, d, row_ok, sp_s, sp_t, sp_h, spa_s,
+               spa_t, spa_h, scale, PARALLEL: tl.constexpr, EXP2: tl.constexpr):
+    """Split s's (m, l, acc): its fp32 partials for the combine kernel (PARALLEL), or merged
+    into the running (M, L, ACC) in ascending split order; the running state."""
+    if PARALLEL:
+        ps = tl.cast(s, tl.int64)
+        tl.store(pm_ptr + ps * sp_s + tok * sp_t + head * sp_h, m, mask=row_ok)
+        tl.store(pl_ptr + ps * sp_s + tok * sp_t + head * sp_h, l, mask=row_ok)
+        tl.store(pacc_ptr + ps * spa_s + tok[:, None] * spa_t + head[:, None] * spa_h + d[None, :], acc,
+                 mask=row_ok[:, None])
+    else:
+        M, L, ACC = _merge(M, L, ACC, m, l, acc, scale, EXP2)
+    return M, L, ACC
 
 
 @triton.jit
