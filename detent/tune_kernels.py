@@ -116,6 +116,14 @@ class KernelCost:
 
     @torch.inference_mode()
     def measure(self, t: CommitmentTuple, fraction: float) -> float:
+        """Candidates compile their kernels here by design (the warm-up call of `_time`): the
+        engine's compile watch, installed by a warm start in this process, must not log them as
+        serving's."""
+        from detent.engine.compile_watch import paused
+        with paused():
+            return self._measure(t, fraction)
+
+    def _measure(self, t: CommitmentTuple, fraction: float) -> float:
         self._n += 1
         path = os.path.join(self.workdir, f"kernels-{self._n}.json")
         t.save(path)

@@ -326,3 +326,25 @@ def test_kernel_cost_search_confirmed_on_the_engine(llm):
     else:
         assert c["unit"] == "ms per output token" and c["default"] > 0 and c["tuned"] > 0
         assert out.result.kept_default is c["kept_default"]
+
+
+def test_kernel_cost_compiles_are_not_logged_as_serving(llm, monkeypatch, caplog):
+    """KernelCost's warm-up call compiles each candidate's kernels by design. After a warm start
+    the engine's compile watch names every later compile as a miss of the warm start; inside the
+    tuner's timing it must stay silent, and outside it still counts."""
+    import detent.tune_kernels as tk
+    from detent.engine.compile_watch import CompileWatch
+    watch = CompileWatch()
+    real = tk._call
+
+    def compiling(*a, **kw):
+        call = real(*a, **kw)
+        return lambda: (watch(repr="candidate_kernel"), call())
+
+    monkeypatch.setattr(tk, "_call", compiling)
+    out = tune(llm, workload(), cost="kernels", families=["gemm"], max_candidates=2, min_fraction=1.0, refine=0,
+               interactions=0)
+    assert out.result.base_cost > 0
+    assert watch.count == 0 and "compiled while serving" not in caplog.text
+    watch(repr="a_compile_while_serving")
+    assert watch.count == 1 and "compiled while serving" in caplog.text

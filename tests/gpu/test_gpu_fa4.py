@@ -214,7 +214,7 @@ class PerStepSplit:
 
 def test_battery_passes_under_the_fa4_tuple_and_fails_under_stock():
     """The battery (26 + 9 cells) under the FA4 tuple, and under stock as the control, on the
-    wider model (WIDE says why; not yet run on the GPU).
+    wider model (WIDE says why; passed on the H200 in lease 20).
 
     The per-step split (FA4 for steps with prefill, Triton for decode-only steps) is not
     a control here: the battery's target holds at most 72 tokens of context, inside one
