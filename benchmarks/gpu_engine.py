@@ -87,6 +87,14 @@ def dispatcher_for(eng, mode: str, knobs: dict[str, dict] | None = None):
     return d, "selection (SelIR)" + (f", tuple {tuple_path}" if tuple_path else "")
 
 
+def _value(v: str):
+    """A mode suffix's value: an int, true / false as a bool (knobs such as
+    attention.overlap_short), else the string."""
+    if v.lstrip("-").isdigit():
+        return int(v)
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
 def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = None) -> dict:
     """mode: "stock" | "pinned" | "conservative", optionally with environment
     settings read by the kernels ("pinned+VAR=VAL"), candidate parameters
@@ -106,10 +114,10 @@ def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = 
         k, _, v = kv.partition("=")
         if "." in k:
             fam, _, name = k.partition(".")
-            knobs.setdefault(fam, {})[name] = int(v) if v.lstrip("-").isdigit() else v
+            knobs.setdefault(fam, {})[name] = _value(v)
         elif ":" in k:
             fam, _, name = k.partition(":")
-            params.setdefault(fam, {})[name] = int(v) if v.lstrip("-").isdigit() else v
+            params.setdefault(fam, {})[name] = _value(v)
         else:
             os.environ[k] = v
     d, source = dispatcher_for(eng, base, knobs)

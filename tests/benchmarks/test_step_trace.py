@@ -79,3 +79,11 @@ def test_set_mode_sets_a_tuple_knob():
         set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
     with pytest.raises(ValueError, match="apply in mode pinned"):
         set_mode(llm, "stock+attention.split_stride=64", graphs=False)
+
+
+def test_mode_values_parse_to_the_types_knobs_take():
+    # "pinned+attention.overlap_short=false" must reach the tuple as False, not the string "false"
+    # (a bool knob's legal values are True / False); numbers as ints, the rest as strings
+    from gpu_engine import _value
+    assert [_value(v) for v in ("false", "True", "64", "-1", "fa4")] == [False, True, 64, -1, "fa4"]
+    assert _value("false") is False and _value("True") is True
