@@ -30,6 +30,8 @@ def test_arms_in_miniature(tmp_path):
         p = subprocess.run(cmd + ["--arms", arms], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "arms.json").read_text())
+    for w in ("W-A", "W-C"):  # the tunes time kernel calls (the engine cost does not fit 10 minutes at 8B)
+        assert json.loads((out / f"tuple-{w}.report.json").read_text())["cost_model"] == "kernels"
     loads = ["A1", "A2", "A3", "A4", "C1", "C2"]
     assert set(res["arms"]) == {"stock", "conservative", "pinned-default", "tuned-W-A", "tuned-W-C"}
     for arm, by_load in res["arms"].items():
