@@ -50,6 +50,13 @@ SEQS = (4, 16, 64, 256)
 # longest queries tried at capture: one per attention selection they reach (tile heights
 # change at powers of two over the heads per KV head)
 PROBE_Q = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 127, 128, 129, 256, 257, 511, 512)
+# attention that sizes its launch from the host's longest query (FlashAttention-4: its tile
+# count reads max_seqlen_q): a graph of it is captured at the longest query a step of (T, S)
+# can have, not at the shortest probe of its selection, so every replay's tiles are in the
+# grid. Whether FA4 then replays a step's bits is a GPU question
+# (tests/gpu/test_gpu_fa4.py::test_whole_step_graph_replay_equals_eager); until it is
+# answered, `refusal` keeps FA4 deployments on the piecewise graphs.
+FULL_QUERY_CAPTURE = ("fa4",)
 
 
 def refusal(attention_selector) -> str | None:
@@ -115,7 +122,10 @@ def _pad_seqs(pad: int, cap: int | None) -> int:
 class MixedGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  dispatcher: Dispatcher, device: torch.device, *, max_model_len: int,
-                 pairs: list[tuple[int, int]], attention_site: tuple):
+                 pairs: list[tuple[int, int]], attention_site: tuple, safe: tuple[str, ...] | None = None):
+        """safe: the attention candidates these graphs may hold (default GRAPH_SAFE_ATTENTION)."""
+        from detent.engine.cuda_graph import GRAPH_SAFE_ATTENTION
+        self.safe = GRAPH_SAFE_ATTENTION if safe is None else safe
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.dispatcher, self.device = dispatcher, device
         self.max_model_len, self.site = max_model_len, attention_site
@@ -193,10 +203,19 @@ class MixedGraphRunner:
             for mq in PROBE_Q:
                 if mq + fewest - 1 <= t and mq <= self.max_model_len and self._fits(t, s, mq):
                     reach.setdefault(self.key(t, s, mq), []).append(mq)
-            for mqs in reach.values():
+            for key, mqs in reach.items():
                 if max(mqs) * s > smaller:
-                    out.append((t, s, mqs[0]))
+                    full = dict(key).get("impl") in FULL_QUERY_CAPTURE
+                    out.append((t, s, self._longest_query(t, s) if full else mqs[0]))
         return out
+
+    def _longest_query(self, t: int, s: int) -> int:
+        """The longest query a step replaying (T, S) can have: T, or less where the capture's
+        layout cannot hold it (max_model_len)."""
+        mq = min(t, self.max_model_len)
+        while not self._fits(t, s, mq):
+            mq -= 1
+        return mq
 
     def _fits(self, t: int, s: int, mq: int) -> bool:
         """Whether T rows fit S sequences of at most max_model_len tokens with one of mq."""
@@ -216,7 +235,8 @@ class MixedGraphRunner:
                 self._set_layout(t, s, mq)
                 ctx = ForwardContext(attn=self._meta(t, s, mq), kv_caches=self.kv_caches,
                                      dispatcher=self.dispatcher)
-                g, out = capture_whole_model(self.model, self.input_ids[:t], self.positions[:t], ctx, self.pool)
+                g, out = capture_whole_model(self.model, self.input_ids[:t], self.positions[:t], ctx, self.pool,
+                                             safe=self.safe)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[gkey], self.outputs[gkey] = g, out

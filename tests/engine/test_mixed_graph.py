@@ -261,3 +261,36 @@ def test_an_attention_not_tested_inside_prompt_graphs_keeps_them_off_before_any_
     assert refusal(selector("triton_paged")) is None
     assert "'fa4'" in refusal(selector("fa4"))
     assert set(seen[0]) == {"num_tokens", "num_seqs", "max_seqlen_q", "max_seqlen_k", "total_kv"}
+
+
+def test_an_attention_sized_by_the_longest_query_is_captured_at_the_longest():
+    # FlashAttention-4's grid reads the host's max_seqlen_q: its graphs are captured at the longest
+    # query a step of (T, S) can hold, one per pair (its selection does not follow the batch); the
+    # Triton deployment's at the shortest probe of each selection
+    from detent.models.presets import preset
+    from detent.selection import default_tuple, make_dispatcher
+    from detent.selection.facts import default_facts_for
+    c = preset("llama-3.1-8b")["config"]
+    site = (("num_heads", 32), ("num_kv_heads", 8), ("head_dim", 128), ("block_size", 16), ("dtype", "bfloat16"))
+
+    def plan(impl, tmp):
+        facts = default_facts_for(c, device="cuda", dtype="bfloat16", max_context=1024, max_num_batched_tokens=8192,
+                                  max_num_seqs=256, num_sms=132, arch="sm90", triton=True, fa4="4.0.0b36")
+        path = f"{tmp}/{impl}.json"
+        default_tuple(facts, knobs={"attention": {"impl": impl}}).save(path)
+        r = MixedGraphRunner(None, [], 16, make_dispatcher(facts, "pinned", path), torch.device("cpu"),
+                             max_model_len=1024, pairs=graph_pairs(2048, 256, 8192), attention_site=site)
+        return r, r.plan()
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        r, fa4 = plan("fa4", tmp)
+        _, tri = plan("triton_paged", tmp)
+    assert {dict(r.key(t, s, mq))["impl"] for t, s, mq in fa4} == {"fa4"}
+    assert sorted((t, s) for t, s, _ in fa4) == sorted(set((t, s) for t, s, _ in fa4))  # one graph a pair
+    assert all(mq == min(t, 1024) for t, s, mq in fa4), [p for p in fa4 if p[2] != min(p[0], 1024)]
+    for t, s, mq in fa4:  # the capture's layout holds it
+        assert sum(layout(t, s, mq, 1024)) == t
+    assert min(mq for _, _, mq in tri) <= 3  # Triton: the shortest probe of a selection
+    assert MixedGraphRunner(None, [], 16, None, torch.device("cpu"), max_model_len=64, pairs=[(16, 4)],
+                            attention_site=()).safe == ("triton_paged",)

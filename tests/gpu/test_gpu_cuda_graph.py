@@ -33,11 +33,12 @@ def _meta(tables, chunks, dev):
         block_size=BS, query_start_loc_cpu=tuple(qsl), seq_lens_cpu=tuple(lens))
 
 
-def tiny_mixed_steps(arch: str):
+def tiny_mixed_steps(arch: str, knobs: dict | None = None):
     """A tiny Llama or Qwen3 on the GPU, pinned, three sequences' tables and token ids, and
     `run(chunks, graphs=None)`: the step whose sequence b contributes tokens [s_b, e_b), run
     eagerly or through a graph runner's `run` (None when that runner takes no such step);
-    `no_sync=True` makes any device synchronization inside that `run` raise."""
+    `no_sync=True` makes any device synchronization inside that `run` raise. `knobs`: the
+    default tuple with these knobs (e.g. {"attention": {"impl": "fa4"}})."""
     dev = torch.device("cuda")
     hf = dict(CFG)
     if arch == "qwen3":
@@ -46,7 +47,14 @@ def tiny_mixed_steps(arch: str):
     model = load_model(cfg, device=dev, dtype=torch.bfloat16, load_format="dummy", progress=False)
     caches = [torch.zeros(2, 40, BS, 2, 64, dtype=torch.bfloat16, device=dev) for _ in range(2)]
     facts = default_facts_for(cfg, device="cuda", dtype="bfloat16", tp=1, page_size=BS, max_context=512)
-    disp = make_dispatcher(facts, "pinned", None)
+    path = None
+    if knobs:
+        import tempfile
+
+        from detent.selection import default_tuple
+        path = tempfile.mkstemp(suffix=".json", prefix="detent-tuple-")[1]
+        default_tuple(facts, knobs=knobs).save(path)
+    disp = make_dispatcher(facts, "pinned", path)
     tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     ids = [torch.randint(3, 1000, (n + 1,), device=dev) for n in (40, 17, 60)]
 
