@@ -38,7 +38,7 @@ import logging
 import torch
 
 from detent.engine.config import MIXED_GRAPH_MAX_TOKENS
-from detent.engine.cuda_graph import NULL_BLOCK, capture_whole_model
+from detent.engine.cuda_graph import GRAPH_SAFE_ATTENTION, NULL_BLOCK, capture_whole_model
 from detent.engine.piecewise_graph import default_token_buckets
 from detent.selection.context import AttentionMetadata, ForwardContext
 from detent.selection.dispatch import Dispatcher
@@ -65,7 +65,6 @@ def refusal(attention_selector) -> str | None:
     only the Triton attention was tested replaying with prompt rows (GRAPH_SAFE_ATTENTION);
     checked before any capture runs, so a FlashAttention-4 deployment starts without them
     instead of warming 2,048-token steps only for the capture's check to refuse."""
-    from detent.engine.cuda_graph import GRAPH_SAFE_ATTENTION
     from detent.engine.warmup import StepShape
     impl = attention_selector(**StepShape((1,), (1,)).runtime())["impl"]
     if impl not in GRAPH_SAFE_ATTENTION:
@@ -124,7 +123,6 @@ class MixedGraphRunner:
                  dispatcher: Dispatcher, device: torch.device, *, max_model_len: int,
                  pairs: list[tuple[int, int]], attention_site: tuple, safe: tuple[str, ...] | None = None):
         """safe: the attention candidates these graphs may hold (default GRAPH_SAFE_ATTENTION)."""
-        from detent.engine.cuda_graph import GRAPH_SAFE_ATTENTION
         self.safe = GRAPH_SAFE_ATTENTION if safe is None else safe
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.dispatcher, self.device = dispatcher, device
