@@ -82,9 +82,11 @@ def start(a, arm: str, extra: list[str]) -> subprocess.Popen:
     return proc
 
 
-def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str, api_key: str | None = None) -> dict:
+def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str, out: dict, saved,
+                api_key: str | None = None) -> None:
+    """Every selected load of `workloads` into `out` (load name -> result), `saved()` after each,
+    so a call cut short keeps the loads it finished."""
     model = served_model(url, api_key)
-    out = {}
     for name, w in workloads.items():
         for load in w.loads:
             if a.loads and load.name not in a.loads and name not in a.loads:
@@ -93,9 +95,9 @@ def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str, api_
                          api_key=api_key)
             r["workload"] = name
             out[load.name] = r
+            saved()
             print(f"{label} {load.name}: TPOT p50 {r['tpot_p50_ms']:.2f} ms, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
                   f"{r['errors']} errors", flush=True)
-    return out
 
 
 def servers(arms: list[str], tuples: dict[str, str]) -> list[tuple[str, list[str]]]:
@@ -146,7 +148,8 @@ def run(a) -> None:
     res.update(deployment=engine_args(a), model=a.model, prompt_format=a.prompt_format,
                prefix_reuse={w: workloads[w].prefix_reuse for w in names})
     wanted = [w for w in names if not a.loads or w in a.loads or any(ld.name in a.loads for ld in workloads[w].loads)]
-    missing = [w for w in wanted if w not in res["lambda_max"]]
+    # a closed loop's rate is its own: only workloads with Poisson loads need stock's lambda_max
+    missing = [w for w in wanted if w not in res["lambda_max"] and any(ld.fraction for ld in workloads[w].loads)]
     if missing and "stock" not in arms and (arms or a.vllm_url):
         raise SystemExit(f"no stock lambda_max for {missing} yet: run --arms stock on them first")
     url = f"http://127.0.0.1:{a.port}"
@@ -155,17 +158,18 @@ def run(a) -> None:
         try:
             if arm == "stock":
                 model = served_model(url)
-                for w in wanted:
-                    if w not in res["lambda_max"]:
-                        res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
-                        print(f"stock lambda_max {w}: {res['lambda_max'][w]:.3f} req/s", flush=True)
-            res["arms"].setdefault(arm, {}).update(serve_loads(url, workloads, res["lambda_max"], a, arm))
+                for w in missing:
+                    res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
+                    save(res_path, res)
+                    print(f"stock lambda_max {w}: {res['lambda_max'][w]:.3f} req/s", flush=True)
+            serve_loads(url, workloads, res["lambda_max"], a, arm, res["arms"].setdefault(arm, {}),
+                        lambda: save(res_path, res))
         finally:
             stop_server(proc)
         save(res_path, res)
     if a.vllm_url:
-        res["arms"].setdefault("vllm", {}).update(
-            serve_loads(a.vllm_url.rstrip("/"), workloads, res["lambda_max"], a, "vllm", a.api_key))
+        serve_loads(a.vllm_url.rstrip("/"), workloads, res["lambda_max"], a, "vllm", res["arms"].setdefault("vllm", {}),
+                    lambda: save(res_path, res), a.api_key)
     save(res_path, res)
     if "stock" in res["arms"]:
         from arms_report import report

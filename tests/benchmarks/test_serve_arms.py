@@ -42,6 +42,7 @@ def test_arms_in_miniature(tmp_path):
     for by_load in res["arms"].values():  # the client counted every streamed token (ignore_eos: exact lengths)
         assert all(round(r["output_tok_s"] * r["wall_s"]) == want[r["workload"]] for r in by_load.values())
     assert res["lambda_max"]["W-A"] > 0 and res["arms"]["stock"]["A4"]["rate"] == res["lambda_max"]["W-A"]
+    assert "W-C" not in res["lambda_max"]  # closed loops only: no maximum-throughput run for W-C
     assert res["arms"]["stock"]["C2"]["concurrency"] == 8
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["geomean_ratio_to_stock"]) == {"conservative", "pinned-default", "pinned-tuned"}
@@ -54,7 +55,7 @@ def test_arms_in_miniature(tmp_path):
     assert (out / "fig7.png").stat().st_size > 1000 and (out / "fig8.png").stat().st_size > 1000
     for w in ("W-A", "W-C"):
         assert json.loads((out / f"tuple-{w}.report.json").read_text())["workload"] == w
-    early = subprocess.run(cmd + ["--arms", "conservative", "--loads", "C1", "--out", str(tmp_path / "fresh")],
+    early = subprocess.run(cmd + ["--arms", "conservative", "--loads", "A1", "--out", str(tmp_path / "fresh")],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert early.returncode != 0 and "run --arms stock on them first" in early.stderr
     other = subprocess.run(cmd[:cmd.index("--workloads")] + ["--workloads", "W-B"] + cmd[cmd.index("--workloads") + 2:],
