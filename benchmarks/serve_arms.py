@@ -142,7 +142,9 @@ def run(a) -> None:
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; arms: {', '.join(ARMS)}, or tuned-W for one workload's tuple")
     if a.tune_only or any(x == "pinned-tuned" or x.startswith("tuned-") for x in arms):
-        res["tuples"] = tune_all(a, names)  # kept and skipped once written: repeat a call cut short
+        # kept and skipped once written: repeat a call cut short; tuned-W needs only W's tuple
+        need = names if a.tune_only or "pinned-tuned" in arms else [w for w in names if f"tuned-{w}" in arms]
+        res["tuples"] = {**res.get("tuples", {}), **tune_all(a, need)}
     if a.tune_only:
         return save(res_path, res)
     res.update(deployment=engine_args(a), model=a.model, prompt_format=a.prompt_format,

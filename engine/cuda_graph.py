@@ -30,16 +30,14 @@ from detent.selection.dispatch import Dispatcher
 log = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
-# attention candidates that read the step's metadata only from device tensors;
-# the others (CPU paths) read host tuples, which a graph would freeze at capture
-GRAPH_SAFE_ATTENTION = ("triton_paged",)
-# decode graphs also take FlashAttention-4: a decode batch captured and replayed on
-# the next step's metadata gave the eager call's bits on the H200
-# (tests/gpu/test_gpu_fa4.py::test_cuda_graph_replay_equals_eager, lease 8). Its
-# tile scheduler is chosen at capture from the host's view of the step, which a
-# decode graph fixes (one query per sequence, its own batch size); a whole-step
-# graph with prompt rows was not tested, so those keep GRAPH_SAFE_ATTENTION.
-DECODE_GRAPH_SAFE_ATTENTION = GRAPH_SAFE_ATTENTION + ("fa4",)
+# attention candidates that read the step's metadata only from device tensors (the
+# others, the CPU paths, read host tuples, which a graph would freeze at capture), and
+# whose replays on another step's metadata gave the eager call's bits on the H200:
+# the Triton kernel, and FlashAttention-4, in decode graphs
+# (tests/gpu/test_gpu_fa4.py::test_cuda_graph_replay_equals_eager, lease 8) and in
+# whole-step graphs with prompt rows (::test_whole_step_graph_replay_equals_eager,
+# lease 21; its graphs are captured at the longest query, engine/mixed_graph.py)
+GRAPH_SAFE_ATTENTION = ("triton_paged", "fa4")
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -99,8 +97,7 @@ class CudaGraphRunner:
         try:
             for b in reversed(self.sizes):  # largest first: later graphs reuse its pool
                 ctx = ForwardContext(attn=self._meta(b), kv_caches=self.kv_caches, dispatcher=self.dispatcher)
-                g, out = capture_whole_model(self.model, self.input_ids[:b], self.positions[:b], ctx, self.pool,
-                                             DECODE_GRAPH_SAFE_ATTENTION)
+                g, out = capture_whole_model(self.model, self.input_ids[:b], self.positions[:b], ctx, self.pool)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[b], self.outputs[b] = g, out

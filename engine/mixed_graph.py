@@ -53,18 +53,17 @@ PROBE_Q = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 127, 128, 129, 256, 257, 51
 # attention that sizes its launch from the host's longest query (FlashAttention-4: its tile
 # count reads max_seqlen_q): a graph of it is captured at the longest query a step of (T, S)
 # can have, not at the shortest probe of its selection, so every replay's tiles are in the
-# grid. Whether FA4 then replays a step's bits is a GPU question
-# (tests/gpu/test_gpu_fa4.py::test_whole_step_graph_replay_equals_eager); until it is
-# answered, `refusal` keeps FA4 deployments on the piecewise graphs.
+# grid. Replays then give the eager step's bits on the H200
+# (tests/gpu/test_gpu_fa4.py::test_whole_step_graph_replay_equals_eager, lease 21).
 FULL_QUERY_CAPTURE = ("fa4",)
 
 
 def refusal(attention_selector) -> str | None:
     """Why this deployment's attention cannot go inside a whole-step graph (None: it can).
     One implementation serves every step (docs/selir.md), so the smallest step's selection says:
-    only the Triton attention was tested replaying with prompt rows (GRAPH_SAFE_ATTENTION);
-    checked before any capture runs, so a FlashAttention-4 deployment starts without them
-    instead of warming 2,048-token steps only for the capture's check to refuse."""
+    only the candidates whose replays with prompt rows were tested (GRAPH_SAFE_ATTENTION) may;
+    checked before any capture runs, so such a deployment starts without them instead of
+    warming 2,048-token steps only for the capture's check to refuse."""
     from detent.engine.warmup import StepShape
     impl = attention_selector(**StepShape((1,), (1,)).runtime())["impl"]
     if impl not in GRAPH_SAFE_ATTENTION:
@@ -121,9 +120,7 @@ def _pad_seqs(pad: int, cap: int | None) -> int:
 class MixedGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  dispatcher: Dispatcher, device: torch.device, *, max_model_len: int,
-                 pairs: list[tuple[int, int]], attention_site: tuple, safe: tuple[str, ...] | None = None):
-        """safe: the attention candidates these graphs may hold (default GRAPH_SAFE_ATTENTION)."""
-        self.safe = GRAPH_SAFE_ATTENTION if safe is None else safe
+                 pairs: list[tuple[int, int]], attention_site: tuple):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.dispatcher, self.device = dispatcher, device
         self.max_model_len, self.site = max_model_len, attention_site
@@ -230,8 +227,7 @@ class MixedGraphRunner:
                 self._set_layout(t, s, mq)
                 ctx = ForwardContext(attn=self._meta(t, s, mq), kv_caches=self.kv_caches,
                                      dispatcher=self.dispatcher)
-                g, out = capture_whole_model(self.model, self.input_ids[:t], self.positions[:t], ctx, self.pool,
-                                             safe=self.safe)
+                g, out = capture_whole_model(self.model, self.input_ids[:t], self.positions[:t], ctx, self.pool)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[gkey], self.outputs[gkey] = g, out

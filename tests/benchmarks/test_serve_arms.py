@@ -29,6 +29,7 @@ def test_arms_in_miniature(tmp_path):
     for arms in ("stock,conservative,pinned-default,tuned-W-A", "tuned-W-C"):  # two calls: results merge
         p = subprocess.run(cmd + ["--arms", arms], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert (out / "tuple-W-C.json").exists() == (arms == "tuned-W-C")  # tuned-W tunes W's tuple alone
     res = json.loads((out / "arms.json").read_text())
     for w in ("W-A", "W-C"):  # the tunes time kernel calls (the engine cost does not fit 10 minutes at 8B)
         assert json.loads((out / f"tuple-{w}.report.json").read_text())["cost_model"] == "kernels"

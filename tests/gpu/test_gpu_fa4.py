@@ -178,10 +178,8 @@ def test_cuda_graph_replay_equals_eager(fa4):
 def test_whole_step_graph_replay_equals_eager():
     """Steps with prompt rows through a whole-step graph (engine/mixed_graph.py) under the FA4
     tuple: the same bits as the eager step. FA4's grid follows the host's longest query, so its
-    graphs are captured at the longest query of (T, S) (`FULL_QUERY_CAPTURE`); `refusal` keeps
-    FA4 deployments off these graphs until this passes on the device (written after lease 20,
-    not yet run)."""
-    from detent.engine.cuda_graph import GRAPH_SAFE_ATTENTION
+    graphs are captured at the longest query of (T, S) (`FULL_QUERY_CAPTURE`). It passed on the
+    H200 in lease 21, which let FA4 deployments into these graphs (GRAPH_SAFE_ATTENTION)."""
     from detent.engine.mixed_graph import MixedGraphRunner
     sys.path.insert(0, os.path.dirname(__file__))
     from test_gpu_cuda_graph import BS, tiny_mixed_steps
@@ -189,8 +187,7 @@ def test_whole_step_graph_replay_equals_eager():
     site = (("num_heads", 8), ("num_kv_heads", 2), ("head_dim", 64), ("block_size", BS), ("dtype", "bfloat16"))
     with torch.inference_mode():
         g = MixedGraphRunner(model, caches, BS, disp, torch.device("cuda"), max_model_len=512,
-                             pairs=[(16, 4), (64, 4)], attention_site=site,
-                             safe=GRAPH_SAFE_ATTENTION + ("fa4",)).capture()
+                             pairs=[(16, 4), (64, 4)], attention_site=site).capture()
         assert g.disabled is None, g.disabled
         assert {mq for _, _, mq in g.plan()} == {16, 64}
         for chunks in ([(0, 10), (0, 17), (0, 30)],  # 57 tokens -> (64, 4)

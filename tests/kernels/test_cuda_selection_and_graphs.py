@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from detent.engine.cuda_graph import (
-    DECODE_GRAPH_SAFE_ATTENTION,
     CudaGraphRunner,
     _check_graph_safe,
     default_capture_sizes,
@@ -61,8 +60,6 @@ def test_graph_runner_refuses_cpu_and_host_metadata_attention():
         _check_graph_safe(ctx)
     ctx.memo[("attention", (), ())] = {"impl": "triton_paged"}
     _check_graph_safe(ctx)
-    # FlashAttention-4: decode graphs only (the replay test on the device covered those)
+    # FlashAttention-4: in decode and whole-step graphs (their replays were tested on the device)
     ctx.memo[("attention", (), ())] = {"impl": "fa4"}
-    with pytest.raises(RuntimeError, match="host metadata"):
-        _check_graph_safe(ctx)
-    _check_graph_safe(ctx, DECODE_GRAPH_SAFE_ATTENTION)
+    _check_graph_safe(ctx)
