@@ -39,23 +39,31 @@ class Tuned:
     unit: str
 
 
+PROFILE_EVERY = 8  # decode-only steps per recorded one in the profile (detent/tune_engine.py SampledProfile)
 SIGNATURE_INPUTS = 512  # per call site: the most called runtime inputs a repin's selections are compared on
 
 
 def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
          families: list[str] | None = None, repeats: int = 1, dedupe: bool = True,
          confirm: str | Callable[[TupleInstaller, Calls], Any] | None = None,
+         profile_every: int = PROFILE_EVERY,
          progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
     """dedupe: measure once for every set of assignments that select the same kernels and
     parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
-    nothing at the default's value."""
+    nothing at the default's value. profile_every: the profile records every step with prompt
+    rows and one decode-only step in this many, counted as many (1: every step, eagerly)."""
     facts = engine_facts(llm)
     base = default_tuple(facts)
     with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
-        inst = TupleInstaller(llm, tmp)
-        progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple")
+        inst = TupleInstaller(llm, tmp, profile_every)
+        sample = "every step" if profile_every == 1 else \
+            f"steps with prompt rows and one decode-only step in {profile_every}"
+        progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple ({sample})")
         calls = profile_workload(inst, base, workload)
         prof = group_calls(calls)
+        if inst.profile_stats:
+            progress(f"  {inst.profile_stats['decode_steps']} decode-only steps, "
+                     f"{inst.profile_stats['replayed']} of them replayed unrecorded")
         for fam, sites in sorted(prof.items()):
             progress(f"  {fam}: {sum(len(c) for c in sites.values())} distinct runtime inputs over {len(sites)} "
                      f"site(s), {sum(sum(c.values()) for c in sites.values())} step-calls")

@@ -45,6 +45,9 @@ def add_subparsers(sub) -> None:
                    "the winner is faster there (default with --cost kernels); none: take the search's word")
     p.add_argument("--no-dedupe", dest="dedupe", action="store_false", help="measure every candidate, also "
                    "those that select the same kernels and parameters on the profiled calls as one measured before")
+    p.add_argument("--profile-every", type=int, default=None, help="the profile records every step with prompt "
+                   "rows and one decode-only step in this many, counted as many; the others replay the CUDA graphs "
+                   "(default 8; 1: every step, eagerly)")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement (the median counts)")
     p.add_argument("--seed", type=int, default=0)
     for name, kw in (("--device", {"default": "auto"}), ("--dtype", {"default": "auto"}),
@@ -98,7 +101,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 def _tune(a: argparse.Namespace) -> int:
     from detent.engine import LLM
     from detent.selection import programs
-    from detent.tune import tune
+    from detent.tune import PROFILE_EVERY, tune
     from detent.tune_cost import profile_summary
     from detent.tune_report import report_dict, write_plot, write_report
     from detent.workloads import NAMES
@@ -123,15 +126,16 @@ def _tune(a: argparse.Namespace) -> int:
         w = load_workload(a.workload, vocab=llm.llm_engine.limits().vocab_size, num_requests=a.num_requests,
                           max_len=a.max_len, seed=a.seed)
         confirm = a.confirm or ("engine" if a.cost == "kernels" else "none")
+        every = PROFILE_EVERY if a.profile_every is None else a.profile_every
         out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, dedupe=a.dedupe, progress=say,
-                   confirm=None if confirm == "none" else confirm,
+                   confirm=None if confirm == "none" else confirm, profile_every=every,
                    max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction, refine=a.refine,
                    interactions=a.interactions, seed=a.seed)
         res, prof = out.result, out.profile
         res.chosen.save(a.output)
         meta = {"workload": w.name, "num_requests": len(w.requests), "model": a.model, "tp": a.tp,
                 "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "cost_model": a.cost,
-                "confirm": confirm,
+                "confirm": confirm, "profile_every": every,
                 "seconds": time.perf_counter() - t_start}
         report = report_dict(res, meta=meta, profile=profile_summary(prof), unit=out.unit)
         stem = a.output[:-5] if a.output.endswith(".json") else a.output

@@ -52,7 +52,7 @@ def profile_workload(installer: TupleInstaller, base: CommitmentTuple, workload)
     installer.install(base, record=True)
     run_offline(installer.llm, workload)
     calls = installer.calls()
-    installer.current = None  # the next install leaves recording
+    installer.profile_stats = installer.end_profile()
     return calls
 
 

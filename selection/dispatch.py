@@ -28,9 +28,11 @@ class Dispatcher:
     def __init__(self, provider: Provider):
         self.provider = provider
         self._selectors: dict[tuple[str, Site], Selector] = {}
-        # every distinct (family, site, runtime) seen, with counts: the tuner's profile
+        # every distinct (family, site, runtime) seen, with counts: the tuner's profile (a step
+        # recorded for `record_weight` steps counts that many: detent/tune_engine.py samples)
         self.calls: dict[tuple[str, Site, tuple], int] = {}
         self.record_calls = False
+        self.record_weight = 1
 
     @property
     def mode(self) -> str:
@@ -49,7 +51,7 @@ class Dispatcher:
             self._selectors[(family, site)] = sel_fn
         sel = sel_fn(**runtime)
         if self.record_calls:
-            self.calls[key] = self.calls.get(key, 0) + 1
+            self.calls[key] = self.calls.get(key, 0) + self.record_weight
         if ctx is not None:
             ctx.memo[key] = sel
         return sel

@@ -74,6 +74,55 @@ def test_profile_records_each_familys_runtime_inputs(llm):
     assert len(out.profile["gemm"]) == 5  # qkv, o, gate_up, down, lm head
 
 
+def test_profile_records_prompt_steps_and_one_decode_step_in_every_and_replays_the_rest(llm):
+    # the profile under graphs: every step with prompt rows eagerly, recorded as before; one
+    # decode-only step in 4 eagerly, counted 4 times; the other decode steps through the forward the
+    # runner held (its CUDA graphs; here a stand-in that runs the eager forward and counts)
+    import tempfile
+    from detent.selection import default_tuple
+    from detent.tune_cost import profile_workload
+    from detent.tune_engine import SampledProfile, TupleInstaller, engine_facts
+    runner = llm.llm_engine.runner
+    base = default_tuple(engine_facts(llm))
+
+    def profile(every):
+        with tempfile.TemporaryDirectory() as tmp:
+            inst = TupleInstaller(llm, tmp, every)
+            calls = profile_workload(inst, base, workload())
+        assert not isinstance(runner._forward, SampledProfile)  # the runner's own forward is back
+        return calls, inst.profile_stats
+
+    def split(calls):
+        decode, prompt = {}, {}
+        for (fam, site, rt), n in calls.items():
+            (decode if dict(rt)["max_seqlen_q"] == 1 else prompt)[(fam, site, rt)] = n
+        return decode, prompt
+
+    eager, replayed = runner._forward, []
+
+    def graphs(input_ids, positions, ctx):
+        replayed.append(ctx.attn.max_seqlen_q)
+        return eager(input_ids, positions, ctx)
+    runner._forward, runner._eager_forward = graphs, eager
+    try:
+        sampled, prof = profile(4)
+    finally:
+        runner._forward = eager
+        del runner._eager_forward
+    full, prof1 = profile(1)
+    assert prof1["replayed"] == 0
+    d4, p4 = split(sampled)
+    d1, p1 = split(full)
+    assert p4 == p1 and p1  # prompt-row steps: every one, the same counts
+    steps = prof["decode_steps"]
+    assert steps > 8 and prof["replayed"] == len(replayed) == steps - -(-steps // 4) and set(replayed) == {1}
+    assert set(d4) < set(d1)  # a sample of the decode steps' inputs...
+    for fam, site in {(f, s) for f, s, _ in d1}:  # ...each counted 4 times: every site's total covers them all
+        n1 = sum(n for (f, s, _), n in d1.items() if (f, s) == (fam, site))
+        n4 = sum(n for (f, s, _), n in d4.items() if (f, s) == (fam, site))
+        assert n1 == steps and steps <= n4 < steps + 4, (fam, site, n1, n4)
+
+
 def test_fake_cost_exhaustive_picks_the_cheapest_legal_assignment(llm):
     out, fake = _tune(llm, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
     res = out.result
