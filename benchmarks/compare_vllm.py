@@ -104,6 +104,7 @@ def record(spec: dict, mode: str, part: str, result: dict, meta: dict) -> None:
     """What a worker calls when a part is done: merge it into spec["out"]."""
     e = {"engine": spec["engine"], "mode": mode, "model": spec["model"], "part": part,
          "group": spec["group"], "engine_args": spec["engine_args"], "commit": spec.get("commit"),
+         **({"detent_graphs": spec.get("graphs", "decode")} if spec["engine"] == "detent" else {}),
          "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta, **result}
     merge_entries(spec["out"], {run_key(spec["engine"], mode, spec["model"], part): e})
 
@@ -284,7 +285,7 @@ def build_specs(a) -> list[dict]:
         raise SystemExit(f"--decode-logprobs: a number or 'none', got {a.decode_logprobs!r}")
     lp = None if a.decode_logprobs.lower() == "none" else int(a.decode_logprobs)
     common = {"engine": engine, "model": model, "hf_config": hf, "out": os.path.abspath(a.out), "commit": _commit(),
-              "device": "cpu" if a.tiny else "cuda", "hi": hi,
+              "device": "cpu" if a.tiny else "cuda", "hi": hi, "graphs": a.detent_graphs,
               "perf": {"batches": batches, "ctx": a.decode_ctx, "new_tokens": a.decode_tokens, "logprobs": lp,
                        "prefill_lens": plens, "prefill_reps": a.prefill_reps},
               "cells": {"lens": clens, "long_lens": long_lens, "short_len": a.cell_short_len}}
@@ -352,6 +353,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-mixed-batched-tokens", type=int, default=2048,
                     help="Detent: a step that carries decodes takes at most this many tokens (the engine's "
                          "default; 0: off, vLLM's one budget)")
+    ap.add_argument("--detent-graphs", choices=("decode", "serving"), default="decode",
+                    help="Detent's CUDA graphs: decode (decode graphs; steps with prompt rows eager: every run "
+                         "up to lease 21) or serving (the decode, piecewise and whole-step graphs detent-serve "
+                         "runs, beside vLLM's own defaults)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: what the workload needs, to 64")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     ap.add_argument("--no-prefix-caching", action="store_true", help="decode/prefill runs without prefix caching")

@@ -42,7 +42,7 @@ def main(spec: dict) -> None:
     print(json.dumps({"info": info}), flush=True)
     side = DetentSide(llm)
     for mode in spec["modes"]:
-        mode_info = set_mode(llm, mode, graphs=cuda)
+        mode_info = set_mode(llm, mode, graphs=spec.get("graphs", "decode") if cuda else False)
         if not llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused: requests still hold blocks")
         print(f"[detent {mode}] {mode_info}", flush=True)

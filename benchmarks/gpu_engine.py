@@ -95,12 +95,16 @@ def _value(v: str):
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = None) -> dict:
+def set_mode(llm, mode: str, *, graphs: bool | str, capture_sizes: list[int] | None = None) -> dict:
     """mode: "stock" | "pinned" | "conservative", optionally with environment
     settings read by the kernels ("pinned+VAR=VAL"), candidate parameters
     added to one family's selection ("pinned+moe:fuse_glue=1",
     `selection.provider.FamilyOverride`) and tuple knobs
-    ("pinned+attention.impl=fa4": FlashAttention-4 for every step)."""
+    ("pinned+attention.impl=fa4": FlashAttention-4 for every step).
+    graphs: False (every step eager), True or "decode" (decode graphs; steps with
+    prompt rows eager: the harnesses' numbers up to lease 21), "serving" (the
+    graphs `detent-serve` runs: decode, piecewise and whole-step graphs,
+    engine/graphs.py, as vLLM's side runs its own defaults)."""
     import os
 
     from detent.engine.cuda_graph import enable_cuda_graphs
@@ -127,7 +131,17 @@ def set_mode(llm, mode: str, *, graphs: bool, capture_sizes: list[int] | None = 
     eng.runner.dispatcher = d
     out = {"mode": mode, "selection_source": source, "overrides": params, "knobs": knobs,
            "env": {k: v for k, v in os.environ.items() if k.startswith("DETENT_")}}
-    if graphs:
+    if graphs == "serving":
+        import dataclasses
+
+        from detent.engine.graphs import GRAPH_ATTRS, enable_graphs
+        t0 = time.time()  # the engine was built eager (build): its config asks for the graphs
+        enable_graphs(eng.runner, dataclasses.replace(eng.config, enforce_eager=False),
+                      max_model_len=eng.state.max_model_len)
+        out["graph_capture_s"] = time.time() - t0
+        out["graphs"] = {name: (g.disabled or "captured") for name in GRAPH_ATTRS
+                         if (g := getattr(eng.runner, name, None)) is not None}
+    elif graphs:
         t0 = time.time()
         g = enable_cuda_graphs(eng.runner, max_num_seqs=eng.config.max_num_seqs,
                                max_model_len=eng.state.max_model_len, capture_sizes=capture_sizes)

@@ -1,5 +1,6 @@
 """Prefill benchmark: tokens per second for one 2k and one 8k prompt (one
-engine step each at max_num_batched_tokens=8192; eager, no CUDA graphs),
+engine step each at max_num_batched_tokens=8192; eager, no CUDA graphs, or
+with `--graphs serving` the graphs detent-serve runs: gpu_engine.set_mode),
 for the stock, pinned and conservative selections in one run.
 
     python benchmarks/prefill.py --model llama-3.1-8b --out prefill.json
@@ -86,6 +87,9 @@ def main():
     ap.add_argument("--profile", default=None, metavar="DIR", help="also profile one prefill per length into DIR")
     ap.add_argument("--attention", choices=("triton_paged", "fa4"), default="triton_paged",
                     help="the attention implementation (tuple knob attention.impl); fa4 runs in mode pinned only")
+    ap.add_argument("--graphs", choices=("none", "serving"), default="none",
+                    help="none: every step eager (as up to lease 21); serving: detent-serve's graphs (whole-step "
+                         "graphs for steps up to --mixed-graph-max-tokens, piecewise graphs above)")
     a = ap.parse_args()
     lens = [int(n) for n in a.lens.split(",")]
     llm, mc, info = build(a.model, max_model_len=max(lens) + 16, max_num_seqs=8)
@@ -94,7 +98,7 @@ def main():
     if a.attention != "triton_paged":
         modes = [f"{m}+attention.impl={a.attention}" for m in modes]
     for mode in modes:
-        res.setdefault("modes", {})[mode] = set_mode(llm, mode, graphs=False)
+        res.setdefault("modes", {})[mode] = set_mode(llm, mode, graphs=a.graphs if a.graphs == "serving" else False)
         res["prefill"][mode] = prefill_sweep(llm, lens, mc.vocab_size)
         if a.profile:
             os.makedirs(a.profile, exist_ok=True)

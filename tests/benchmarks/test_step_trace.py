@@ -58,6 +58,29 @@ def test_set_mode_adds_a_parameter_to_one_family():
     assert d.select("norm", norm, rt) == {"impl": "torch_rowwise"}
 
 
+def test_serving_graphs_are_the_engines_own(monkeypatch):
+    # `--detent-graphs serving`: the engine built eager (gpu_engine.build) installs the graphs
+    # detent-serve runs (engine/graphs.py), through a config that asks for them; its own stays eager
+    import detent.engine.graphs as graphs
+    from compare_vllm import TINY, build_specs, parse_args
+    from gpu_engine import build, set_mode
+
+    llm, _, _ = build("tiny", hf_config=TINY, device="cpu", dtype=torch.float32, max_model_len=64,
+                      max_num_seqs=2, max_num_batched_tokens=64)
+    seen = []
+    monkeypatch.setattr(graphs, "enable_graphs",
+                        lambda runner, config, max_model_len: seen.append((runner, config.enforce_eager, max_model_len)))
+    eng = llm.llm_engine
+    info = set_mode(llm, "pinned", graphs="serving")
+    assert seen == [(eng.runner, False, eng.state.max_model_len)] and eng.config.enforce_eager
+    assert "graph_capture_s" in info and "cuda_graphs" not in info
+    for flag, want in (([], "decode"), (["--detent-graphs", "serving"], "serving")):  # compare_vllm's spec
+        specs = build_specs(parse_args(["--engine", "detent", "--tiny", "--parts", "decode", "--decode-ctx", "16",
+                                          "--decode-tokens", "4", "--prefill-lens", "32", "--cell-lens", "40",
+                                          "--cell-long-lens", "20,16", *flag]))
+        assert specs and {s["graphs"] for s in specs} == {want}
+
+
 def test_set_mode_sets_a_tuple_knob():
     # MODE+FAMILY.KNOB=VALUE runs the default tuple with that knob (on CUDA "pinned+attention.impl=fa4")
     import pytest
