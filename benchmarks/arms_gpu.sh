@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 20's arms on one GPU, one part per device call, results merged in /tmp/arms (keep the
+# machine warm between calls) and copied to OUTDIR/arms after each part
+# (docs/performance.md, "Arms and workloads"; Llama-3.1-8B shapes, dummy weights, word-level
+# tokenizer, W-A and W-C at 64 requests):
+#   stock | pinned-default | conservative | tuned-W-C | tuned-W-A:  serve_arms.py run --arms PART
+#       (stock first: its lambda_max sets the others' rates; tuned-W-C takes lease 20's W-C tuple,
+#       tuned the whole W-C, unless /tmp/arms has one)
+#   tune-W-A:  `detent tune` on the whole W-A (600 turns), timed, into /tmp/arms/tuple-W-A.json
+#   vllm:      `vllm serve` from the peer bundle (PYTHONPATH=VLLM_PATH, default /tmp/vsite), same
+#              deployment facts, then the same client and rates (serve_arms.py --vllm-url)
+#   report:    serve_arms.py report
+# Usage: bash benchmarks/arms_gpu.sh OUTDIR PART [PART...]
+set -u
+OUT=$1
+shift
+M=/tmp/wl8b
+ARMS=/tmp/arms
+FACTS="--load-format dummy --device cuda --dtype bfloat16 --max-model-len 8192"
+A="--model $M $FACTS --num-requests 64 --workloads W-A,W-C --out $ARMS"
+mkdir -p "$OUT" "$ARMS"
+[ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M > /dev/null
+[ -f $ARMS/tuple-W-C.json ] || cp benchmarks/results/h200-2026-12-04-lease20/tune/tuple-W-C.json $ARMS/
+timed() {  # NAME SECONDS CMD...: run bounded, keep stdout+stderr in OUT/NAME.txt, print exit status and seconds
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $((SECONDS - t0)) s"
+    grep -v "it/s\]\|step/s\]" "$OUT/$name.txt" | tail -12
+}
+for PART in "$@"; do
+    case $PART in
+        stock|pinned-default|conservative|tuned-W-A|tuned-W-C)
+            timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART" ;;
+        tune-W-A)
+            timed tune-W-A 580 detent tune --model $M $FACTS --workload W-A --cost kernels -o $ARMS/tuple-W-A.json ;;
+        vllm)
+            PYTHONPATH=${VLLM_PATH:-/tmp/vsite} python3 -m vllm.entrypoints.openai.api_server --model $M \
+                --load-format dummy --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
+                --gpu-memory-utilization 0.88 > "$OUT/vllm-server.log" 2>&1 &
+            V=$!
+            for _ in $(seq 300); do curl -sf http://127.0.0.1:8200/health > /dev/null && break; sleep 1; done
+            timed arms-vllm 480 python3 benchmarks/serve_arms.py run $A --arms '' --vllm-url http://127.0.0.1:8200
+            kill $V; wait $V 2> /dev/null ;;
+        report)
+            python3 benchmarks/serve_arms.py report $ARMS | tail -30 ;;
+        *)
+            echo "unknown part $PART"; exit 2 ;;
+    esac
+    cp -r $ARMS "$OUT/"
+done
