@@ -21,14 +21,8 @@ A="--model $M $FACTS --num-requests 64 --workloads W-A,W-C --out $ARMS"
 mkdir -p "$OUT" "$ARMS"
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M > /dev/null
 [ -f $ARMS/tuple-W-C.json ] || cp benchmarks/results/h200-2026-12-04-lease20/tune/tuple-W-C.json $ARMS/
-timed() {  # NAME SECONDS CMD...: run bounded, keep stdout+stderr in OUT/NAME.txt, print exit status and seconds
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-    local rc=$?
-    echo "$name: exit $rc in $((SECONDS - t0)) s"
-    grep -v "it/s\]\|step/s\]" "$OUT/$name.txt" | tail -12
-}
+source "$(dirname "$0")/gpu_timed.sh"
+TIMED_TAIL=12
 for PART in "$@"; do
     case $PART in
         stock|pinned-default|conservative|tuned-W-A|tuned-W-C)

@@ -10,14 +10,7 @@ set -u
 OUT=$1
 PART=${2:-all}
 mkdir -p "$OUT"
-timed() {  # NAME SECONDS CMD...: run bounded, keep stdout+stderr in OUT/NAME.txt, print exit status and seconds
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-    local rc=$?
-    echo "$name: exit $rc in $((SECONDS - t0)) s"
-    grep -v "it/s\]\|step/s\]" "$OUT/$name.txt" | tail -6
-}
+source "$(dirname "$0")/gpu_timed.sh"
 python3 -c "from detent.kernels import registry; print(registry.why_unavailable('attention', 'fa4') or 'fa4 registered')"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
     timed gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_fa4.py \
