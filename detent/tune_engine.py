@@ -41,7 +41,7 @@ class SampledProfile:
         if every < 1:
             raise ValueError(f"profile every {every} decode steps: must be at least 1")
         self.d, self.eager, self.replay, self.every = d, eager, replay, every
-        self.prior = prior  # the runner's forward before: the next install puts it back
+        self.prior = prior  # the runner's forward before: `_end_profile` puts it back
         self.decode_steps = self.replayed = 0
 
     def __call__(self, input_ids, positions, ctx):
@@ -60,20 +60,29 @@ def _install_local(runner, config, max_model_len: int, facts: dict, path: str | 
                    record: bool, profile_every: int = 1) -> dict[str, str]:
     """Install the tuple at `path`; the graph sets that failed to capture, with why. With
     `record`, profile through `SampledProfile`, replaying the graphs the runner holds for the
-    steps it leaves out when they were captured under this same tuple (else eagerly)."""
+    decode steps it leaves out when they were captured under this same tuple (else it records
+    every step, eagerly)."""
     old = runner.dispatcher
+    # the tuple the runner's graphs hold: the last one installed here, or the engine's own
+    held = getattr(runner, "graphs_tuple", None)
+    if held is None and old is not None and old.mode == "pinned" and getattr(old, "facts", None) is not None:
+        held = active_tuple_hash(old)
     d = make_dispatcher(facts, "pinned", path)
     runner.dispatcher = d
     _end_profile(runner)
-    if record:
+    if record:  # no capture: the graphs still hold `held`
+        runner.graphs_tuple = held
         fwd = runner._forward
         eager = getattr(runner, "_eager_forward", None) or fwd
-        same = old is not None and old.mode == "pinned" and active_tuple_hash(old) == active_tuple_hash(d)
-        runner._forward = SampledProfile(d, eager, fwd if same else eager, profile_every, fwd)
+        # graphs of other selections cannot stand in for this tuple's steps: then every step runs
+        # eagerly anyway, and is recorded
+        same = held is not None and held == active_tuple_hash(d)
+        runner._forward = SampledProfile(d, eager, fwd, profile_every if same else 1, fwd)
         return {}
     from detent.engine.graphs import enable_graphs, graph_failures
     from detent.engine.startup import warm_start
     enable_graphs(runner, config, max_model_len=max_model_len)
+    runner.graphs_tuple = active_tuple_hash(d)
     # the new selections' kernels compile here, not inside the measurement (on CUDA, as at startup)
     warm_start(runner, config, facts, max_model_len, world=config.tensor_parallel_size, progress=False)
     return graph_failures(runner)

@@ -105,6 +105,10 @@ def test_profile_records_prompt_steps_and_one_decode_step_in_every_and_replays_t
         return eager(input_ids, positions, ctx)
     runner._forward, runner._eager_forward = graphs, eager
     try:
+        runner.graphs_tuple = "another tuple's"  # graphs of other selections: every step eager
+        _, other = profile(4)
+        assert other["replayed"] == 0 and not replayed and other["decode_steps"] > 8
+        runner.graphs_tuple = base.hash  # the stand-in graphs hold the profiled tuple's selections
         sampled, prof = profile(4)
     finally:
         runner._forward = eager
