@@ -81,6 +81,9 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
             raise ValueError(f"cost model must be 'engine', 'kernels' or a function, got {cost!r}")
         sigs = {s.family: _signature_fn(s, facts, calls) for s in spaces} if dedupe else None
         res = Search(base, model, facts, signatures=sigs, progress=progress, **search).run(spaces)
+        if getattr(model, "graph_timed", 0) or getattr(model, "host_timed", 0):
+            progress(f"kernel calls timed inside CUDA graphs: {model.graph_timed}; "
+                     f"on the host clock: {model.host_timed}")
         if confirm is not None and res.chosen.hash != base.hash:
             check = EngineCost(inst, workload, repeats) if confirm == "engine" else confirm(inst, calls)
             res = confirmed(res, base, check, progress)

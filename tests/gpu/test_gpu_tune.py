@@ -43,3 +43,22 @@ def test_tune_on_gpu_serves_an_invariant_tuple(model, tmp_path, cost):
             assert all(r.passed for r in results), [(r.cell, r.differences) for r in results if not r.passed]
         else:
             assert any(not r.passed for r in results)
+
+
+def test_kernel_cost_times_calls_inside_cuda_graphs(model, tmp_path):
+    # KernelCost on CUDA: each bucketed call captured in a graph and timed by events (the device's
+    # time, not the host's launch); none falls back to the host clock for gemm and attention
+    from detent.selection import default_tuple
+    from detent.tune_cost import profile_workload
+    from detent.tune_engine import TupleInstaller, engine_facts
+    from detent.tune_kernels import KernelCost
+    llm = LLM(model=model, **KW)
+    try:
+        facts = engine_facts(llm)
+        base = default_tuple(facts)
+        calls = profile_workload(TupleInstaller(llm, str(tmp_path)), base, make("W-C", num_requests=4, max_len=512))
+        cost = KernelCost(calls, facts, str(tmp_path), families=["gemm", "attention"])
+        assert cost.measure(base, 1.0) > 0
+        assert cost.graph_timed == len(cost.inputs) and cost.host_timed == 0
+    finally:
+        llm.shutdown()
