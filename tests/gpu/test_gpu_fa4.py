@@ -199,6 +199,37 @@ def test_whole_step_graph_replay_equals_eager():
             assert replay is not None and torch.equal(replay, eager), chunks
 
 
+def test_an_fa4_deployment_replays_whole_step_graphs_with_the_eager_bits():
+    """The engine, end to end: under the FA4 tuple with detent-serve's graphs (GRAPH_SAFE_ATTENTION
+    admits fa4 since lease 21), steps with prompt rows replay whole-step graphs, and whole requests'
+    tokens and logprobs are `==` to the same requests with every step eager. Written after lease 21,
+    not yet run."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from gpu_engine import set_mode
+
+    from detent.engine import SamplingParams
+    llm = _engine()
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 1000, (n,), generator=g).tolist()}
+               for n in (300, 45, 700, 9, 130, 260)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+
+    def run():
+        assert llm.reset_prefix_cache()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    def replayed():  # mixed steps that replayed one whole-step graph
+        return llm.llm_engine.stats()["steps_by_kind"]["mixed"][7]
+
+    set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
+    eager, before = run(), replayed()
+    info = set_mode(llm, "pinned+attention.impl=fa4", graphs="serving")
+    assert info["graphs"].get("mixed_graphs") == "captured", info
+    assert run() == eager and replayed() > before
+
+
 # ---- the engine: the invariance battery under the FA4 tuple
 CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 512,
        "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
