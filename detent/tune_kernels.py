@@ -1,6 +1,6 @@
 """`KernelCost` (docs/tune.md, "Cost models"): a candidate tuple's cost as the
 time of the kernel calls the profile recorded, without replaying the
-workload or capturing graphs.
+workload or capturing the engine's graphs.
 
 For each searched family, the profile's (call site, runtime inputs) are
 grouped into buckets (every input rounded down to a power of 1.25, so a
@@ -14,11 +14,11 @@ attention and moe calls are timed; other families have no choice to make.
 
 On CUDA a call is timed as the engine runs it, inside a CUDA graph: `GRAPH_CALLS`
 calls captured once, the replay timed with CUDA events, so the device time
-counts and the host's launch does not (a decode step's attention call takes a
-few microseconds on the device; timed one by one with a sync, the host's launch
-path was the measurement: lease 21's whole-W-A tune saw the default's cost
-move from 1,811 to 1,427 within its search). A call that does not capture is
-timed on the host clock instead, and counted in `host_timed`.
+counts and the host's launch does not. A decode step's attention call takes a
+few microseconds on the device, so timed one by one around a sync its launch
+path is most of what is measured; lease 21's whole-W-A tune, timed that way,
+saw the default's cost move from 1,811 to 1,427 within its search. A call that
+does not capture is timed on the host clock instead, and counted in `host_timed`.
 """
 from __future__ import annotations
 
