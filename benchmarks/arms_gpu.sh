@@ -34,7 +34,11 @@ for PART in "$@"; do
                 --load-format dummy --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
                 --gpu-memory-utilization 0.88 > "$OUT/vllm-server.log" 2>&1 &
             V=$!
-            for _ in $(seq 300); do curl -sf http://127.0.0.1:8200/health > /dev/null && break; sleep 1; done
+            for _ in $(seq 300); do
+                python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8200/health', timeout=2)" \
+                    2> /dev/null && break
+                sleep 1
+            done
             timed arms-vllm 480 python3 benchmarks/serve_arms.py run $A --arms '' --vllm-url http://127.0.0.1:8200
             kill $V; wait $V 2> /dev/null ;;
         report)
