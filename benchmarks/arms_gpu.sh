@@ -30,7 +30,7 @@ for PART in "$@"; do
         tune-W-A)
             timed tune-W-A 580 detent tune --model $M $FACTS --workload W-A --cost kernels -o $ARMS/tuple-W-A.json ;;
         vllm)
-            PYTHONPATH=${VLLM_PATH:-/tmp/vsite} python3 -m vllm.entrypoints.openai.api_server --model $M \
+            PYTHONPATH=${VLLM_PATH:-/tmp/vsite} setsid python3 -m vllm.entrypoints.openai.api_server --model $M \
                 --load-format dummy --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
                 --gpu-memory-utilization 0.88 > "$OUT/vllm-server.log" 2>&1 &
             V=$!
@@ -40,7 +40,7 @@ for PART in "$@"; do
                 sleep 1
             done
             timed arms-vllm 480 python3 benchmarks/serve_arms.py run $A --arms '' --vllm-url http://127.0.0.1:8200
-            kill $V; wait $V 2> /dev/null ;;
+            kill -- -$V; wait $V 2> /dev/null ;;  # its process group: vLLM's engine core too
         report)
             python3 benchmarks/serve_arms.py report $ARMS | tail -30 ;;
         *)
