@@ -139,15 +139,14 @@ class CudaGraphRunner:
 
 
 def capture_whole_model(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                        ctx: ForwardContext, pool, safe: tuple[str, ...] = GRAPH_SAFE_ATTENTION,
-                        ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                        ctx: ForwardContext, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """One graph of the whole forward on static inputs, in `ctx`: two warm-up runs first (Triton
     compiles, cuBLAS workspaces, selections), then the check that attention reads no host
     metadata. Returns the graph and its output tensor."""
     with forward_context(ctx):
         for _ in range(2):
             model(input_ids, positions)
-        _check_graph_safe(ctx, safe)
+        _check_graph_safe(ctx)
         torch.cuda.synchronize(input_ids.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool):
@@ -155,11 +154,11 @@ def capture_whole_model(model: torch.nn.Module, input_ids: torch.Tensor, positio
     return g, out
 
 
-def _check_graph_safe(ctx: ForwardContext, safe: tuple[str, ...] = GRAPH_SAFE_ATTENTION) -> None:
+def _check_graph_safe(ctx: ForwardContext) -> None:
     for name in ctx.selected("attention"):
-        if name not in safe:
+        if name not in GRAPH_SAFE_ATTENTION:
             raise RuntimeError(f"attention candidate {name!r} is not known to replay correctly in this "
-                               f"graph (it may read host metadata); this graph needs one of {safe}")
+                               f"graph (it may read host metadata); this graph needs one of {GRAPH_SAFE_ATTENTION}")
 
 
 def enable_cuda_graphs(runner, *, max_num_seqs: int, max_model_len: int,
