@@ -115,6 +115,8 @@ def _tune(a: argparse.Namespace) -> int:
     unknown = [f for f in families or () if f not in programs.FAMILIES]
     if unknown:
         raise ValueError(f"--families: unknown {unknown} (families: {', '.join(programs.FAMILIES)})")
+    if a.profile_every is not None and a.profile_every < 1:
+        raise ValueError(f"--profile-every {a.profile_every}: one decode step in N is recorded, N must be at least 1")
     if a.workload not in NAMES and not os.path.isfile(a.workload):
         raise ValueError(f"--workload {a.workload!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
     for path in (a.output, a.report, a.plot):  # fail before the work, not after it

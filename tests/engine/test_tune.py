@@ -261,6 +261,9 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
         llm.shutdown()
     assert main(["tune", "--model", model, "--workload", "W-Z", *args, "-o", str(out)]) == 2
     assert "neither a workload name" in capsys.readouterr().err
+    assert main(["tune", "--model", model, "--workload", "W-C", "--profile-every", "0", *args, "-o", str(out)]) == 2
+    assert "--profile-every 0" in capsys.readouterr().err  # refused before the model loads
+    assert rep["profile_every"] == 8
 
 
 def test_a_workload_file_of_requests(tmp_path):
