@@ -14,11 +14,15 @@ fake one. `confirm`: None, "engine" or such a function: the search's winner
 and the default measured again on that model (the default before and after),
 and the default kept unless the winner is cheaper there; `detent tune --cost
 kernels` confirms on the engine, so a fast search still answers to the
-workload's own steps.
+workload's own steps. `deadline` (a `time.perf_counter()` value; `detent
+tune --time-budget`): the confirmation runs on the share of the workload
+that fits before it, and is skipped, the default kept, when too little does.
 """
 from __future__ import annotations
 
+import math
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,16 +41,19 @@ class Tuned:
     facts: dict[str, Any]
     calls: Calls
     unit: str
+    phases: dict[str, float]  # seconds per phase: profile, search, confirm
 
 
 PROFILE_EVERY = 8  # decode-only steps per recorded one in the profile (detent/tune_engine.py SampledProfile)
 SIGNATURE_INPUTS = 512  # per call site: the most called runtime inputs a repin's selections are compared on
+CONFIRM_PROBE = 0.25  # with a deadline: the untimed run's share of the workload, timed to size the others
+MIN_CONFIRM = 0.1  # with a deadline: the smallest share the confirmation runs on; below it, it is skipped
 
 
 def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
          families: list[str] | None = None, repeats: int = 1, dedupe: bool = True,
          confirm: str | Callable[[TupleInstaller, Calls], Any] | None = None,
-         profile_every: int = PROFILE_EVERY,
+         profile_every: int = PROFILE_EVERY, deadline: float | None = None,
          progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
     """dedupe: measure once for every set of assignments that select the same kernels and
     parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
@@ -54,6 +61,11 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
     rows and one decode-only step in this many, counted as many (1: every step, eagerly)."""
     facts = engine_facts(llm)
     base = default_tuple(facts)
+    phases, mark = {}, [time.perf_counter()]
+
+    def phase(name: str) -> None:
+        now = time.perf_counter()
+        phases[name], mark[0] = now - mark[0], now
     with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
         inst = TupleInstaller(llm, tmp, profile_every)
         sample = "every step" if profile_every == 1 else \
@@ -61,6 +73,7 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple ({sample})")
         calls = profile_workload(inst, base, workload)
         prof = group_calls(calls)
+        phase("profile")
         if inst.profile_stats:
             progress(f"  {inst.profile_stats['decode_steps']} decode-only steps, "
                      f"{inst.profile_stats['replayed']} of them replayed unrecorded")
@@ -84,27 +97,55 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         if getattr(model, "graph_timed", 0) or getattr(model, "host_timed", 0):
             progress(f"kernel calls timed inside CUDA graphs: {model.graph_timed}; "
                      f"on the host clock: {model.host_timed}")
+        phase("search")
         if confirm is not None and res.chosen.hash != base.hash:
             check = EngineCost(inst, workload, repeats) if confirm == "engine" else confirm(inst, calls)
-            res = confirmed(res, base, check, progress)
-    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"))
+            res = confirmed(res, base, check, progress, deadline)
+            phase("confirm")
+    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"), phases)
 
 
-def confirmed(res: TuneResult, base, model, progress: Callable[[str], None]) -> TuneResult:
-    """The winner against the default on `model` (the whole workload; the default before and
-    after it, after one untimed run): the default stays unless the winner is cheaper."""
+def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], deadline: float | None = None,
+              clock: Callable[[], float] = time.perf_counter) -> TuneResult:
+    """The winner against the default on `model` (the default before and after it, after one
+    untimed run): the default stays unless the winner is cheaper. Without a deadline, on the
+    whole workload. With one, the untimed run covers `CONFIRM_PROBE` of it and is timed; the
+    three timed runs take the largest share that fits before the deadline, with two tuple
+    switches (`model.max_install_s`, when the model knows it); below `MIN_CONFIRM`, the
+    confirmation is skipped and the default kept: an unconfirmed winner is not written."""
     unit = getattr(model, "unit", "cost")
-    progress(f"confirming the tuned tuple against the default ({unit}; after one untimed run)")
-    model.measure(base, 1.0)
-    first = float(model.measure(base, 1.0))
-    tuned = float(model.measure(res.chosen, 1.0))
-    last = float(model.measure(base, 1.0))
+    fraction = 1.0
+    if deadline is None:
+        progress(f"confirming the tuned tuple against the default ({unit}; after one untimed run)")
+        model.measure(base, 1.0)
+    else:
+        progress(f"confirming the tuned tuple against the default ({unit}; {deadline - clock():.0f} s left; "
+                 f"after one untimed run on {CONFIRM_PROBE:.0%} of the workload, timed to size the others)")
+        t0 = clock()
+        model.measure(base, CONFIRM_PROBE)
+        run = max(clock() - t0 - getattr(model, "last_install_s", 0.0), 0.0) / CONFIRM_PROBE
+        switch = getattr(model, "max_install_s", 0.0)
+        left = deadline - clock() - 2 * switch
+        fraction = 1.0 if 3 * run <= left else math.floor(100 * max(left, 0.0) / (3 * run)) / 100
+        if fraction < MIN_CONFIRM:
+            why = (f"{max(deadline - clock(), 0.0):.0f} s left before the time budget's end; three runs of "
+                   f"{MIN_CONFIRM:.0%} of the workload and two tuple switches need about "
+                   f"{3 * MIN_CONFIRM * run + 2 * switch:.0f}")
+            progress(f"  not confirmed ({why}): kept the default")
+            res.confirmed = {"unit": unit, "fraction": 0.0, "skipped": why, "kept_default": True}
+            res.chosen, res.kept_default = base, True
+            return res
+        if fraction < 1.0:
+            progress(f"  on the first {fraction:.0%} of the workload (a whole run takes about {run:.0f} s)")
+    first = float(model.measure(base, fraction))
+    tuned = float(model.measure(res.chosen, fraction))
+    last = float(model.measure(base, fraction))
     default = (first + last) / 2
     keep = tuned >= default
     progress(f"  default {first:.4g} / {last:.4g}, tuned {tuned:.4g}: "
              + ("kept the default" if keep else f"tuned is {100 * (1 - tuned / default):.1f}% cheaper"))
-    res.confirmed = {"unit": unit, "default": default, "default_first_last": [first, last], "tuned": tuned,
-                     "kept_default": keep}
+    res.confirmed = {"unit": unit, "fraction": fraction, "default": default, "default_first_last": [first, last],
+                     "tuned": tuned, "kept_default": keep}
     if keep:
         res.chosen, res.kept_default = base, True
     return res

@@ -15,6 +15,9 @@ import os
 import sys
 import time
 
+TIME_BUDGET_S = 600.0  # `--time-budget`: a tune's target on one H200 is ten minutes a workload
+WRITE_RESERVE_S = 10.0  # of the budget, kept for writing the tuple, the report and the plot
+
 
 def add_subparsers(sub) -> None:
     p = sub.add_parser("tune", help="tune the commitment tuple for a workload",
@@ -48,6 +51,9 @@ def add_subparsers(sub) -> None:
     p.add_argument("--profile-every", type=int, default=None, help="the profile records every step with prompt "
                    "rows and one decode-only step in this many, counted as many; the others replay the CUDA graphs "
                    "(default 8; 1: every step, eagerly)")
+    p.add_argument("--time-budget", type=float, default=TIME_BUDGET_S, help="seconds from start to the written "
+                   f"tuple (default {TIME_BUDGET_S:g}): the confirmation runs on the share of the workload that "
+                   "fits, and is skipped, the default kept, when too little does; 0: no budget")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement (the median counts)")
     p.add_argument("--seed", type=int, default=0)
     for name, kw in (("--device", {"default": "auto"}), ("--dtype", {"default": "auto"}),
@@ -117,6 +123,8 @@ def _tune(a: argparse.Namespace) -> int:
         raise ValueError(f"--families: unknown {unknown} (families: {', '.join(programs.FAMILIES)})")
     if a.profile_every is not None and a.profile_every < 1:
         raise ValueError(f"--profile-every {a.profile_every}: one decode step in N is recorded, N must be at least 1")
+    if a.time_budget < 0:
+        raise ValueError(f"--time-budget {a.time_budget:g}: seconds, at least 0 (0: no budget)")
     if a.workload not in NAMES and not os.path.isfile(a.workload):
         raise ValueError(f"--workload {a.workload!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
     for path in (a.output, a.report, a.plot):  # fail before the work, not after it
@@ -129,16 +137,18 @@ def _tune(a: argparse.Namespace) -> int:
                           max_len=a.max_len, seed=a.seed)
         confirm = a.confirm or ("engine" if a.cost == "kernels" else "none")
         every = PROFILE_EVERY if a.profile_every is None else a.profile_every
+        loaded = time.perf_counter() - t_start
+        deadline = t_start + a.time_budget - WRITE_RESERVE_S if a.time_budget else None
         out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, dedupe=a.dedupe, progress=say,
-                   confirm=None if confirm == "none" else confirm, profile_every=every,
+                   confirm=None if confirm == "none" else confirm, profile_every=every, deadline=deadline,
                    max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction, refine=a.refine,
                    interactions=a.interactions, seed=a.seed)
         res, prof = out.result, out.profile
         res.chosen.save(a.output)
         meta = {"workload": w.name, "num_requests": len(w.requests), "model": a.model, "tp": a.tp,
                 "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "cost_model": a.cost,
-                "confirm": confirm, "profile_every": every,
-                "seconds": time.perf_counter() - t_start}
+                "confirm": confirm, "profile_every": every, "time_budget": a.time_budget or None,
+                "phases": {"load": loaded, **out.phases}, "seconds": time.perf_counter() - t_start}
         report = report_dict(res, meta=meta, profile=profile_summary(prof), unit=out.unit)
         stem = a.output[:-5] if a.output.endswith(".json") else a.output
         write_report(a.report or stem + ".report.json", report)
@@ -153,6 +163,10 @@ def _tune(a: argparse.Namespace) -> int:
              if report["measured_cost"] > res.base_cost else ""))
     if res.confirmed:
         c = res.confirmed
-        print(f"confirmed on the engine: default {c['default']:.4g}, tuned {c['tuned']:.4g} {c['unit']}"
-              + ("; kept the default" if c["kept_default"] else ""))
+        if "skipped" in c:
+            print(f"not confirmed on the engine ({c['skipped']}): kept the default tuple; a larger --time-budget "
+                  "or a smaller --num-requests leaves time for it")
+        else:
+            print(f"confirmed on the engine, {c['fraction']:.0%} of the workload: default {c['default']:.4g}, "
+                  f"tuned {c['tuned']:.4g} {c['unit']}" + ("; kept the default" if c["kept_default"] else ""))
     return 0

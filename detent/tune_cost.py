@@ -10,6 +10,7 @@ wall time per output token. Tests use a fake one with a known optimum.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter, defaultdict
 from typing import Any, Protocol
 
@@ -30,9 +31,17 @@ class EngineCost:
 
     def __init__(self, installer: TupleInstaller, workload, repeats: int = 1):
         self.installer, self.workload, self.repeats = installer, workload, max(1, repeats)
+        self.last_install_s = 0.0  # the last measurement's install (0 when the tuple was in place)
+
+    @property
+    def max_install_s(self) -> float:
+        """The longest tuple install on this engine so far: what switching tuples costs."""
+        return max(self.installer.install_seconds, default=0.0)
 
     def measure(self, t: CommitmentTuple, fraction: float) -> float:
+        t0 = time.perf_counter()
         self.installer.install(t)
+        self.last_install_s = time.perf_counter() - t0
         w = self.workload.head(fraction)
         run_offline(self.installer.llm, w.head(min(1.0, 4 / len(w.requests))), max_tokens_cap=2)
         costs = []

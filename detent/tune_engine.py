@@ -123,12 +123,14 @@ class TupleInstaller:
         self.current: str | None = None  # hash of the installed tuple (and whether recording)
         self._n = 0
         self.base_failures: dict[str, str] | None = None  # graph sets the first measured tuple lacked
+        self.install_seconds: list[float] = []  # every install that changed the tuple (graphs, warm start)
 
     def install(self, t: CommitmentTuple, record: bool = False) -> None:
         key = f"{t.hash}:{record}"
         if key == self.current:
             return
         self._n += 1
+        t0 = time.perf_counter()
         path = os.path.join(self.workdir, f"candidate-{self._n}.json")
         t.save(path)
         eng = self.llm.llm_engine
@@ -141,6 +143,7 @@ class TupleInstaller:
                                     self.profile_every)
             eng.dispatcher = eng.runner.dispatcher
         self.current = key
+        self.install_seconds.append(time.perf_counter() - t0)
         if record:
             return
         if self.base_failures is None:  # the first tuple measured: the default

@@ -12,7 +12,7 @@ import pytest
 from detent.battery import OfflineBackend, run_battery
 from detent.battery_cells import select
 from detent.selection import CommitmentTuple
-from detent.selection.compiler.tune_space import family_assignment, family_space
+from detent.selection.compiler.tune_space import family_assignment, family_space, with_family
 from detent.tune import tune
 from detent.workloads import make
 from engine_helpers import bundle, make_llm
@@ -263,7 +263,10 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
     assert "neither a workload name" in capsys.readouterr().err
     assert main(["tune", "--model", model, "--workload", "W-C", "--profile-every", "0", *args, "-o", str(out)]) == 2
     assert "--profile-every 0" in capsys.readouterr().err  # refused before the model loads
-    assert rep["profile_every"] == 8
+    assert rep["profile_every"] == 8 and rep["time_budget"] == 600
+    assert {"load", "profile", "search"} <= set(rep["phases"]) and all(v >= 0 for v in rep["phases"].values())
+    assert main(["tune", "--model", model, "--workload", "W-C", "--time-budget", "-1", *args, "-o", str(out)]) == 2
+    assert "--time-budget -1" in capsys.readouterr().err
 
 
 def test_a_workload_file_of_requests(tmp_path):
@@ -365,12 +368,56 @@ def test_the_winner_is_confirmed_against_the_default_on_a_second_cost_model(llm,
                max_candidates=64, refine=0, interactions=0)
     res = out.result
     assert check.seen == [(True, 1.0), (True, 1.0), (False, 1.0), (True, 1.0)]  # untimed, default, tuned, default
-    assert res.confirmed == {"unit": "cost", "default": 10.0, "default_first_last": [10.0, 10.0], "tuned": tuned,
-                             "kept_default": keeps_default}
+    assert res.confirmed == {"unit": "cost", "fraction": 1.0, "default": 10.0, "default_first_last": [10.0, 10.0],
+                             "tuned": tuned, "kept_default": keeps_default}
     assert res.kept_default is keeps_default
     assert (res.chosen.hash == base.hash) is keeps_default
     if not keeps_default:  # the search's combined winner
         assert all(family_assignment(res.chosen, f) == r.chosen for f, r in res.families.items())
+
+
+class Clocked:
+    """A confirmation cost on a fake clock: a run of share f takes `install` (when the tuple
+    changes) + f * `run` seconds; the default costs 10, any other tuple 8."""
+
+    unit = "cost"
+
+    def __init__(self, base_hash: str, run: float, install: float):
+        self.base_hash, self.run, self.install, self.now, self.held = base_hash, run, install, 0.0, None
+        self.seen, self.last_install_s, self.max_install_s = [], 0.0, install
+
+    def measure(self, t: CommitmentTuple, fraction: float) -> float:
+        self.last_install_s = self.install if t.hash != self.held else 0.0
+        self.held = t.hash
+        self.now += self.last_install_s + fraction * self.run
+        self.seen.append((t.hash == self.base_hash, fraction))
+        return 10.0 if t.hash == self.base_hash else 8.0
+
+
+@pytest.mark.parametrize("left, fraction", [(400.0, 1.0), (171.0, 0.5), (35.0, None)])
+def test_a_deadline_sizes_the_confirmation_and_skips_it_when_too_little_fits(llm, left, fraction):
+    # a whole run takes 100 s and a tuple switch 10: the untimed probe (a quarter, after a switch)
+    # tells the run's length; the three timed runs and two switches must end before the deadline
+    from detent.selection import default_tuple
+    from detent.tune import CONFIRM_PROBE, confirmed
+    from detent.tune_engine import engine_facts
+    from detent.tune_search import TuneResult
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    space = family_space(facts, "gemm")
+    other = next(a for a in space.legal if a != family_assignment(base, "gemm"))
+    winner = with_family(base, space, other)
+    m = Clocked(base.hash, run=100.0, install=10.0)
+    res = confirmed(TuneResult(10.0, {}, [], winner, False), base, m, lambda s: None,
+                    deadline=CONFIRM_PROBE * 100.0 + 10.0 + left, clock=lambda: m.now)
+    if fraction is None:  # 35 s cannot hold three runs of a tenth (30 s) and two switches (20 s)
+        assert m.seen == [(True, CONFIRM_PROBE)]
+        assert res.confirmed["skipped"] and res.confirmed["fraction"] == 0.0
+        assert res.kept_default and res.chosen.hash == base.hash  # an unconfirmed winner is not written
+    else:
+        assert m.seen == [(True, CONFIRM_PROBE), (True, fraction), (False, fraction), (True, fraction)]
+        assert res.confirmed["fraction"] == fraction and not res.kept_default and res.chosen.hash == winner.hash
+        assert m.now <= CONFIRM_PROBE * 100.0 + 10.0 + left
 
 
 def test_kernel_cost_search_confirmed_on_the_engine(llm):
