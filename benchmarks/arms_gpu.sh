@@ -6,7 +6,8 @@
 #   stock | pinned-default | conservative | tuned-W-C | tuned-W-A:  serve_arms.py run --arms PART
 #       (stock first: its lambda_max sets the others' rates; tuned-W-C takes lease 20's W-C tuple,
 #       tuned the whole W-C, unless /tmp/arms has one)
-#   tune-W-A:  `detent tune` on the whole W-A (600 turns), timed, into /tmp/arms/tuple-W-A.json
+#   tune-W-A:  `detent tune` on the whole W-A (600 turns), timed, into /tmp/arms/tuple-W-A.json (its
+#              time budget 570 s, inside the 590 s the part and the 600 s a device call may take)
 #   vllm:      `vllm serve` from the peer bundle (PYTHONPATH=VLLM_PATH, default /tmp/vsite), same
 #              deployment facts, then the same client and rates (serve_arms.py --vllm-url)
 #   report:    serve_arms.py report
@@ -28,7 +29,8 @@ for PART in "$@"; do
         stock|pinned-default|conservative|tuned-W-A|tuned-W-C)
             timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART" ;;
         tune-W-A)
-            timed tune-W-A 580 detent tune --model $M $FACTS --workload W-A --cost kernels -o $ARMS/tuple-W-A.json ;;
+            timed tune-W-A 590 detent tune --model $M $FACTS --workload W-A --cost kernels --time-budget 570 \
+                -o $ARMS/tuple-W-A.json ;;
         vllm)
             PYTHONPATH=${VLLM_PATH:-/tmp/vsite} setsid python3 -m vllm.entrypoints.openai.api_server --model $M \
                 --load-format dummy --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
