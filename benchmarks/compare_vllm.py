@@ -298,6 +298,8 @@ def build_specs(a) -> list[dict]:
                 "enable_prefix_caching": group == "cells" or not a.no_prefix_caching,
                 "max_num_batched_tokens": (a.max_num_batched_tokens if group == "perf"
                                            else a.cells_max_num_batched_tokens)}
+        if a.block_size is not None:
+            args["block_size"] = a.block_size
         if engine == "detent":
             args["max_num_seqs"] = max(batches) if group == "perf" else 64
             args["max_mixed_batched_tokens"] = a.max_mixed_batched_tokens or None
@@ -357,6 +359,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="Detent's CUDA graphs: decode (decode graphs; steps with prompt rows eager: every run "
                          "up to lease 21) or serving (the decode, piecewise and whole-step graphs detent-serve "
                          "runs, beside vLLM's own defaults)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache page, both engines "
+                    "(default: each engine's own, 16)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: what the workload needs, to 64")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     ap.add_argument("--no-prefix-caching", action="store_true", help="decode/prefill runs without prefix caching")

@@ -28,7 +28,7 @@ def measure_copy_bw() -> float:
 def build(model_name: str, *, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int = 8192,
           gpu_memory_utilization: float = 0.9, seed: int = 0, enable_prefix_caching: bool = False,
           hf_config: dict | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-          max_mixed_batched_tokens: int | None = 2048):
+          max_mixed_batched_tokens: int | None = 2048, block_size: int = 16):
     """Dummy weights (models/weights.init_dummy: norms 1, biases 0, matrices
     N(0, 0.02)) at the preset's shapes. `hf_config` replaces the preset's
     config (tiny models for CPU runs of the harnesses); `device="cpu"` runs
@@ -50,7 +50,7 @@ def build(model_name: str, *, max_model_len: int, max_num_seqs: int, max_num_bat
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     llm = LLM.from_model(model, mc, selection="pinned", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                         max_mixed_batched_tokens=max_mixed_batched_tokens,
+                         max_mixed_batched_tokens=max_mixed_batched_tokens, block_size=block_size,
                          gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True, device=device)
     eng = llm.llm_engine
     kv_bytes = sum(t.numel() * t.element_size() for t in eng.runner.kv_caches)

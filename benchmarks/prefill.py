@@ -90,9 +90,11 @@ def main():
     ap.add_argument("--graphs", choices=("none", "serving"), default="none",
                     help="none: every step eager (as up to lease 21); serving: detent-serve's graphs (whole-step "
                          "graphs for steps up to --mixed-graph-max-tokens, piecewise graphs above)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page (FA4 reads pages "
+                    "through TMA when a page is its 128-key tile)")
     a = ap.parse_args()
     lens = [int(n) for n in a.lens.split(",")]
-    llm, mc, info = build(a.model, max_model_len=max(lens) + 16, max_num_seqs=8)
+    llm, mc, info = build(a.model, max_model_len=max(lens) + 16, max_num_seqs=8, block_size=a.block_size)
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "info": info, "prefill": {}}
     modes = a.modes.split(",")
     if a.attention != "triton_paged":

@@ -59,7 +59,7 @@ def add_subparsers(sub) -> None:
     for name, kw in (("--device", {"default": "auto"}), ("--dtype", {"default": "auto"}),
                      ("--load-format", {"default": "auto"}), ("--max-model-len", {"type": int}),
                      ("--max-num-seqs", {"type": int}), ("--max-num-batched-tokens", {"type": int}),
-                     ("--max-mixed-batched-tokens", {"type": int}),
+                     ("--max-mixed-batched-tokens", {"type": int}), ("--block-size", {"type": int}),
                      ("--gpu-memory-utilization", {"type": float})):
         p.add_argument(name, **kw)
     p.add_argument("--enforce-eager", action="store_true")
@@ -96,7 +96,8 @@ def load_workload(spec: str, *, vocab: int, num_requests: int | None, max_len: i
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = {"tensor_parallel_size": a.tp, "dtype": a.dtype, "device": a.device, "load_format": a.load_format,
           "max_model_len": a.max_model_len, "enable_prefix_caching": a.prefix_caching, "seed": a.seed}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens", "gpu_memory_utilization"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens", "block_size",
+                 "gpu_memory_utilization"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     if a.enforce_eager:

@@ -148,3 +148,5 @@ class EngineLimits:
     max_logprobs: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_tokens: int = 0  # the KV pool: usable blocks x block_size

@@ -37,7 +37,7 @@ def max_model_len_for(config: EngineConfig, mc: Any) -> int:
 FACT_OPTIONS = {"max_context": ("--max-model-len", "max_model_len"), "max_num_seqs": ("--max-num-seqs", "max_num_seqs"),
                 "max_num_batched_tokens": ("--max-num-batched-tokens", "max_num_batched_tokens"),
                 "tp": ("--tp", "tensor_parallel_size"), "dtype": ("--dtype", "dtype"),
-                "page_size": (None, "block_size")}
+                "page_size": ("--block-size", "block_size")}
 
 
 def tuple_command(config: EngineConfig, facts: dict[str, Any]) -> str:

@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"got {a.mixed_graph_max_tokens}")
     if a.max_mixed_batched_tokens is not None and a.max_mixed_batched_tokens < 0:
         p.error(f"--max-mixed-batched-tokens must be >= 0, got {a.max_mixed_batched_tokens}")
+    if a.block_size is not None and a.block_size < 1:
+        p.error(f"--block-size must be positive, got {a.block_size}")
     for name in ("tp", "max_queue_len", "port"):
         if getattr(a, name) < (0 if name == "max_queue_len" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
@@ -146,7 +148,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
               warmup=a.warm_start)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens", "mixed_token_align",
-                 "mixed_graph_max_tokens"):
+                 "mixed_graph_max_tokens", "block_size"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     for name in ("max_mixed_batched_tokens", "mixed_token_align"):  # 0: off
@@ -183,6 +185,9 @@ def build_state(a: argparse.Namespace):
             raise
         engine = AsyncEngine(llm.llm_engine, max_queue_len=a.max_queue_len)
         fp, limits = llm.llm_engine.fingerprint(), llm.llm_engine.limits()
+    print(f"detent-serve: KV cache {limits.kv_cache_tokens:,} tokens in blocks of {limits.block_size}; maximum "
+          f"concurrency for {limits.max_model_len:,} tokens per request: "
+          f"{limits.kv_cache_tokens / limits.max_model_len:.2f}x", file=sys.stderr, flush=True)
     if defaults:
         print(f"detent-serve: default sampling parameters from --generation-config {a.generation_config}: "
               f"{defaults} (a request's own values win)", file=sys.stderr, flush=True)

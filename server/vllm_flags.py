@@ -33,6 +33,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory the engine may use, KV cache included (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true", help="GPU: run every step eagerly, no CUDA graphs")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV-cache block, the page attention reads (default 16); the tuple is made for "
+                        "it: one made at another page size is refused")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes (default: on; same output bits either way)")
     p.add_argument("--uvicorn-log-level", default=None,

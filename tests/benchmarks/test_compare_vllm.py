@@ -152,3 +152,12 @@ def test_bad_arguments_name_the_flag(args, msg, tmp_path):
         compare_vllm.build_specs(compare_vllm.parse_args(args + ["--out", str(tmp_path / "x.json")]))
     assert msg in str(e.value)
 
+
+
+def test_block_size_reaches_both_engines_and_defaults_to_theirs(tmp_path):
+    out = ["--out", str(tmp_path / "x.json")]
+    for engine in ("detent", "vllm"):
+        specs = compare_vllm.build_specs(compare_vllm.parse_args(["--engine", engine, "--block-size", "128"] + out))
+        assert specs and all(s["engine_args"]["block_size"] == 128 for s in specs)
+        specs = compare_vllm.build_specs(compare_vllm.parse_args(["--engine", engine] + out))
+        assert all("block_size" not in s["engine_args"] for s in specs)

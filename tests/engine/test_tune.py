@@ -305,13 +305,15 @@ def test_tune_runs_from_a_plain_install_without_the_plot(tmp_path):
         "from detent.cli import main\n"
         f"sys.exit(main(['tune', '--model', {model!r}, '--workload', 'W-C', '--num-requests', '2', '--max-len', '40',"
         " '--families', 'gemm', '--cost', 'kernels', '--device', 'cpu', '--dtype', 'float32',"
-        f" '--max-model-len', '256', '--max-num-batched-tokens', '32', '-o', {str(tmp_path / 't.json')!r}]))\n")
+        f" '--max-model-len', '256', '--max-num-batched-tokens', '32', '--block-size', '32',"
+        f" '-o', {str(tmp_path / 't.json')!r}]))\n")
     p = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "matplotlib is not installed, no plot written" in p.stderr
     assert (tmp_path / "t.json").exists() and (tmp_path / "t.report.json").exists()
     assert not (tmp_path / "t.png").exists()
+    assert CommitmentTuple.load(str(tmp_path / "t.json")).to_dict()["deployment"]["facts"]["page_size"] == 32
 
 
 def test_a_candidate_whose_graphs_did_not_capture_stops_the_tune(llm, monkeypatch, tmp_path):

@@ -40,10 +40,10 @@ def test_max_model_len_mismatch_says_how_to_make_a_matching_tuple(tiny, tmp_path
         llm.shutdown()
 
 
-def test_a_fact_no_flag_sets_still_gets_the_command(tiny, tmp_path):
+def test_a_page_size_mismatch_gets_the_command_and_the_block_size_flag(tiny, tmp_path):
     t = tmp_path / "t.json"
     assert selection_main(["tuple", "default", "--model", tiny, "--max-model-len", "128", "--page-size", "32",
                            "-o", str(t)]) == 0
-    with pytest.raises(FactMismatch, match=r"(?s)'page_size' differs.*--page-size 16 .*"
-                                           r"or run with the tuple's value: LLM\(\.\.\., block_size=32\)"):
+    with pytest.raises(FactMismatch, match=r"(?s)'page_size' differs.*--page-size 16 .*or run with the "
+                                           r"tuple's value: --block-size 32 \(LLM\(\.\.\., block_size=32\)\)"):
         LLM(model=tiny, tuple=str(t), max_model_len=128, device="cpu")

@@ -147,6 +147,16 @@ def test_scheduling_flags_reach_the_engine_config():
         parse_args(["--mixed-token-align", "-1"])
 
 
+def test_block_size_flag_reaches_the_engine_config():
+    from detent.engine.config import EngineConfig
+    from detent.server.cli import engine_kwargs, parse_args
+    kw = engine_kwargs(parse_args(["--block-size", "128"]))
+    assert EngineConfig(block_size=kw["block_size"]).block_size == 128
+    assert "block_size" not in engine_kwargs(parse_args([])) and EngineConfig().block_size == 16
+    with pytest.raises(SystemExit):
+        parse_args(["--block-size", "0"])
+
+
 def test_mixed_graph_flag_reaches_the_engine_config():
     from detent.engine.config import EngineConfig
     from detent.server.cli import engine_kwargs, parse_args

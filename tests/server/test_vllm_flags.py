@@ -95,9 +95,9 @@ def test_generation_config_defaults(tmp_path):
 
 
 def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
-    """`vllm serve MODEL -tp 1 --gpu-memory-utilization ... --enable-log-requests`, pasted."""
+    """`vllm serve MODEL -tp 1 --gpu-memory-utilization ... --block-size 32 ... --enable-log-requests`, pasted."""
     template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
-    argv = real_argv(tiny_model, "-tp", "1", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+    argv = real_argv(tiny_model, "-tp", "1", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--block-size", "32",
                      "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-log-stats",
                      "--enable-log-requests", "--max-model-len", "256", "--api-key", API_KEY,
                      "--chat-template", template, "--generation-config", str(tmp_path))
@@ -122,5 +122,6 @@ def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
                        json={"prompt": "hello", "max_tokens": 3, "temperature": 0, "request_id": "cmpl-logme"},
                        timeout=60)
         assert r.status_code == 200, r.text
+        assert "tokens in blocks of 32; maximum concurrency for 256 tokens per request" in s.output()
         logged = [line for line in s.output().splitlines() if "cmpl-logme" in line]
         assert len(logged) == 1 and "INFO" in logged[0] and "max_tokens=[3]" in logged[0], s.output()[-2000:]
