@@ -4,8 +4,10 @@
 #   tests:   FA4 registered, then tests/gpu/test_gpu_fa4.py and test_gpu_attention.py;
 #   prefill: benchmarks/prefill.py with either implementation, Llama-3.1-8B and Qwen3-30B-A3B shapes;
 #   decode:  benchmarks/decode.py, the Triton tuple beside the FA4 tuple.
+#   pages:   benchmarks/prefill.py with FA4 and detent-serve's graphs at pages of 16 and 128 tokens
+#            (FA4 loads pages through TMA only when a page is its 128-key tile); not in `all`.
 # Each part is bounded (`timeout`), so one that hangs leaves the others' files.
-# Usage: bash benchmarks/fa4_gpu.sh OUTDIR [tests|prefill|decode|all]
+# Usage: bash benchmarks/fa4_gpu.sh OUTDIR [tests|prefill|decode|pages|all]
 set -u
 OUT=$1
 PART=${2:-all}
@@ -27,4 +29,10 @@ fi
 if [ "$PART" = decode ] || [ "$PART" = all ]; then
     timed decode_fa4 240 python3 benchmarks/decode.py --model llama-3.1-8b --batches 1,8,64 \
         --modes pinned,pinned+attention.impl=fa4 --out "$OUT/decode_fa4.json" --png "$OUT/decode_fa4.png"
+fi
+if [ "$PART" = pages ]; then
+    for bs in 16 128; do
+        timed "prefill_fa4_page$bs" 150 python3 benchmarks/prefill.py --model llama-3.1-8b --modes pinned \
+            --attention fa4 --graphs serving --block-size $bs --out "$OUT/prefill_fa4_page$bs.json"
+    done
 fi
