@@ -15,8 +15,11 @@ and the default measured again on that model (the default before and after),
 and the default kept unless the winner is cheaper there; `detent tune --cost
 kernels` confirms on the engine, so a fast search still answers to the
 workload's own steps. `deadline` (a `time.perf_counter()` value; `detent
-tune --time-budget`): the confirmation runs on the share of the workload
-that fits before it, and is skipped, the default kept, when too little does.
+tune --time-budget`): the search starts no measurement after its share of
+the time (all of it without a confirmation, else `SEARCH_SHARE` of what the
+profile left; `Search`), and the confirmation runs on the share of the
+workload that fits before the deadline, and is skipped, the default kept,
+when too little does.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ PROFILE_EVERY = 8  # decode-only steps per recorded one in the profile (detent/t
 SIGNATURE_INPUTS = 512  # per call site: the most called runtime inputs a repin's selections are compared on
 CONFIRM_PROBE = 0.25  # with a deadline: the untimed run's share of the workload, timed to size the others
 MIN_CONFIRM = 0.1  # with a deadline: the smallest share the confirmation runs on; below it, it is skipped
+SEARCH_SHARE = 0.5  # with a deadline and a confirmation: the search's share of the time left after the profile
 
 
 def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
@@ -93,7 +97,13 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         else:
             raise ValueError(f"cost model must be 'engine', 'kernels' or a function, got {cost!r}")
         sigs = {s.family: _signature_fn(s, facts, calls) for s in spaces} if dedupe else None
-        res = Search(base, model, facts, signatures=sigs, progress=progress, **search).run(spaces)
+        until = None
+        if deadline is not None:
+            now = time.perf_counter()
+            until = deadline if confirm is None else now + SEARCH_SHARE * max(deadline - now, 0.0)
+            progress(f"the search may start measurements for {max(until - now, 0.0):.0f} s"
+                     + (" (the rest is the confirmation's)" if confirm is not None else ""))
+        res = Search(base, model, facts, signatures=sigs, progress=progress, deadline=until, **search).run(spaces)
         if getattr(model, "graph_timed", 0) or getattr(model, "host_timed", 0):
             progress(f"kernel calls timed inside CUDA graphs: {model.graph_timed}; "
                      f"on the host clock: {model.host_timed}")

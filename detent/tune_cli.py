@@ -162,6 +162,10 @@ def _tune(a: argparse.Namespace) -> int:
           f"(predicted {report['predicted_cost']:.4g}; additivity delta {100 * res.delta:.2f}%)"
           + ("; kept the default tuple (the combined one measured slower)"
              if report["measured_cost"] > res.base_cost else ""))
+    if res.cut:
+        print(f"the search's share of --time-budget ran out ({res.cut}): "
+              + ("the tuple is the default or one family's repin measured on the whole workload, no additivity "
+                 "check" if not res.checks else "the combined tuple was measured, not every other mix"))
     if res.confirmed:
         c = res.confirmed
         if "skipped" in c:

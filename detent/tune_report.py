@@ -32,10 +32,11 @@ def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any
         "kept_default": res.kept_default,
         "default_cost": res.base_cost,
         "default_costs_first_last": list(res.base_costs),
-        "predicted_cost": combined["predicted"] if combined else res.base_cost,
-        "measured_cost": combined["measured"] if combined else res.base_cost,
+        "predicted_cost": combined["predicted"] if combined else res.cut_cost or res.base_cost,
+        "measured_cost": combined["measured"] if combined else res.cut_cost or res.base_cost,
         "additivity": {"delta": res.delta, "checks": res.checks},
         "confirmed": res.confirmed,
+        "search_cut": res.cut,
         "families": fams,
         "profile": profile,
     }

@@ -15,11 +15,19 @@ family's gain, the combined tuple's predicted cost is T(default) + sum g_f.
 It is measured, with `interactions` other mixes of the families' finalists;
 delta = max |predicted - measured| / measured is reported. If the combined
 tuple measures slower than the default, the default is kept.
+
+With a `deadline` (a `clock()` value) no measurement starts after it: a
+family cut short takes its best candidate measured on the whole workload
+(or keeps its default), the families not reached keep their defaults, and
+the additivity check is left out; the tuple returned is then the one
+measured family repin that beat the default most, or the default, never an
+unmeasured combination. `TuneResult.cut` says where the time ran out.
 """
 from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,8 +62,10 @@ class TuneResult:
     kept_default: bool
     base_costs: tuple[float, float] = ()  # the default tuple measured first and last
     # the search's winner against the default on a second cost model (tune(confirm=...)):
-    # {"unit", "default", "default_first_last", "tuned", "kept_default"}; None: not confirmed
+    # {"unit", "fraction", "default", "default_first_last", "tuned", "kept_default"}; None: not confirmed
     confirmed: dict[str, Any] | None = None
+    cut: str | None = None  # where the search's deadline stopped it; None: it ran to the end
+    cut_cost: float | None = None  # a cut search: the chosen tuple's cost on the whole workload (no check measured it)
 
     @property
     def delta(self) -> float:
@@ -90,19 +100,27 @@ def _rungs(min_fraction: float, eta: int) -> list[float]:
     return out + [1.0]
 
 
+class OutOfTime(Exception):
+    """The search's deadline passed before a measurement."""
+
+
 class Search:
     def __init__(self, base: CommitmentTuple, cost, facts: dict[str, Any], *, max_candidates: int = 32,
                  eta: int = 3, min_fraction: float = 0.25, refine: int = 2, interactions: int = 3, seed: int = 0,
                  signatures: dict[str, Callable[[dict], Any]] | None = None,
-                 progress: Callable[[str], None] = lambda s: None):
+                 progress: Callable[[str], None] = lambda s: None, deadline: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.base, self.cost, self.facts = base, cost, facts
         self.signatures = signatures or {}  # family -> assignment -> what it selects on the profile
         self.max_candidates, self.eta, self.min_fraction = max_candidates, max(2, eta), min_fraction
         self.refine, self.interactions, self.rng = refine, interactions, random.Random(seed)
-        self.progress = progress
+        self.progress, self.deadline, self.clock = progress, deadline, clock
+        self.cut: str | None = None
 
     def _measure(self, t: CommitmentTuple, fraction: float, label: str) -> float:
         CommitmentTuple.from_json(t.to_json(), "candidate").validate(self.facts)  # TupleError if illegal
+        if self.deadline is not None and self.clock() >= self.deadline:
+            raise OutOfTime(label)
         c = float(self.cost.measure(t, fraction))
         self.progress(f"  {label} on {fraction:.0%} of the workload: {c:.4g}")
         return c
@@ -146,32 +164,55 @@ class Search:
                     by_sig[s] = (e["costs"][fraction], a)
             return e["costs"][fraction]
 
-        alive = cands
-        for fraction in _rungs(self.min_fraction, self.eta):
-            ranked = sorted(alive, key=lambda a: run(a, fraction))
-            alive = ranked if fraction == 1.0 else ranked[:max(1, math.ceil(len(ranked) / self.eta))]
-        best = alive[0]
-        for _ in range(self.refine):
-            nb = [a for a in space.neighbours(best) if entry(a)["costs"].get(1.0) is None
-                  and not any(a[n] != default[n] for n in res.inert)]
-            if not nb:
-                break
-            cand = min(nb, key=lambda a: run(a, 1.0))
-            if run(cand, 1.0) >= run(best, 1.0):
-                break
-            best = cand
+        try:
+            alive = cands
+            for fraction in _rungs(self.min_fraction, self.eta):
+                ranked = sorted(alive, key=lambda a: run(a, fraction))
+                alive = ranked if fraction == 1.0 else ranked[:max(1, math.ceil(len(ranked) / self.eta))]
+            best = alive[0]
+            for _ in range(self.refine):
+                nb = [a for a in space.neighbours(best) if entry(a)["costs"].get(1.0) is None
+                      and not any(a[n] != default[n] for n in res.inert)]
+                if not nb:
+                    break
+                cand = min(nb, key=lambda a: run(a, 1.0))
+                if run(cand, 1.0) >= run(best, 1.0):
+                    break
+                best = cand
+        except OutOfTime as e:
+            res.tried = [t for t in res.tried if t["costs"]]  # not the candidate the deadline stopped
+            # the best measured on the whole workload, against the default's own cost there
+            whole = [(t["costs"][1.0], t["assignment"]) for t in res.tried if 1.0 in t["costs"]]
+            cost, best = min(whole + [(base_cost, default)], key=lambda x: x[0])
+            best = default if cost >= base_cost else best
+            self.cut = f"family {space.family}, before {e}"
+            self.progress(f"family {space.family}: the search's time ran out before {e}")
         res.chosen = best
-        self.progress(f"family {space.family}: chose {best} ({run(best, 1.0):.4g}; default {base_cost:.4g})")
+        cost = res.cost(best) if best != default or res.cost(best) is not None else base_cost
+        self.progress(f"family {space.family}: chose {best} ({cost:.4g}; default {base_cost:.4g})")
         return res
+
+    def _unreached(self, space: FamilySpace, base_cost: float) -> FamilyResult:
+        """A family the deadline left unsearched: its default, at the default tuple's cost."""
+        default = family_assignment(self.base, space.family)
+        self.progress(f"family {space.family}: not searched (the search's time ran out), kept {default}")
+        return FamilyResult(space.family, len(space.legal), default, default)
 
     def run(self, spaces: list[FamilySpace]) -> TuneResult:
         self.progress("measuring the default tuple (after one untimed run)")
-        self._measure(self.base, 1.0, "default tuple, warm-up")
-        base_cost = self._measure(self.base, 1.0, "default tuple")
+        self._measure_anyway(self.base, "default tuple, warm-up")  # no deadline stops these two: the
+        base_cost = self._measure_anyway(self.base, "default tuple")  # default's cost is every comparison's
         if not spaces:  # nothing to choose: the default tuple is the tuple
             return TuneResult(base_cost, {}, [], self.base, False, (base_cost, base_cost))
-        fams = {s.family: self.family(s, base_cost) for s in spaces}
-        again = self._measure(self.base, 1.0, "default tuple, again")
+        fams = {s.family: self.family(s, base_cost) if self.cut is None else self._unreached(s, base_cost)
+                for s in spaces}
+        if self.cut is not None:
+            return self._best_single(fams, spaces, base_cost)
+        try:
+            again = self._measure(self.base, 1.0, "default tuple, again")
+        except OutOfTime as e:
+            self.cut = f"before {e}"
+            return self._best_single(fams, spaces, base_cost)
         self.base_costs = (base_cost, again)  # the spread says how noisy the machine is
         base_cost = (base_cost + again) / 2
         byname = {s.family: s for s in spaces}
@@ -198,9 +239,39 @@ class Search:
                 combos.append((f"mix {len(combos)}", mix))
         checks = []
         self.progress("checking additivity")
-        for label, mix in combos:
-            m = self._measure(tuple_of(mix), 1.0, label)
-            checks.append({"label": label, "assignments": mix, "predicted": predicted(mix), "measured": m})
+        try:
+            for label, mix in combos:
+                m = self._measure(tuple_of(mix), 1.0, label)
+                checks.append({"label": label, "assignments": mix, "predicted": predicted(mix), "measured": m})
+        except OutOfTime as e:
+            if not checks:  # the combined tuple unmeasured: only a measured repin may be chosen
+                self.cut = f"before {e}"
+                return self._best_single(fams, spaces, base_cost)
+            self.cut = f"before {e} (the combined tuple was measured)"
         combined = tuple_of(combos[0][1])
         kept = checks[0]["measured"] > base_cost
-        return TuneResult(base_cost, fams, checks, self.base if kept else combined, kept, self.base_costs)
+        return TuneResult(base_cost, fams, checks, self.base if kept else combined, kept, self.base_costs,
+                          cut=self.cut)
+
+    def _measure_anyway(self, t: CommitmentTuple, label: str) -> float:
+        deadline, self.deadline = self.deadline, None
+        try:
+            return self._measure(t, 1.0, label)
+        finally:
+            self.deadline = deadline
+
+    def _best_single(self, fams: dict[str, FamilyResult], spaces: list[FamilySpace],
+                     base_cost: float) -> TuneResult:
+        """After the deadline: the one family repin, measured on the whole workload, that beat the
+        default most, or the default; no additivity check."""
+        byname = {s.family: s for s in spaces}
+        moved = [(r.cost(r.chosen), f) for f, r in fams.items() if r.chosen != r.default]
+        cost, fam = min(moved + [(base_cost, None)], key=lambda x: x[0])
+        if fam is None or cost >= base_cost:
+            chosen, kept = self.base, True
+        else:
+            chosen, kept = with_family(self.base, byname[fam], fams[fam].chosen), False
+        self.progress(f"the search's time ran out ({self.cut}): "
+                      + ("kept the default tuple" if kept else f"took {fam} {fams[fam].chosen} alone ({cost:.4g})"))
+        return TuneResult(base_cost, fams, [], chosen, kept, (base_cost, base_cost), cut=self.cut,
+                          cut_cost=base_cost if kept else cost)

@@ -267,6 +267,14 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
     assert {"load", "profile", "search"} <= set(rep["phases"]) and all(v >= 0 for v in rep["phases"].values())
     assert main(["tune", "--model", model, "--workload", "W-C", "--time-budget", "-1", *args, "-o", str(out)]) == 2
     assert "--time-budget -1" in capsys.readouterr().err
+    # a budget the load alone spends: the default is measured, nothing else, and the default is written
+    spent = tmp_path / "spent.json"
+    assert main(["tune", "--model", model, "--workload", "W-C", "--num-requests", "2", "--max-len", "40",
+                 "--families", "gemm", "--time-budget", "1", *args, "-o", str(spent)]) == 0
+    rep = json.loads((tmp_path / "spent.report.json").read_text())
+    assert rep["search_cut"].startswith("family gemm") and rep["kept_default"] and rep["time_budget"] == 1
+    assert rep["families"]["gemm"]["measured_assignments"] == 0
+    assert "the search's share of --time-budget ran out" in capsys.readouterr().out
 
 
 def test_a_workload_file_of_requests(tmp_path):
@@ -453,3 +461,21 @@ def test_kernel_cost_compiles_are_not_logged_as_serving(llm, monkeypatch, caplog
     assert watch.count == 0 and "compiled while serving" not in caplog.text
     watch(repr="a_compile_while_serving")
     assert watch.count == 1 and "compiled while serving" in caplog.text
+
+
+def test_a_spent_time_budget_keeps_the_default_without_searching(llm):
+    # the deadline already passed when the search begins: the default is measured (every comparison's
+    # base), no candidate is, and the default tuple is the answer
+    import time
+
+    from detent.selection import default_tuple
+    from detent.tune_engine import engine_facts
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    fake = FakeCost(facts)
+    fake.default = {f: family_assignment(base, f) for f in ("gemm", "attention")}
+    out = tune(llm, workload(), cost=lambda inst, calls: fake, deadline=time.perf_counter(), max_candidates=4)
+    res = out.result
+    assert res.cut and res.kept_default and res.chosen.hash == base.hash and res.checks == []
+    assert [t.hash for t in fake.seen] == [base.hash, base.hash]
+    assert set(out.phases) == {"profile", "search"}

@@ -115,3 +115,53 @@ def test_search_measures_one_assignment_per_signature(facts):
     assert [t for t in att.tried if "same_as" in t] and all(sig(t["same_as"]) == sig(t["assignment"])
                                                             for t in att.tried if "same_as" in t)
     assert att.chosen["split_tokens"] < 128
+
+
+class Clocked:
+    """A cost on a fake clock: each measurement takes 10 s per whole workload. The other gemm
+    value is 10 cheaper than the default; every attention repin is 5 dearer."""
+
+    def __init__(self, base):
+        self.base, self.now, self.starts = base, 0.0, []
+
+    def measure(self, t, fraction):
+        self.starts.append(self.now)
+        self.now += 10.0 * fraction
+        cost = 100.0
+        if family_assignment(t, "gemm") != family_assignment(self.base, "gemm"):
+            cost -= 10.0
+        if family_assignment(t, "attention") != family_assignment(self.base, "attention"):
+            cost += 5.0
+        return cost
+
+
+@pytest.mark.parametrize("deadline", [20.0, 60.0])
+def test_a_deadline_stops_the_search_and_only_a_measured_tuple_is_chosen(facts, deadline):
+    # the default's two runs (20 s) always happen; gemm's two candidates take 20 s more, and at 60 s
+    # the deadline cuts the attention family after two of its candidates
+    from detent.tune_search import Search
+    base = default_tuple(facts)
+    cost = Clocked(base)
+    spaces = [family_space(facts, "gemm"), family_space(facts, "attention")]
+    res = Search(base, cost, facts, min_fraction=1.0, refine=0, deadline=deadline,
+                 clock=lambda: cost.now).run(spaces)
+    assert all(start < deadline for start in cost.starts)  # no measurement started after the deadline
+    assert res.checks == [] and res.cut is not None
+    assert res.families["attention"].chosen == family_assignment(base, "attention")
+    if deadline == 20.0:  # nothing but the default was measured: the default is the tuple
+        assert res.cut.startswith("family gemm") and res.kept_default and res.chosen.hash == base.hash
+        assert cost.starts == [0.0, 10.0]
+    else:  # gemm's cheaper value, measured on the whole workload, alone
+        assert res.cut.startswith("family attention") and not res.kept_default
+        assert family_assignment(res.chosen, "gemm") != family_assignment(base, "gemm")
+        assert family_assignment(res.chosen, "attention") == family_assignment(base, "attention")
+        assert len(cost.starts) == 2 + 2 + 2
+
+
+def test_without_a_deadline_the_same_search_runs_to_the_additivity_check(facts):
+    from detent.tune_search import Search
+    base = default_tuple(facts)
+    cost = Clocked(base)
+    spaces = [family_space(facts, "gemm"), family_space(facts, "attention")]
+    res = Search(base, cost, facts, min_fraction=1.0, refine=0, max_candidates=4, interactions=0).run(spaces)
+    assert res.cut is None and res.checks and not res.kept_default
