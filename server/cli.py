@@ -208,7 +208,15 @@ def build_state(a: argparse.Namespace):
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
         allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
         log_stats=not a.disable_log_stats, engine_fingerprint=fp, request_log=request_log,
-        sampling_defaults=defaults, profiler_config=a.profiler)
+        sampling_defaults=defaults, profiler_config=a.profiler, cache_config=cache_config(a, limits))
+
+
+def cache_config(a: argparse.Namespace, limits) -> dict[str, str]:
+    """vLLM's cache_config_info labels that Detent has: the KV cache's settings as strings."""
+    return {"block_size": str(limits.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(a.enable_prefix_caching),
+            "gpu_memory_utilization": str(a.gpu_memory_utilization),
+            "num_gpu_blocks": str(limits.kv_cache_tokens // limits.block_size)}
 
 
 def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:

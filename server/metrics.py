@@ -12,6 +12,9 @@ The values come from two places:
 - each request's outputs as they stream (`server/request_stats.py`): token
   counters, per-request histograms, finish reasons.
 
+`detent:cache_config_info` is vLLM's `cache_config_info` (the KV cache's
+settings as labels, a gauge at 1) with the keys Detent has.
+
 Detent's own series: `detent:tuple_info` (the tuple and deployment hashes,
 an info metric), `detent:engine_up`, `detent:engine_step_seconds`,
 `detent:requests_rejected` (requests refused before reaching the engine), and
@@ -161,7 +164,8 @@ def _advance(counter, seen: dict, key: str, now: float) -> None:
 class Metrics:
     """One registry per server; `m.c[stem]`, `m.h[stem]`, `m.g[stem]` are the labelled children."""
 
-    def __init__(self, model_name: str, max_model_len: int = 4096, fingerprint: dict[str, str] | None = None):
+    def __init__(self, model_name: str, max_model_len: int = 4096, fingerprint: dict[str, str] | None = None,
+                 cache_config: dict[str, str] | None = None):
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         lab = {"model_name": model_name, "engine": ENGINE}
@@ -182,6 +186,9 @@ class Metrics:
         by_source = Counter(PREFIX + "prompt_tokens_by_source", "Number of prompt tokens by source.",
                             LABELS + ("source",), registry=r)
         self.prompt_by_source = {s: by_source.labels(**lab, source=s) for s in PROMPT_SOURCES}
+        if cache_config:
+            Gauge(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                  LABELS + tuple(cache_config), registry=r).labels(**lab, **cache_config).set(1)
         # Detent's own
         Info(PREFIX + "tuple", "The commitment tuple and deployment this server runs (hashes, selection mode)",
              LABELS, registry=r).labels(**lab).info(dict(fingerprint or {}))

@@ -49,12 +49,14 @@ class ServerState:
     engine_fingerprint: Any = None  # LLMEngine.fingerprint(): hashes, facts, tuple (request log, /v1/verify)
     request_log: Any = None  # --request-log: server/request_log.RequestLog
     profiler_config: Any = None  # --profiler-config: engine/profiler.ProfilerConfig (server/profile.py)
+    cache_config: dict[str, str] = field(default_factory=dict)  # the KV cache, for detent:cache_config_info
 
     def __post_init__(self) -> None:
         if self.preprocess is None:
             self.preprocess = Preprocessor(self.tokenizer, self.limits, self.max_model_len)
         if self.metrics is None:
-            self.metrics = Metrics(metric_label(self.served_model_names[0]), self.max_model_len, self.fingerprint())
+            self.metrics = Metrics(metric_label(self.served_model_names[0]), self.max_model_len, self.fingerprint(),
+                                   self.cache_config)
         self.engine.observer = RequestStats(self.metrics)  # the engine's outputs feed the per-request metrics
 
     @property

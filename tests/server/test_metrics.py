@@ -91,7 +91,7 @@ def test_every_vllm_metric_with_its_type_labels_and_buckets(server):
     assert sources == {"local_compute", "local_cache_hit", "external_kv_transfer"}
 
 
-def test_the_tuple_hash_is_an_info_metric(server):
+def test_the_tuple_hash_and_the_cache_config_are_info_metrics(server):
     version = httpx.get(server.url + "/version", timeout=10).json()
     fams = families(httpx.get(server.url + "/metrics", timeout=10).text)
     # an info metric: in the text format a gauge `<name>_info` that is 1 (as vLLM's cache_config_info)
@@ -100,6 +100,11 @@ def test_the_tuple_hash_is_an_info_metric(server):
     assert value == 1.0
     assert lab["tuple_hash"] == version["tuple_hash"] and lab["deployment_hash"] == version["deployment_hash"]
     assert lab["selection"] == "pinned"
+    # vLLM's cache_config_info, with the keys Detent has
+    [(_, lab, value)] = fams["detent:cache_config_info"]["samples"]
+    assert value == 1.0 and fams["detent:cache_config_info"]["type"] == "gauge"
+    assert lab["block_size"] == "16" and lab["enable_prefix_caching"] == "True" and int(lab["num_gpu_blocks"]) > 0
+    assert lab["model_name"] == "smollm2" and lab["engine"] == "0"
 
 
 # ---------------------------------------------------------------- the values
