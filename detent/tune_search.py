@@ -188,12 +188,13 @@ class Search:
             self.cut = f"family {space.family}, before {e}"
             self.progress(f"family {space.family}: the search's time ran out before {e}")
         res.chosen = best
-        cost = res.cost(best) if best != default or res.cost(best) is not None else base_cost
+        cost = res.cost(best)  # None only for a default the cut search never measured whole
+        cost = base_cost if cost is None else cost
         self.progress(f"family {space.family}: chose {best} ({cost:.4g}; default {base_cost:.4g})")
         return res
 
     def _unreached(self, space: FamilySpace, base_cost: float) -> FamilyResult:
-        """A family the deadline left unsearched: its default, at the default tuple's cost."""
+        """A family the deadline left unsearched: it keeps its default, nothing measured."""
         default = family_assignment(self.base, space.family)
         self.progress(f"family {space.family}: not searched (the search's time ran out), kept {default}")
         return FamilyResult(space.family, len(space.legal), default, default)
