@@ -151,6 +151,10 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                  "mixed_graph_max_tokens", "block_size"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
+    if a.max_logprobs is not None:
+        kw["max_logprobs"] = a.max_logprobs
+    if a.num_gpu_blocks_override is not None:
+        kw["num_gpu_blocks"] = a.num_gpu_blocks_override
     for name in ("max_mixed_batched_tokens", "mixed_token_align"):  # 0: off
         if getattr(a, name) == 0:
             kw[name] = None

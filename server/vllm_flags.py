@@ -36,6 +36,15 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV-cache block, the page attention reads (default 16); the tuple is made for "
                         "it: one made at another page size is refused")
+    p.add_argument("--max-logprobs", type=int, default=None,
+                   help="the most logprobs (top-k and prompt) a request may ask for (default 20)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="this many KV-cache blocks, whatever the memory budget gives")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="only 'auto': the KV cache is kept in the model's dtype")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="on, always: long prompts are chunked by --max-num-batched-tokens, and the bits do not "
+                        "depend on the chunking")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes (default: on; same output bits either way)")
     p.add_argument("--uvicorn-log-level", default=None,
@@ -104,3 +113,14 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(str(e))
     if not 0.0 < a.gpu_memory_utilization <= 1.0:
         p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
+    if a.kv_cache_dtype != "auto":
+        p.error(f"--kv-cache-dtype {a.kv_cache_dtype}: Detent keeps the KV cache in the model's dtype; only "
+                "'auto' is taken")
+    if not a.enable_chunked_prefill:
+        p.error("--no-enable-chunked-prefill: Detent always chunks long prompts (--max-num-batched-tokens), and a "
+                "request's bits are the same however its prompt is chunked; drop the flag")
+    for name in ("max_logprobs", "num_gpu_blocks_override"):
+        v = getattr(a, name)
+        if v is not None and v < (0 if name == "max_logprobs" else 1):
+            p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'max_logprobs' else 'positive'}, "
+                    f"got {v}")

@@ -33,7 +33,12 @@ def test_engine_flags_reach_the_engine():
     assert engine_kwargs(parse_args(["--no-warm-start"]))["warmup"] is False
     assert engine_kwargs(parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
     assert engine_kwargs(parse_args(["--enable-prefix-caching"]))["enable_prefix_caching"] is True
-    for bad in (["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"]):
+    kw = engine_kwargs(parse_args(["--max-logprobs", "5", "--num-gpu-blocks-override", "64", "--kv-cache-dtype",
+                                   "auto", "--enable-chunked-prefill"]))
+    assert (kw["max_logprobs"], kw["num_gpu_blocks"]) == (5, 64)
+    assert "max_logprobs" not in engine_kwargs(parse_args([])) and "num_gpu_blocks" not in engine_kwargs(parse_args([]))
+    for bad in (["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"], ["--max-logprobs", "-1"],
+                ["--num-gpu-blocks-override", "0"], ["--kv-cache-dtype", "fp8"], ["--no-enable-chunked-prefill"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -98,6 +103,7 @@ def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
     """`vllm serve MODEL -tp 1 --gpu-memory-utilization ... --block-size 32 ... --enable-log-requests`, pasted."""
     template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
     argv = real_argv(tiny_model, "-tp", "1", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--block-size", "32",
+                     "--max-logprobs", "2", "--enable-chunked-prefill", "--kv-cache-dtype", "auto",
                      "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-log-stats",
                      "--enable-log-requests", "--max-model-len", "256", "--api-key", API_KEY,
                      "--chat-template", template, "--generation-config", str(tmp_path))
@@ -123,5 +129,8 @@ def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
                        timeout=60)
         assert r.status_code == 200, r.text
         assert "tokens in blocks of 32; maximum concurrency for 256 tokens per request" in s.output()
+        over = httpx.post(s.url + "/v1/completions", headers=auth, timeout=60,
+                          json={"prompt": "hello", "max_tokens": 2, "logprobs": 3})
+        assert over.status_code == 400 and "max_logprobs=2" in over.text, over.text
         logged = [line for line in s.output().splitlines() if "cmpl-logme" in line]
         assert len(logged) == 1 and "INFO" in logged[0] and "max_tokens=[3]" in logged[0], s.output()[-2000:]
