@@ -26,7 +26,14 @@ source "$(dirname "$0")/gpu_timed.sh"
 TIMED_TAIL=12
 for PART in "$@"; do
     case $PART in
-        stock|pinned-default|conservative|tuned-W-A|tuned-W-C)
+        tuned-W-A|tuned-W-C)  # a tuple tuned in its own part: a tune inside this one would not fit its limit
+            T=$ARMS/tuple-${PART#tuned-}.json
+            if [ -f "$T" ]; then
+                timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART"
+            else
+                echo "$PART: no $T; run tune-${PART#tuned-} first"
+            fi ;;
+        stock|pinned-default|conservative)
             timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART" ;;
         tune-W-A)
             timed tune-W-A 590 detent tune --model $M $FACTS --workload W-A --cost kernels --time-budget 570 \
