@@ -89,8 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"got {a.mixed_graph_max_tokens}")
     if a.max_mixed_batched_tokens is not None and a.max_mixed_batched_tokens < 0:
         p.error(f"--max-mixed-batched-tokens must be >= 0, got {a.max_mixed_batched_tokens}")
-    if a.block_size is not None and a.block_size < 1:
-        p.error(f"--block-size must be positive, got {a.block_size}")
     for name in ("tp", "max_queue_len", "port"):
         if getattr(a, name) < (0 if name == "max_queue_len" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")

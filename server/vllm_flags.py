@@ -119,8 +119,7 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not a.enable_chunked_prefill:
         p.error("--no-enable-chunked-prefill: Detent always chunks long prompts (--max-num-batched-tokens), and a "
                 "request's bits are the same however its prompt is chunked; drop the flag")
-    for name in ("max_logprobs", "num_gpu_blocks_override"):
+    for name, least in (("block_size", 1), ("num_gpu_blocks_override", 1), ("max_logprobs", 0)):
         v = getattr(a, name)
-        if v is not None and v < (0 if name == "max_logprobs" else 1):
-            p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'max_logprobs' else 'positive'}, "
-                    f"got {v}")
+        if v is not None and v < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}, got {v}")
