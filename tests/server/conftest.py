@@ -1,110 +1,11 @@
-"""Real server processes on 127.0.0.1, on free ports.
-
-`launch(args)` starts `python plain_install.py ARGS` (what `detent-serve`
-runs, unable to import anything but the runtime dependencies), waits for /health and stops it with SIGTERM at the end, checking
-that it exits cleanly. Most tests use a tiny random Llama with the
-embedded model's tokenizer (the real engine, fast steps); one test serves
-the embedded SmolLM2 itself.
-"""
+"""The server tests' fixtures: real `detent-serve` processes (server_helpers.py)."""
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 
-import httpx
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-API_KEY = "sk-detent-test"
-STARTUP_TIMEOUT_S = float(os.environ.get("DETENT_TEST_SERVER_STARTUP_S", "300"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, argv: list[str], env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="detent-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(argv + ["--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "DETENT_TEST_THREADS": "2", **(env or {})})
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()[-4000:]}")
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"server ignored SIGTERM for {timeout}s:\n{self.output()[-3000:]}")
-        return self.proc.returncode
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def metric(self, prefix: str) -> float:
-        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == prefix)
-
-
-def real_argv(*args: str) -> list[str]:
-    """`detent-serve ARGS`, run as a plain install would run it (plain_install.py:
-    nothing outside the runtime dependencies can be imported)."""
-    launcher = os.environ.get("DETENT_TEST_SERVE_SCRIPT")  # a dev override
-    cmd = [launcher] if launcher else [os.path.join(HERE, "plain_install.py")]
-    return [sys.executable, *cmd, "--log-level", "warning", *args]
-
-
-@contextlib.contextmanager
-def launch(argv: list[str], env: dict | None = None):
-    s = Server(argv, env).wait_ready()
-    try:
-        yield s
-    finally:
-        rc = s.stop()
-        assert rc == 0, f"server exited with {rc} after SIGTERM:\n{s.output()[-3000:]}"
-
-
-def make_tiny_model(path: str, hidden: int = 64, layers: int = 2) -> str:
-    """A small random Llama with the embedded SmolLM2's tokenizer and chat template
-    (`detent.models.tiny`). Real engine, real tokenizer, fast steps: the server's
-    behaviour (not the model's knowledge) is what most tests check."""
-    from detent.models.tiny import write_tiny_llama
-    return write_tiny_llama(path, hidden, layers)
+from server_helpers import API_KEY, launch, make_tiny_model, real_argv
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ made unimportable with `sys.modules[name] = None`, Python's own marker for
 `importlib.util.find_spec` returns None, so libraries that probe for
 optional packages see them as absent, exactly as on a plain install.
 
-Every server test runs its server this way (conftest.real_argv), so any
+Every server test runs its server this way (server_helpers.real_argv), so any
 import a request can reach that is not a runtime dependency fails a test.
 """
 from __future__ import annotations

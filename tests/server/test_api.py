@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import pytest
 
-from conftest import API_KEY, launch, real_argv
+from server_helpers import API_KEY, launch, real_argv
 
 MODEL = "smollm2"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

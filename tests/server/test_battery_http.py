@@ -1,5 +1,5 @@
 """`detent battery --url` and `detent verify` against a live `detent-serve`
-on the tiny Llama (tests/server/conftest.py)."""
+on the tiny Llama (tests/server/server_helpers.py)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from conftest import API_KEY, launch, real_argv
+from server_helpers import API_KEY, launch, real_argv
 from detent.battery import HTTPBackend, run_battery
 from detent.battery_cells import select
 from detent.cli import main

@@ -20,7 +20,7 @@ import pytest
 from detent.engine.core_process import DeltaDecoder, DeltaEncoder
 from detent.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
-from conftest import API_KEY, launch, real_argv
+from server_helpers import API_KEY, launch, real_argv
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import API_KEY
+from server_helpers import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY
+from server_helpers import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, Server, free_port, real_argv
+from server_helpers import API_KEY, Server, free_port, real_argv
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY
+from server_helpers import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,

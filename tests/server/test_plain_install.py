@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from conftest import API_KEY
+from server_helpers import API_KEY
 from plain_install import blocked_modules, project_requirements, runtime_closure
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

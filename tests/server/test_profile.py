@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, launch, real_argv
+from server_helpers import API_KEY, launch, real_argv
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

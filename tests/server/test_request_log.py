@@ -1,5 +1,5 @@
 """`detent-serve --request-log`, `detent verify LOG` and `POST /v1/verify`
-against real servers on the tiny Llama (tests/server/conftest.py).
+against real servers on the tiny Llama (tests/server/server_helpers.py).
 
 A concurrent load with varied parameters (greedy, seeded and unseeded
 sampling, n=2, logprobs, prompt logprobs, chat, streaming, token-id prompts)
@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, launch, make_tiny_model, real_argv
+from server_helpers import API_KEY, launch, make_tiny_model, real_argv
 from detent.cli import main
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}

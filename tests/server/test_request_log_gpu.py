@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from conftest import launch, make_tiny_model, real_argv
+from server_helpers import launch, make_tiny_model, real_argv
 from detent.cli import main
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import API_KEY, launch, real_argv
+from server_helpers import API_KEY, launch, real_argv
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from conftest import API_KEY, launch, real_argv
+from server_helpers import API_KEY, launch, real_argv
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STAMP = re.compile(r"^\d\d-\d\d \d\d:\d\d:\d\d (INFO|WARNING|ERROR)", re.M)

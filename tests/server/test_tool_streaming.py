@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from conftest import API_KEY
+from server_helpers import API_KEY
 
 MODEL = "smollm2"
 FREED_WITHIN_S = 90.0  # a request whose client left is freed by then, or the test fails

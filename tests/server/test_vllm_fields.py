@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from conftest import API_KEY
+from server_helpers import API_KEY
 
 from detent.server.protocol import ChatCompletionRequest, CompletionRequest
 from detent.server.vllm_fields import REFUSED, REFUSED_CHAT

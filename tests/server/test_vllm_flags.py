@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from conftest import API_KEY, launch, real_argv
+from server_helpers import API_KEY, launch, real_argv
 
 from detent import __version__
 from detent.server.cli import engine_kwargs, parse_args
