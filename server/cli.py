@@ -218,7 +218,7 @@ def cache_config(a: argparse.Namespace, limits) -> dict[str, str]:
     return {"block_size": str(limits.block_size), "cache_dtype": "auto",
             "enable_prefix_caching": str(a.enable_prefix_caching),
             "gpu_memory_utilization": str(a.gpu_memory_utilization),
-            "num_gpu_blocks": str(limits.kv_cache_tokens // limits.block_size)}
+            "num_gpu_blocks": str(limits.kv_cache_tokens // limits.block_size + 1)}  # the null block too
 
 
 def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:

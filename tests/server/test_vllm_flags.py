@@ -104,6 +104,7 @@ def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
     template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
     argv = real_argv(tiny_model, "-tp", "1", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--block-size", "32",
                      "--max-logprobs", "2", "--enable-chunked-prefill", "--kv-cache-dtype", "auto",
+                     "--num-gpu-blocks-override", "40",
                      "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-log-stats",
                      "--enable-log-requests", "--max-model-len", "256", "--api-key", API_KEY,
                      "--chat-template", template, "--generation-config", str(tmp_path))
@@ -128,7 +129,12 @@ def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
                        json={"prompt": "hello", "max_tokens": 3, "temperature": 0, "request_id": "cmpl-logme"},
                        timeout=60)
         assert r.status_code == 200, r.text
-        assert "tokens in blocks of 32; maximum concurrency for 256 tokens per request" in s.output()
+        # 40 blocks, one of them the null block: 39 x 32 tokens
+        assert "KV cache 1,248 tokens in blocks of 32; maximum concurrency for 256 tokens per request: 4.88x" \
+            in s.output(), s.output()[-2000:]
+        info = [line for line in httpx.get(s.url + "/metrics", timeout=10).text.splitlines()
+                if line.startswith("detent:cache_config_info{")]
+        assert len(info) == 1 and 'num_gpu_blocks="40"' in info[0] and 'block_size="32"' in info[0], info
         over = httpx.post(s.url + "/v1/completions", headers=auth, timeout=60,
                           json={"prompt": "hello", "max_tokens": 2, "logprobs": 3})
         assert over.status_code == 400 and "max_logprobs=2" in over.text, over.text
