@@ -124,10 +124,12 @@ class TupleInstaller:
         self._n = 0
         self.base_failures: dict[str, str] | None = None  # graph sets the first measured tuple lacked
         self.install_seconds: list[float] = []  # every install that changed the tuple (graphs, warm start)
+        self.last_install_s = 0.0  # the last install call's (0 when the tuple was already in place)
 
     def install(self, t: CommitmentTuple, record: bool = False) -> None:
         key = f"{t.hash}:{record}"
         if key == self.current:
+            self.last_install_s = 0.0
             return
         self._n += 1
         t0 = time.perf_counter()
@@ -143,7 +145,8 @@ class TupleInstaller:
                                     self.profile_every)
             eng.dispatcher = eng.runner.dispatcher
         self.current = key
-        self.install_seconds.append(time.perf_counter() - t0)
+        self.last_install_s = time.perf_counter() - t0
+        self.install_seconds.append(self.last_install_s)
         if record:
             return
         if self.base_failures is None:  # the first tuple measured: the default

@@ -26,14 +26,15 @@ def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any
                        **({"same_as": t["same_as"]} if "same_as" in t else {})} for t in r.tried],
         }
     combined = res.checks[0] if res.checks else None
+    alone = res.base_cost if res.cut_cost is None else res.cut_cost  # no check: the default, or a cut's choice
     return {
         "format": FORMAT, **meta, "unit": unit,
         "tuple_hash": res.chosen.hash,
         "kept_default": res.kept_default,
         "default_cost": res.base_cost,
         "default_costs_first_last": list(res.base_costs),
-        "predicted_cost": combined["predicted"] if combined else res.cut_cost or res.base_cost,
-        "measured_cost": combined["measured"] if combined else res.cut_cost or res.base_cost,
+        "predicted_cost": combined["predicted"] if combined else alone,
+        "measured_cost": combined["measured"] if combined else alone,
         "additivity": {"delta": res.delta, "checks": res.checks},
         "confirmed": res.confirmed,
         "search_cut": res.cut,

@@ -117,9 +117,10 @@ class Search:
         self.progress, self.deadline, self.clock = progress, deadline, clock
         self.cut: str | None = None
 
-    def _measure(self, t: CommitmentTuple, fraction: float, label: str) -> float:
+    def _measure(self, t: CommitmentTuple, fraction: float, label: str, bounded: bool = True) -> float:
+        """bounded: refused (`OutOfTime`) once the deadline has passed."""
         CommitmentTuple.from_json(t.to_json(), "candidate").validate(self.facts)  # TupleError if illegal
-        if self.deadline is not None and self.clock() >= self.deadline:
+        if bounded and self.deadline is not None and self.clock() >= self.deadline:
             raise OutOfTime(label)
         c = float(self.cost.measure(t, fraction))
         self.progress(f"  {label} on {fraction:.0%} of the workload: {c:.4g}")
@@ -201,8 +202,9 @@ class Search:
 
     def run(self, spaces: list[FamilySpace]) -> TuneResult:
         self.progress("measuring the default tuple (after one untimed run)")
-        self._measure_anyway(self.base, "default tuple, warm-up")  # no deadline stops these two: the
-        base_cost = self._measure_anyway(self.base, "default tuple")  # default's cost is every comparison's
+        # no deadline stops these two: the default's cost is every comparison's
+        self._measure(self.base, 1.0, "default tuple, warm-up", bounded=False)
+        base_cost = self._measure(self.base, 1.0, "default tuple", bounded=False)
         if not spaces:  # nothing to choose: the default tuple is the tuple
             return TuneResult(base_cost, {}, [], self.base, False, (base_cost, base_cost))
         fams = {s.family: self.family(s, base_cost) if self.cut is None else self._unreached(s, base_cost)
@@ -253,13 +255,6 @@ class Search:
         kept = checks[0]["measured"] > base_cost
         return TuneResult(base_cost, fams, checks, self.base if kept else combined, kept, self.base_costs,
                           cut=self.cut)
-
-    def _measure_anyway(self, t: CommitmentTuple, label: str) -> float:
-        deadline, self.deadline = self.deadline, None
-        try:
-            return self._measure(t, 1.0, label)
-        finally:
-            self.deadline = deadline
 
     def _best_single(self, fams: dict[str, FamilyResult], spaces: list[FamilySpace],
                      base_cost: float) -> TuneResult:
