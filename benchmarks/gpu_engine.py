@@ -55,7 +55,7 @@ def build(model_name: str, *, max_model_len: int, max_num_seqs: int, max_num_bat
     eng = llm.llm_engine
     kv_bytes = sum(t.numel() * t.element_size() for t in eng.runner.kv_caches)
     info = {"model": model_name, "weight_bytes": weight_bytes, "load_s": load_s,
-            "kv_pool_tokens": (eng.state.num_blocks - 1) * eng.state.block_size, "kv_pool_bytes": kv_bytes,
+            "kv_pool_tokens": eng.limits().kv_cache_tokens, "kv_pool_bytes": kv_bytes,
             "block_size": eng.state.block_size,
             "kv_bytes_per_token": kv_bytes // (eng.state.num_blocks * eng.state.block_size),
             "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
