@@ -135,8 +135,11 @@ class GrammarCompilerCache:
     def _compile_here(self, job: grammar_workers.CompileJob) -> xgr.CompiledGrammar:
         return grammar_workers.compile_job(self._compiler, job)
 
-    def new_state(self, spec: StructuredOutputs) -> "GrammarState":
-        return GrammarState(self.submit(spec), self.vocab_size, self.timeout_s)
+    def new_state(self, spec: StructuredOutputs) -> "GrammarState | DeferredGrammar":
+        state = GrammarState(self.submit(spec), self.vocab_size, self.timeout_s)
+        if spec.start_after_token_ids:
+            return DeferredGrammar(state, spec.start_after_token_ids, self.vocab_size)
+        return state
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -216,3 +219,54 @@ class GrammarState:
 
     def is_terminated(self) -> bool:
         return self._m().is_terminated()
+
+
+class DeferredGrammar:
+    """A grammar that binds once the output ends with `trigger` (StructuredOutputs.start_after_token_ids):
+    until then every token is allowed and none reaches the matcher; the trigger's own
+    tokens are free too. The engine sees GrammarState's interface. A request's
+    tokens alone decide when it binds, so its bits cannot depend on its batch."""
+
+    def __init__(self, inner: GrammarState, trigger: Sequence[int], vocab_size: int) -> None:
+        self.inner, self.trigger, self.vocab_size = inner, tuple(trigger), vocab_size
+        self._tail: list[int] = []  # the last len(trigger) free tokens
+        self.bound = False
+
+    @property
+    def ready(self) -> bool:
+        return self.inner.ready
+
+    @property
+    def pending(self) -> bool:
+        return self.inner.pending
+
+    @property
+    def error(self) -> str | None:
+        return self.inner.error
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        if self.bound:
+            self.inner.fill_bitmask(bitmask, index)
+        else:
+            bitmask[index].fill_(-1)  # every bit set: every token allowed
+
+    def bitmask(self) -> torch.Tensor:
+        if self.bound:
+            return self.inner.bitmask()
+        return torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
+
+    def accept(self, token_id: int) -> bool:
+        if self.bound:
+            return self.inner.accept(token_id)
+        self._tail = (self._tail + [int(token_id)])[-len(self.trigger):]
+        self.bound = tuple(self._tail) == self.trigger
+        return True
+
+    def rollback(self, n: int) -> None:
+        """Only tokens the grammar bound (a rollback into the free prefix would have to unbind it)."""
+        if n and not self.bound:
+            raise ValueError(f"rollback({n}): the grammar has not bound yet, no token was accepted by it")
+        self.inner.rollback(n)
+
+    def is_terminated(self) -> bool:
+        return self.bound and self.inner.is_terminated()

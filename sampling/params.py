@@ -87,6 +87,9 @@ def tokenize_bad_words(words: Sequence[str], encode: Callable[[str], list[int]])
     return out
 
 
+_OPTIONS = ("any_whitespace", "start_after_token_ids")  # StructuredOutputs fields that are not the constraint
+
+
 @dataclass
 class StructuredOutputs:
     """One constraint on the output: exactly one of json / json_object / regex / grammar / choice.
@@ -97,6 +100,9 @@ class StructuredOutputs:
     choice: a non-empty list of non-empty strings; the output is one of them.
     any_whitespace=False (default) makes JSON use fixed separators, so a
     random-ish model cannot loop on whitespace.
+    start_after_token_ids: the constraint binds only once the output ends
+    with these ids; before that every token is free (vLLM's structured
+    output after a reasoning block: `</think>`'s ids).
     """
     json: dict | str | None = None
     json_object: bool | None = None
@@ -104,15 +110,23 @@ class StructuredOutputs:
     grammar: str | None = None
     choice: list[str] | None = None
     any_whitespace: bool = False
+    start_after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if f.name != "any_whitespace"
+        given = [f.name for f in fields(self) if f.name not in _OPTIONS
                  and getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, json_object, regex, "
                              f"grammar, choice; got {given or 'none'}")
         if not isinstance(self.any_whitespace, bool):
             raise ValueError(f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}")
+        after = self.start_after_token_ids
+        if after is not None:
+            if isinstance(after, (str, bytes)) or not isinstance(after, (list, tuple)) or not after or \
+                    not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in after):
+                raise ValueError("structured_outputs.start_after_token_ids must be a non-empty list of token ids, "
+                                 f"got {after!r}")
+            self.start_after_token_ids = list(after)
         kind = given[0]
         if kind == "json":
             self.json = _check_schema(self.json)
@@ -143,11 +157,11 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        return next(f.name for f in fields(self) if f.name != "any_whitespace"
+        return next(f.name for f in fields(self) if f.name not in _OPTIONS
                     and getattr(self, f.name) not in (None, False))
 
     def key(self) -> str:
-        """A canonical string for caching compiled grammars."""
+        """A canonical string for caching compiled grammars (where it starts binding compiles nothing)."""
         value = getattr(self, self.kind)
         return json.dumps([self.kind, value, self.any_whitespace], sort_keys=True, ensure_ascii=False)
 

@@ -1,6 +1,7 @@
 """/v1/chat/completions: messages through the model's chat template."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -8,15 +9,17 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from detent.sampling.params import StructuredOutputs
+from detent.server.chat_output import ChatOutput
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
                                   resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from detent.server.reasoning import END, ReasoningParser
 from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
-from detent.server.tool_stream import ToolCallStream, stream_finish_reason
-from detent.server.tools import tool_constraint, tool_message
+from detent.server.tools import tool_constraint
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -70,7 +73,7 @@ async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_g
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     model = state.check_model(req.model)
     check_counts(req, state.limits, 1)
-    tool_so, tool_mode = tool_constraint(req.tools, req.tool_choice)
+    tool_so, tool_mode = tool_constraint(req.tools, req.tool_choice, state.tool_parser)
     kwargs = client_template(req, state.limits.trust_request_chat_template)
     if req.tools:
         kwargs["tools"] = req.tools  # the template describes them to the model
@@ -82,6 +85,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
             raise bad_request("tool_choice forces a tool call; it cannot be combined with another "
                               "structured-output constraint", "tool_choice")
         structured = tool_so
+    shape, structured = _output_shape(req, state, structured, tool_mode)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -99,7 +103,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
     ctx = dict(id=rid, created=int(time.time()), model=model, system_fingerprint=state.system_fingerprint)
     if req.stream:
-        return SSEResponse(_stream(req, gen, tok, k, ctx, tool_mode), on_close=gen.close)
+        return SSEResponse(_stream(req, gen, tok, k, ctx, shape), on_close=gen.close)
     try:
         (out,) = await unless_disconnected(request, gen.run())
     except ClientGone:
@@ -109,9 +113,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
         raise err
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
-        message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
-        if tool_mode is not None:
-            message, finish = tool_message(c.text, tool_mode, finish)
+        message, finish = shape.message(c.text, c.finish_reason)
         choices.append({
             "index": c.index, "message": message,
             "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None,
@@ -124,29 +126,46 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     return JSONResponse(body)
 
 
+def _output_shape(req: ChatCompletionRequest, state: ServerState, structured: StructuredOutputs | None,
+                  tool_mode: str | None) -> tuple[ChatOutput, StructuredOutputs | None]:
+    """How the choices' text becomes the response (server/chat_output.py), and the constraint
+    to run. Under a reasoning parser a constraint binds after `</think>`, as vLLM's structured
+    outputs do, when `</think>` is one token of the vocabulary (as in the models these parsers
+    are for); otherwise the output is constrained from its first token and holds no reasoning."""
+    auto = state.tool_parser if req.tools and req.tool_choice in (None, "auto") else None
+    if state.reasoning_parser is None:
+        if not req.include_reasoning:
+            raise bad_request("include_reasoning: false needs a reasoning parser to find the reasoning in the "
+                              "output; start detent-serve with --reasoning-parser", "include_reasoning")
+        return ChatOutput(tool_mode=tool_mode, tool_parser=auto), structured
+    reasoner = ReasoningParser.for_request(state.reasoning_parser, req.chat_template_kwargs)
+    if structured is not None and reasoner.thinking:
+        end = state.tokenizer.encode(END, add_special_tokens=False)
+        if len(end) == 1:
+            structured = dataclasses.replace(structured, start_after_token_ids=end)
+        else:
+            reasoner = None
+    return ChatOutput(reasoner, True, req.include_reasoning, tool_mode, auto), structured
+
+
 def _stream(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
-            ctx: dict, tool_mode: str | None) -> AsyncIterator[str]:
+            ctx: dict, shape: ChatOutput) -> AsyncIterator[str]:
     ctx = {**ctx, "object": "chat.completion.chunk"}
-    return sse_events(_chunks(req, gen, tok, k, ctx, tool_mode), gen, ctx, req.stream_options)
+    return sse_events(_chunks(req, gen, tok, k, ctx, shape), gen, ctx, req.stream_options)
 
 
 async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
-                  ctx: dict, tool_mode: str | None) -> AsyncIterator[dict]:
-    """Per choice: the role, then a delta per step (text, or with a forced tool call its
-    `tool_calls` fragments, server/tool_stream.py), the last one with the finish reason."""
+                  ctx: dict, shape: ChatOutput) -> AsyncIterator[dict]:
+    """Per choice: the role, then a delta per step (server/chat_output.py: content, reasoning,
+    tool call fragments), the last one with the finish reason."""
     deltas: dict[int, ChoiceDelta] = {}
-    calls: dict[int, ToolCallStream] = {}
+    streams = {j: shape.stream() for j in range(req.n)}
     finished: set[int] = set()  # the engine keeps reporting a finished choice while its siblings run
     stop = list([req.stop] if isinstance(req.stop, str) else (req.stop or []))
     for j in range(req.n):
         deltas[j] = ChoiceDelta(stop, req.include_stop_str_in_output)
-        first: dict[str, Any] = {"role": "assistant", "content": ""}
-        if tool_mode is not None:
-            calls[j] = ToolCallStream(tool_mode)
-            opening = calls[j].opening()
-            first = {"role": "assistant", "content": None, **({"tool_calls": opening} if opening else {})}
-        yield {**ctx, "choices": [{"index": j, "delta": first, "logprobs": None, "finish_reason": None}],
-               "usage": None}
+        yield {**ctx, "choices": [{"index": j, "delta": streams[j].opening(), "logprobs": None,
+                                   "finish_reason": None}], "usage": None}
     async for _, out in gen:
         err = output_error(out)
         if err is not None:
@@ -158,14 +177,7 @@ async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k
             if done:
                 finished.add(c.index)
             text, t0, t1 = d.next(c.text, len(c.token_ids), done)
-            finish = c.finish_reason
-            if tool_mode is None:
-                delta = {"content": text} if text or not done else {}
-                news = bool(text)
-            else:  # tokens with no new call piece still send their logprobs, in an empty delta
-                tool_calls = calls[c.index].next(text, done)
-                delta, news = ({"tool_calls": tool_calls} if tool_calls else {}), bool(tool_calls)
-                finish = stream_finish_reason(finish)
+            delta, news = streams[c.index].next(text, done)  # tokens with no new piece still send their logprobs
             if not news and t0 == t1 and not done:
                 continue
             lps = None
@@ -173,5 +185,5 @@ async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k
                 lps = chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], k, tok)
             yield {**ctx, "choices": [{
                 "index": c.index, "delta": delta,
-                "logprobs": lps, "finish_reason": finish if done else None,
+                "logprobs": lps, "finish_reason": streams[c.index].finish_reason(c.finish_reason) if done else None,
                 "stop_reason": getattr(c, "stop_reason", None) if done else None}], "usage": None}

@@ -210,7 +210,8 @@ def build_state(a: argparse.Namespace):
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
         allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
         log_stats=not a.disable_log_stats, engine_fingerprint=fp, request_log=request_log,
-        sampling_defaults=defaults, profiler_config=a.profiler, cache_config=cache_config(a, limits))
+        sampling_defaults=defaults, profiler_config=a.profiler, cache_config=cache_config(a, limits),
+        reasoning_parser=a.reasoning_parser, tool_parser=a.tool_call_parser if a.enable_auto_tool_choice else None)
 
 
 def cache_config(a: argparse.Namespace, limits) -> dict[str, str]:

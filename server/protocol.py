@@ -118,6 +118,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves `reasoning` out (server/reasoning.py)
 
 
 class TokenizeRequest(_Body):

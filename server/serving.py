@@ -50,6 +50,8 @@ class ServerState:
     request_log: Any = None  # --request-log: server/request_log.RequestLog
     profiler_config: Any = None  # --profiler-config: engine/profiler.ProfilerConfig (server/profile.py)
     cache_config: dict[str, str] = field(default_factory=dict)  # the KV cache, for detent:cache_config_info
+    reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
+    tool_parser: str | None = None  # --tool-call-parser, under --enable-auto-tool-choice (server/tool_parsers.py)
 
     def __post_init__(self) -> None:
         if self.preprocess is None:

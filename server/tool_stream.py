@@ -17,8 +17,9 @@ complete scalar never ends in one). A call is complete once a later call
 began, or the whole text parses at the end.
 
 Re-reading costs the length of the text, on the event loop: past
-`_EVERY_STEP_CHARS` the text is re-read only once it has grown by a
-sixteenth, so a long output costs linear time in all, in larger pieces.
+`EVERY_STEP_CHARS` the text is re-read only once it has grown by a
+sixteenth (`reread_due`), so a long output costs linear time in all, in
+larger pieces. server/tool_parsers.py reads calls the same way.
 """
 from __future__ import annotations
 
@@ -29,8 +30,14 @@ from typing import Any
 from partial_json_parser import Allow, MalformedJSON
 from partial_json_parser import loads as partial_loads
 
-_COMPLETE_SCALARS = Allow.OBJ | Allow.ARR  # open objects and arrays are kept; unfinished scalars are not
-_EVERY_STEP_CHARS = 16384
+COMPLETE_SCALARS = Allow.OBJ | Allow.ARR  # open objects and arrays are kept; unfinished scalars are not
+EVERY_STEP_CHARS = 16384
+
+
+def reread_due(length: int, last_read: int) -> bool:
+    """Whether a text now `length` long, last read at `last_read`, is re-read this step:
+    always below EVERY_STEP_CHARS, past it once it has grown by a sixteenth."""
+    return length <= EVERY_STEP_CHARS or length * 16 >= last_read * 17
 
 
 def call_id() -> str:
@@ -77,14 +84,14 @@ class ToolCallStream:
             except ValueError:
                 pass  # cut short (max_tokens, a stop string): what parsed so far stays partial
         try:
-            calls = partial_loads(self.text, _COMPLETE_SCALARS)
+            calls = partial_loads(self.text, COMPLETE_SCALARS)
         except (MalformedJSON, ValueError):  # nothing but whitespace yet
             return [], False
         return (calls, False) if isinstance(calls, list) else ([], False)
 
     def _required(self, finished: bool) -> list[dict[str, Any]]:
         n = len(self.text)
-        if not finished and n > _EVERY_STEP_CHARS and n * 16 < self.read_len * 17:
+        if not finished and not reread_due(n, self.read_len):
             return []
         self.read_len = n
         calls, all_complete = self._parse(finished)

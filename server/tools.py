@@ -1,8 +1,10 @@
 """`tools` with `tool_choice` "required" or a named function, as `vllm serve`
-handles them without a tool parser: the output is constrained to JSON over
-the function's parameter schema (structured output) and returned as
-`tool_calls`. "auto" needs a parser that reads free text for calls, which
-Detent does not have: it is a 400. Streaming: server/tool_stream.py.
+handles them: the output is constrained to JSON over the function's
+parameter schema (structured output) and returned as `tool_calls`.
+Streaming: server/tool_stream.py. "auto" (the default with tools) lets the
+model write free text that a parser reads for calls: it needs
+`--enable-auto-tool-choice --tool-call-parser NAME` (server/tool_parsers.py),
+and is a 400 without them, as under vLLM.
 """
 from __future__ import annotations
 
@@ -31,9 +33,11 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict]:
     return out
 
 
-def tool_constraint(tools: list[dict] | None, choice: Any) -> tuple[StructuredOutputs | None, str | None]:
+def tool_constraint(tools: list[dict] | None, choice: Any,
+                    auto_parser: str | None = None) -> tuple[StructuredOutputs | None, str | None]:
     """(the structured output the tool choice imposes, the forced function's name or
-    "required"); (None, None) when no call is forced."""
+    "required"); (None, None) when no call is forced. `auto_parser`: the server's
+    --tool-call-parser under --enable-auto-tool-choice, or None (then "auto" is a 400)."""
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -42,8 +46,11 @@ def tool_constraint(tools: list[dict] | None, choice: Any) -> tuple[StructuredOu
     if choice == "none":
         return None, None
     if choice in (None, "auto"):
-        raise bad_request("tool_choice 'auto' (the default with tools) needs a tool-call parser, which Detent "
-                          "does not have; use tool_choice 'required' or name a function", "tool_choice")
+        if auto_parser is not None:
+            return None, None  # free text, read for calls afterwards (server/chat_output.py)
+        raise bad_request("tool_choice 'auto' (the default with tools) needs a tool-call parser: start "
+                          "detent-serve with --enable-auto-tool-choice --tool-call-parser hermes|llama3_json, "
+                          "or use tool_choice 'required' or name a function", "tool_choice")
     if choice == "required":
         one_call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
                      "required": ["name", "parameters"]} for n, p in fns.items()]

@@ -38,7 +38,6 @@ REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": (_UNSET, "documents for RAG chat templates are not passed to the template"),
     "mm_processor_kwargs": (_UNSET, "the served models are text-only"),
     "reasoning_effort": (_UNSET, "reasoning_effort is not passed to the chat template; use chat_template_kwargs"),
-    "include_reasoning": ((None, True), "reasoning is not parsed out of the output"),
     "parallel_tool_calls": ((None, True), "tool_choice 'required' returns every call the model writes"),
 }
 

@@ -12,6 +12,9 @@ import codecs
 import os
 from typing import Any
 
+from detent.server.reasoning import PARSERS as REASONING_PARSERS
+from detent.server.tool_parsers import PARSERS as TOOL_PARSERS
+
 REMOTE_CODE = ("--trust-remote-code: Detent runs no remote code; it implements each architecture it serves "
                "(Llama, Qwen3, Qwen3-MoE) in detent.models and loads only weights, config and tokenizer files "
                "from a checkpoint. Drop the flag.")
@@ -65,6 +68,15 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                         "(none) or a directory holding a generation_config.json")
     p.add_argument("--chat-template", default=None,
                    help="the chat template: a file, or the template itself (default: the model's)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split chat output at <think>...</think> into `reasoning` and `content` (qwen3: none "
+                        "when chat_template_kwargs.enable_thinking is false)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto' (the default with tools): the model may write tool calls in its text, "
+                        "read by --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="how tool calls are written: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3) or "
+                        "llama3_json (Llama 3.1/3.2's JSON calls)")
 
 
 def load_chat_template(value: str) -> str:
@@ -116,6 +128,9 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.kv_cache_dtype != "auto":
         p.error(f"--kv-cache-dtype {a.kv_cache_dtype}: Detent keeps the KV cache in the model's dtype; only "
                 "'auto' is taken")
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): how the model writes "
+                "its calls")
     if not a.enable_chunked_prefill:
         p.error("--no-enable-chunked-prefill: Detent always chunks long prompts (--max-num-batched-tokens), and a "
                 "request's bits are the same however its prompt is chunked; drop the flag")

@@ -184,6 +184,7 @@ def test_params_round_trip_through_json():
                        bad_words_token_ids=[[9], [10, 11]], n=3),
         SamplingParams(structured_outputs=StructuredOutputs(json={"type": "object"}), seed=2**64 - 1),
         SamplingParams(structured_outputs=StructuredOutputs(choice=["yes", "no"])),
+        SamplingParams(structured_outputs=StructuredOutputs(regex="[a-z]+", start_after_token_ids=[151668])),
     ]
     for p in cases:
         back = SamplingParams(**json.loads(json.dumps(params_json(p, p.seed))))

@@ -179,6 +179,53 @@ def test_grammar_requests_do_not_depend_on_neighbours(selection):
     assert all(equal) if selection == "pinned" else not all(equal)
 
 
+
+def _deferred(spec: StructuredOutputs, trigger: list[int]) -> StructuredOutputs:
+    return StructuredOutputs(**{**{k: v for k, v in vars(spec).items()}, "start_after_token_ids": trigger})
+
+
+@pytest.mark.parametrize("selection", ["pinned", "stock"])
+def test_a_grammar_that_starts_after_a_trigger(selection):
+    """start_after_token_ids (vLLM's structured output after a reasoning block): a free
+    prefix the grammar would refuse, forced with golden tokens and ending in the trigger,
+    then a valid constrained output. Each grammar's seed-7 request alone equals itself
+    beside 15 others under pinned (tokens ==, logprobs torch.equal); some differ under stock."""
+    tok = tiny_llm(VOCAB).get_tokenizer()
+    trigger = tok.encode("]]", add_special_tokens=False)
+    free = tok.encode("Zq+]]", add_special_tokens=False)  # '+' is outside every grammar's first token
+    assert len(trigger) == 2 and free[-2:] == trigger
+
+    def reqs(seeds):
+        return [(kind, {"prompt_token_ids": [(s * 13 + k * 7 + 5) % 90 + 2 for k in range(6 + s)]},
+                 SamplingParams(temperature=1.0, top_p=0.95, seed=s, max_tokens=60, logprobs=3,
+                                golden_token_ids=free, structured_outputs=_deferred(spec, trigger)))
+                for kind, spec in SPECS.items() for s in seeds]
+
+    alone = [run(tiny_llm(VOCAB, selection), [r])[0] for r in reqs([7])]
+    for kind, o in alone:
+        c = o.outputs[0]
+        assert c.token_ids[:len(free)] == free and c.finish_reason == "stop", (kind, c.text, o.error)
+        assert check(kind, tok.decode(c.token_ids[len(free):])), (kind, c.text)
+    together = run(tiny_llm(VOCAB, selection), reqs(range(5, 9)))
+    equal = [same(result_of(a), result_of(b)) for (_, a), (_, b) in zip(alone, together[2::4])]
+    assert all(equal) if selection == "pinned" else not all(equal)
+    # without the trigger the same golden prefix breaks the grammar at once
+    (_, bad), = run(tiny_llm(VOCAB), [("json", {"prompt_token_ids": [5, 6]},
+                                       SamplingParams(seed=0, max_tokens=20, golden_token_ids=free,
+                                                      structured_outputs=SPECS["json"]))])
+    assert bad.outputs[0].finish_reason == "error" and "not allowed" in bad.error
+
+
+def test_start_after_token_ids_is_checked_and_keeps_the_compiled_grammar():
+    for bad in ([], "ab", [1, -2], [True], 3):
+        with pytest.raises(ValueError, match="start_after_token_ids"):
+            StructuredOutputs(choice=["a"], start_after_token_ids=bad)
+    spec = StructuredOutputs(choice=["a"], start_after_token_ids=(4, 5))
+    assert spec.start_after_token_ids == [4, 5] and spec.kind == "choice"
+    assert spec.key() == StructuredOutputs(choice=["a"]).key()
+    assert SamplingParams(structured_outputs={"choice": ["a"], "start_after_token_ids": [4]}
+                          ).structured_outputs.start_after_token_ids == [4]
+
 # ------------------------------------------------------------------ SmolLM2
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},

@@ -80,8 +80,8 @@ def test_a_long_call_is_reread_in_linear_time_in_all(monkeypatch):
     monkeypatch.setattr(tool_stream, "partial_loads", lambda s, a: reads.append(len(s)) or real(s, a))
     got = _replay(ToolCallStream("required"), text, list(range(0, len(text), 8)))
     assert got == {0: {"name": "get_time", "arguments": json.dumps(calls[0]["parameters"])}}
-    long_reads = [r for r in reads if r > tool_stream._EVERY_STEP_CHARS]
+    long_reads = [r for r in reads if r > tool_stream.EVERY_STEP_CHARS]
     # each re-read past the threshold is a sixteenth longer: about 17 x len(text) in all, where
     # re-reading every step would read about len(text)**2 / 16 (here 1700 x)
     assert sum(long_reads) < 20 * len(text), sum(long_reads) / len(text)
-    assert len([r for r in reads if r <= tool_stream._EVERY_STEP_CHARS]) > 2000  # short text: every step
+    assert len([r for r in reads if r <= tool_stream.EVERY_STEP_CHARS]) > 2000  # short text: every step

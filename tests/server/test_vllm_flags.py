@@ -43,6 +43,16 @@ def test_engine_flags_reach_the_engine():
             parse_args(bad)
 
 
+def test_reasoning_and_tool_parser_flags():
+    a = parse_args(["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (a.reasoning_parser, a.enable_auto_tool_choice, a.tool_call_parser) == ("qwen3", True, "hermes")
+    a = parse_args([])
+    assert (a.reasoning_parser, a.enable_auto_tool_choice, a.tool_call_parser) == (None, False, None)
+    for bad in (["--enable-auto-tool-choice"], ["--reasoning-parser", "granite"], ["--tool-call-parser", "mistral"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
 def test_log_flags():
     a = parse_args(["--uvicorn-log-level", "error", "--disable-log-stats", "--enable-log-requests"])
     assert (a.uvicorn_log_level, a.disable_log_stats, a.enable_log_requests) == ("error", True, True)

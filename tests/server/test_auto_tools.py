@@ -1,0 +1,129 @@
+"""`tool_choice: "auto"` under `--enable-auto-tool-choice --tool-call-parser
+hermes` with `--reasoning-parser qwen3`, through the official openai client
+against a real server: outputs forced with `golden_token_ids` come back as
+content, reasoning and `tool_calls`, the stream's pieces adding up to the
+non-streamed message (OpenAI's own stream accumulator); without the flags
+"auto" is a 400 naming them. Unit: when a constraint binds after the
+reasoning block (`_output_shape`)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+
+from server_helpers import API_KEY, launch, real_argv
+
+from detent.sampling.params import StructuredOutputs
+from detent.server.chat import _output_shape
+from detent.server.protocol import ChatCompletionRequest
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL = "smollm2"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+EOS = 2  # the tiny model's end of sequence (models/tiny.py)
+
+
+@pytest.fixture(scope="module")
+def agent_server(tiny_model):
+    with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024",
+                          "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
+                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def agent(agent_server):
+    return openai.OpenAI(base_url=agent_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _ids(server, text: str) -> list[int]:
+    r = httpx.post(server.url + "/v1/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=AUTH)
+    return r.json()["tokens"]
+
+
+def _ask(client, server, text: str, stream: bool = False, **kw):
+    ids = _ids(server, text) + [EOS]  # ends as the model would: finish_reason "stop"
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, max_tokens=len(ids),
+        temperature=0, stream=stream, extra_body={"golden_token_ids": ids}, **kw)
+
+
+def _accumulated(chunks):
+    state = ChatCompletionStreamState()
+    for ch in chunks:
+        state.handle_chunk(ch)
+    return state.get_final_completion().choices[0]
+
+
+@pytest.mark.parametrize("text,content,reasoning", [
+    ("</think>Let me check." + CALL, "Let me check.", ""),
+    ("<think>\nThey want weather.\n</think>\n\n" + CALL, "\n\n", "\nThey want weather.\n"),
+    ("</think>" + CALL + "\n" + CALL, None, ""),
+], ids=["content-then-call", "reasoning-then-call", "two-calls"])
+def test_auto_tool_calls_streamed_and_not(agent, agent_server, text, content, reasoning):
+    choice = _ask(agent, agent_server, text).choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})] * text.count("<tool_call>")
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
+    assert choice.message.model_extra["reasoning"] == reasoning
+    chunks = list(_ask(agent, agent_server, text, stream=True))
+    streamed = _accumulated(chunks)
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert (streamed.message.content or None) == (choice.message.content or None)
+    thought = "".join(c.choices[0].delta.model_extra.get("reasoning") or "" for c in chunks if c.choices)
+    assert thought == (choice.message.model_extra["reasoning"] or "")
+
+
+def test_text_without_a_call_stays_content(agent, agent_server):
+    """Also: a call written while still thinking (no </think>) is reasoning, not a call, as vLLM's qwen3."""
+    thinking = _ask(agent, agent_server, "Let me check." + CALL).choices[0]
+    assert thinking.message.tool_calls is None and thinking.message.content is None
+    assert thinking.message.model_extra["reasoning"] == "Let me check." + CALL
+    choice = _ask(agent, agent_server, "</think>I will use <tool but no call.").choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == \
+        ("I will use <tool but no call.", None, "stop")
+    bad = _ask(agent, agent_server, "</think>" + CALL.replace('"city"', "city")).choices[0]
+    assert bad.message.tool_calls is None and bad.message.content == CALL.replace('"city"', "city")
+
+
+def test_auto_needs_the_flags(server):
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice --tool-call-parser" in r.json()["error"]["message"]
+
+
+class _Tok:
+    def __init__(self, end_ids):
+        self.end_ids = end_ids
+
+    def encode(self, text, add_special_tokens=True):
+        assert text == "</think>" and not add_special_tokens
+        return self.end_ids
+
+
+def test_a_constraint_binds_after_the_reasoning_block_when_think_end_is_one_token():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    spec = StructuredOutputs(choice=["a", "b"])
+    state = SimpleNamespace(reasoning_parser="qwen3", tool_parser=None, tokenizer=_Tok([151668]))
+    shape, got = _output_shape(req, state, spec, None)
+    assert got.start_after_token_ids == [151668] and got.choice == ["a", "b"] and shape.reasoner is not None
+    state.tokenizer = _Tok([27, 14, 5])  # several tokens: constrained from the first token, all content
+    shape, got = _output_shape(req, state, spec, None)
+    assert got is spec and shape.reasoner is None and shape.reasoning_field
+    off = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                chat_template_kwargs={"enable_thinking": False})
+    state.tokenizer = _Tok([151668])
+    shape, got = _output_shape(off, state, spec, None)
+    assert got is spec and not shape.reasoner.thinking  # no reasoning block to wait for
+    state.reasoning_parser = None
+    shape, got = _output_shape(req, state, spec, None)
+    assert got is spec and shape.reasoner is None and not shape.reasoning_field
