@@ -102,17 +102,28 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, *, chat_template: str | None = None,
+             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Render one conversation (a list of {"role", "content"}) or a list
-        of them with the model's chat template, then generate."""
+        of them with the model's chat template (or `chat_template`), then generate.
+        vLLM's arguments: `tools` are passed to the template; `continue_final_message`
+        leaves the last (assistant) message open for the model to continue (no generation
+        prompt), as detent-serve's field does."""
         tok = self.get_tokenizer()
         if tok is None or not hasattr(tok, "apply_chat_template"):
             raise ValueError("chat needs a tokenizer with a chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt and not
+                                           continue_final_message, tools=tools,
+                                           chat_template=chat_template, **(chat_template_kwargs or {}))
+            if continue_final_message:
+                last = conv[-1].get("content") if conv else None
+                if not isinstance(last, str) or last not in text:
+                    raise ValueError("continue_final_message: the last message's content (a string) must appear "
+                                     "in the rendered conversation")
+                text = text[: text.rindex(last) + len(last)]
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -382,3 +382,25 @@ def test_step_outputs_own_their_lists_unless_shared(llm, share):
     assert (final.token_ids, final.logprobs, final.cumulative_logprob) == (ref.token_ids, ref.logprobs,
                                                                           ref.cumulative_logprob)
 
+
+
+def test_chat_takes_vllm_s_tools_template_and_continue_final_message(tmp_path):
+    """LLM.chat's vLLM arguments: `tools` and `chat_template` reach the template, and
+    `continue_final_message` leaves the last message open (the prompt ends with its text)."""
+    from detent.models.tiny import write_tiny_llama
+    llm = LLM(model=write_tiny_llama(str(tmp_path / "tiny")), device="cpu", dtype="float32", max_model_len=256,
+              num_gpu_blocks=40)
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    p = SamplingParams(temperature=0, max_tokens=2)
+    out = llm.chat([{"role": "user", "content": "Hi"}], p, use_tqdm=False, tools=tools, chat_template=template)
+    assert out[0].prompt == "[tool get_weather]<user>Hi<assistant>"
+    out = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}], p,
+                   use_tqdm=False, chat_template=template, continue_final_message=True)
+    assert out[0].prompt == "<user>Hi<assistant>The answer is"
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat([{"role": "user", "content": "Hi"}], p, use_tqdm=False, chat_template="{{ 'no content' }}",
+                 continue_final_message=True)
+    llm.shutdown()
