@@ -10,17 +10,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from detent.server import chat, completions
+from detent.server import chat, completions, responses
 from detent.server.errors import (APIError, http_exception_handler, request_validation_handler, short_reason,
                                   unhandled_handler)
 from detent.server.profile import PROFILE_PATHS, add_profile_routes
-from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
                                     TokenizeRequest)
 from detent.server.serving import ServerState, read_body
 from detent.server.verify import add_verify_route
 from detent.server.weights import add_weight_routes
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class DetentASGIMiddleware:
@@ -130,6 +130,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         req = await read_body(request, state, ChatCompletionRequest)
         return await chat.create_chat_completion(req, request, state)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        req = await read_body(request, state, ResponsesRequest)
+        return await responses.create_response(req, request, state)
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> Response:

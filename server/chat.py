@@ -4,21 +4,22 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from detent.sampling.params import StructuredOutputs
-from detent.server.chat_output import ChatOutput
+from detent.sampling.params import SamplingParams, StructuredOutputs
+from detent.server.chat_output import ChatOutput, ChoiceStream
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
-from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
-                                  resolve_max_tokens, sampling_params, structured_outputs)
+from detent.server.params import (FieldNames, bad_words_ids, check_counts, check_logprob_entries,
+                                  check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.reasoning import END, ReasoningParser
-from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
+from detent.server.serving import ServerState, SSEResponse
 from detent.server.tools import tool_constraint
 
 
@@ -60,26 +61,46 @@ def client_template(req: ChatCompletionRequest | TokenizeRequest, trusted: bool)
 
 
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                          continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
+                          continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                          param: str = "messages") -> list[int]:
     text = await state.preprocess.render(messages_to_dicts(messages), add_generation_prompt and not
-                                         continue_final_message, kwargs or {})
+                                         continue_final_message, kwargs or {}, param)
     if continue_final_message:
         last = messages[-1].content if isinstance(messages[-1].content, str) else None
         if last and last in text:
             text = text[: text.rindex(last) + len(last)]
-    return await state.preprocess.encode(text, "messages", add_special_tokens=False)
+    return await state.preprocess.encode(text, param, add_special_tokens=False)
 
 
-async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+@dataclass(frozen=True)
+class ChatPlan:
+    """What a chat request becomes: the engine request, and how its output is shaped."""
+    model: str
+    ids: list[int]  # the prompt: the messages through the chat template
+    params: SamplingParams
+    shape: ChatOutput
+    top_logprobs: int | None  # logprobs per generated token: the top k, or None (not asked for)
+    tok: TokenText
+
+
+async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: FieldNames = FieldNames()) -> ChatPlan:
+    """Checks a chat request and makes its engine request (both /v1/chat/completions and
+    /v1/responses, whose requests become chat requests, come through here)."""
     model = state.check_model(req.model)
     check_counts(req, state.limits, 1)
     tool_so, tool_mode = tool_constraint(req.tools, req.tool_choice, state.tool_parser)
     kwargs = client_template(req, state.limits.trust_request_chat_template)
     if req.tools:
         kwargs["tools"] = req.tools  # the template describes them to the model
-    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message, kwargs)
-    check_prompt_ids(ids, None, "messages")
-    structured = structured_outputs(req)
+    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
+        if kwargs.get("reasoning_effort", req.reasoning_effort) != req.reasoning_effort:
+            raise bad_request(f"{names.reasoning_effort} and chat_template_kwargs.reasoning_effort differ; give one",
+                              names.reasoning_effort)
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message, kwargs,
+                                names.messages)
+    check_prompt_ids(ids, None, names.messages)
+    structured = structured_outputs(req, names)
     if tool_so is not None:
         if structured is not None:
             raise bad_request("tool_choice forces a tool call; it cannot be combined with another "
@@ -88,7 +109,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     shape, structured = _output_shape(req, state, structured, tool_mode)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    param = names.max_tokens or ("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     mt = resolve_max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
                             len(ids), state.max_model_len, param, state.sampling_defaults.get("max_tokens"))
     if req.top_logprobs is not None and not req.logprobs:
@@ -98,22 +119,24 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
                              structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults,
                              bad_words=await bad_words_ids(req, state.preprocess))
-    rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    gen = await Generation(state, rid, [ids], [params], endpoint="/v1/chat/completions").start()
     tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
-    ctx = dict(id=rid, created=int(time.time()), model=model, system_fingerprint=state.system_fingerprint)
+    return ChatPlan(model, ids, params, shape, k, tok)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+    plan = await prepare_chat(req, state)
+    rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    gen = await Generation(state, rid, [plan.ids], [plan.params], endpoint="/v1/chat/completions").start()
+    ctx = dict(id=rid, created=int(time.time()), model=plan.model, system_fingerprint=state.system_fingerprint)
     if req.stream:
-        return SSEResponse(_stream(req, gen, tok, k, ctx, shape), on_close=gen.close)
-    try:
-        (out,) = await unless_disconnected(request, gen.run())
-    except ClientGone:
+        return SSEResponse(_stream(req, gen, plan, ctx), on_close=gen.close)
+    finals = await gen.finals(request)
+    if finals is None:
         return Response(status_code=499)
-    err = output_error(out)
-    if err is not None:
-        raise err
+    (out,), k, tok = finals, plan.top_logprobs, plan.tok
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
-        message, finish = shape.message(c.text, c.finish_reason)
+        message, finish = plan.shape.message(c.text, c.finish_reason)
         choices.append({
             "index": c.index, "message": message,
             "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None,
@@ -148,24 +171,27 @@ def _output_shape(req: ChatCompletionRequest, state: ServerState, structured: St
     return ChatOutput(reasoner, True, req.include_reasoning, tool_mode, auto), structured
 
 
-def _stream(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
-            ctx: dict, shape: ChatOutput) -> AsyncIterator[str]:
+def _stream(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan, ctx: dict) -> AsyncIterator[str]:
     ctx = {**ctx, "object": "chat.completion.chunk"}
-    return sse_events(_chunks(req, gen, tok, k, ctx, shape), gen, ctx, req.stream_options)
+    return sse_events(_chunks(req, gen, plan, ctx), gen, ctx, req.stream_options)
 
 
-async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k: int | None,
-                  ctx: dict, shape: ChatOutput) -> AsyncIterator[dict]:
-    """Per choice: the role, then a delta per step (server/chat_output.py: content, reasoning,
-    tool call fragments), the last one with the finish reason."""
-    deltas: dict[int, ChoiceDelta] = {}
-    streams = {j: shape.stream() for j in range(req.n)}
+@dataclass(frozen=True)
+class ChoiceStep:
+    """One engine step of one choice, as its stream sees it."""
+    output: Any  # the choice's cumulative output (token_ids, logprobs, finish_reason, ...)
+    delta: dict[str, Any]  # server/chat_output.py's delta: content, reasoning, tool_calls pieces
+    news: bool  # whether the delta carries anything
+    tokens: tuple[int, int]  # the step's new tokens: output.token_ids[t0:t1]
+    finished: bool
+
+
+async def choice_steps(gen: Generation, streams: dict[int, ChoiceStream], stop: str | list[str] | None,
+                       include_stop: bool) -> AsyncIterator[ChoiceStep]:
+    """Per engine step and choice, the choice's next delta (ChoiceStream.next, after the stop
+    strings' hold-back); a choice is done after its finished step. Chat and Responses streams."""
+    deltas = {j: ChoiceDelta(list([stop] if isinstance(stop, str) else (stop or [])), include_stop) for j in streams}
     finished: set[int] = set()  # the engine keeps reporting a finished choice while its siblings run
-    stop = list([req.stop] if isinstance(req.stop, str) else (req.stop or []))
-    for j in range(req.n):
-        deltas[j] = ChoiceDelta(stop, req.include_stop_str_in_output)
-        yield {**ctx, "choices": [{"index": j, "delta": streams[j].opening(), "logprobs": None,
-                                   "finish_reason": None}], "usage": None}
     async for _, out in gen:
         err = output_error(out)
         if err is not None:
@@ -173,17 +199,31 @@ async def _chunks(req: ChatCompletionRequest, gen: Generation, tok: TokenText, k
         for c in out.outputs:
             if c.index in finished:
                 continue
-            d, done = deltas[c.index], c.finish_reason is not None
+            done = c.finish_reason is not None
             if done:
                 finished.add(c.index)
-            text, t0, t1 = d.next(c.text, len(c.token_ids), done)
-            delta, news = streams[c.index].next(text, done)  # tokens with no new piece still send their logprobs
-            if not news and t0 == t1 and not done:
-                continue
-            lps = None
-            if k is not None:
-                lps = chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], k, tok)
-            yield {**ctx, "choices": [{
-                "index": c.index, "delta": delta,
-                "logprobs": lps, "finish_reason": streams[c.index].finish_reason(c.finish_reason) if done else None,
-                "stop_reason": getattr(c, "stop_reason", None) if done else None}], "usage": None}
+            text, t0, t1 = deltas[c.index].next(c.text, len(c.token_ids), done)
+            delta, news = streams[c.index].next(text, done)
+            yield ChoiceStep(c, delta, news, (t0, t1), done)
+
+
+async def _chunks(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan, ctx: dict) -> AsyncIterator[dict]:
+    """Per choice: the role, then a delta per step (server/chat_output.py: content, reasoning,
+    tool call fragments), the last one with the finish reason."""
+    streams = {j: plan.shape.stream() for j in range(req.n)}
+    for j in range(req.n):
+        yield {**ctx, "choices": [{"index": j, "delta": streams[j].opening(), "logprobs": None,
+                                   "finish_reason": None}], "usage": None}
+    k = plan.top_logprobs
+    async for step in choice_steps(gen, streams, req.stop, req.include_stop_str_in_output):
+        (t0, t1), c = step.tokens, step.output
+        if not step.news and t0 == t1 and not step.finished:
+            continue  # tokens with no new piece still send their logprobs
+        lps = None
+        if k is not None:
+            lps = chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], k, plan.tok)
+        done = step.finished
+        yield {**ctx, "choices": [{
+            "index": c.index, "delta": step.delta, "logprobs": lps,
+            "finish_reason": streams[c.index].finish_reason(c.finish_reason) if done else None,
+            "stop_reason": getattr(c, "stop_reason", None) if done else None}], "usage": None}

@@ -14,7 +14,7 @@ from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
                                   resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import CompletionRequest
-from detent.server.serving import ClientGone, ServerState, SSEResponse, unless_disconnected
+from detent.server.serving import ServerState, SSEResponse
 
 
 def _split(p: Any) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -83,15 +83,11 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
                system_fingerprint=state.system_fingerprint)
     if req.stream:
         return SSEResponse(_stream(req, state, gen, prompts, tok, ctx), on_close=gen.close)
-    try:
-        finals = await unless_disconnected(request, gen.run())
-    except ClientGone:
+    finals = await gen.finals(request)
+    if finals is None:
         return Response(status_code=499)
     choices = []
     for i, out in enumerate(finals):
-        err = output_error(out)
-        if err is not None:
-            raise err
         text0, ids = prompts[i]
         for c in sorted(out.outputs, key=lambda c: c.index):
             choices.append(_choice(req, state, tok, i * req.n + c.index, text0, ids, out, c))

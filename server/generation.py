@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 from detent.server.errors import APIError
 from detent.server.formatting import usage
-from detent.server.serving import ServerState, merge, sse
+from detent.server.serving import ClientGone, ServerState, merge, sse, unless_disconnected
 
 log = logging.getLogger("detent.server.requests")
 
@@ -157,3 +157,16 @@ class Generation:
         finally:
             self.close()
         return self.final
+
+    async def finals(self, request: Any) -> list[Any] | None:
+        """`run()` for a non-streamed response: None when the client left first (its requests
+        aborted); a request the engine failed on is raised (`output_error`)."""
+        try:
+            finals = await unless_disconnected(request, self.run())
+        except ClientGone:
+            return None
+        for out in finals:
+            err = output_error(out)
+            if err is not None:
+                raise err
+        return finals

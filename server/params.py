@@ -8,28 +8,39 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs, tokenize_bad_words
 from detent.server.errors import APIError, bad_request
 from detent.server.limits import ServerLimits
 from detent.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from detent.server.vllm_fields import check_vllm_fields
+from detent.server.vllm_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_vllm_fields
 
 MAX_LOGPROBS = 20
 
 
-def structured_outputs(req: _Sampling) -> StructuredOutputs | None:
+@dataclass(frozen=True)
+class FieldNames:
+    """The names a request's errors give its fields. A Responses request becomes a chat
+    request (server/responses_input.py) whose errors still name the Responses fields."""
+    messages: str = "messages"
+    max_tokens: str | None = None  # None: max_tokens or max_completion_tokens, whichever was sent
+    response_format: str = "response_format"
+    json_schema: str = "response_format.json_schema"  # the object holding `schema`
+    reasoning_effort: str = "reasoning_effort"
+
+
+def structured_outputs(req: _Sampling, names: FieldNames = FieldNames()) -> StructuredOutputs | None:
     """The one structured-output constraint a request asks for (validated: a bad one is a 400)."""
     found: list[tuple[str, str, Any]] = []  # (param, kind, value)
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
-        found.append(("response_format", "json_object", True))
+        found.append((names.response_format, "json_object", True))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.json_schema is None:
-            raise bad_request("response_format.json_schema.schema is required for type json_schema",
-                              "response_format.json_schema")
-        found.append(("response_format.json_schema.schema", "json", rf.json_schema.json_schema))
+            raise bad_request(f"{names.json_schema}.schema is required for type json_schema", names.json_schema)
+        found.append((f"{names.json_schema}.schema", "json", rf.json_schema.json_schema))
     so = req.structured_outputs
     if so is not None:
         for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
@@ -82,7 +93,7 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return requested
 
 
-def _range(value: int | None, lo: int, hi: int, param: str, flag: str = "") -> None:
+def check_range(value: int | None, lo: int, hi: int, param: str, flag: str = "") -> None:
     if value is not None and not lo <= value <= hi:
         raise bad_request(f"{param} must be between {lo} and {hi}{f' ({flag})' if flag else ''}, got {value}", param)
 
@@ -90,19 +101,19 @@ def _range(value: int | None, lo: int, hi: int, param: str, flag: str = "") -> N
 def check_counts(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits, num_prompts: int) -> None:
     """The bounds that need no tokens, checked before any tokenizing: n, logprob
     counts, max_tokens, and how many sequences the request asks for."""
-    check_vllm_fields(req.model_extra, isinstance(req, ChatCompletionRequest))
-    _range(req.n, 1, limits.max_n, "n", "--max-n")
+    check_vllm_fields(req.model_extra, CHAT_FIELDS if isinstance(req, ChatCompletionRequest) else COMPLETION_FIELDS)
+    check_range(req.n, 1, limits.max_n, "n", "--max-n")
     if isinstance(req, CompletionRequest):
-        _range(req.best_of, 1, limits.max_n, "best_of", "--max-n")
-        _range(req.logprobs, 0, MAX_LOGPROBS, "logprobs")
+        check_range(req.best_of, 1, limits.max_n, "best_of", "--max-n")
+        check_range(req.logprobs, 0, MAX_LOGPROBS, "logprobs")
     else:
-        _range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
-        _range(req.max_completion_tokens, 1, MAX_INT32, "max_completion_tokens")
-    _range(req.prompt_logprobs, 0, MAX_LOGPROBS, "prompt_logprobs")
+        check_range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
+        check_range(req.max_completion_tokens, 1, MAX_INT32, "max_completion_tokens")
+    check_range(req.prompt_logprobs, 0, MAX_LOGPROBS, "prompt_logprobs")
     if isinstance(req, CompletionRequest) and req.echo:
-        _range(req.max_tokens, 0, MAX_INT32, "max_tokens")  # 0 with echo: score the prompt, generate nothing
+        check_range(req.max_tokens, 0, MAX_INT32, "max_tokens")  # 0 with echo: score the prompt, generate nothing
     else:
-        _range(req.max_tokens, 1, MAX_INT32, "max_tokens")
+        check_range(req.max_tokens, 1, MAX_INT32, "max_tokens")
     if num_prompts > limits.max_prompts:
         raise bad_request(f"prompt: {num_prompts} prompts in one request, over the limit of {limits.max_prompts} "
                           f"(--max-prompts-per-request)", "prompt")

@@ -65,13 +65,13 @@ class TimedRange:
         return iter(TimedRange(self.r[::-1], self.deadline, self.limit_s))
 
 
-def _too_slow(limit_s: float) -> APIError:
-    return bad_request(f"rendering the chat template took over {limit_s:g} s (--chat-template-timeout)", "messages")
+def _too_slow(limit_s: float, param: str = "messages") -> APIError:
+    return bad_request(f"rendering the chat template took over {limit_s:g} s (--chat-template-timeout)", param)
 
 
-def _check_deadline(deadline: float, limit_s: float) -> None:
+def _check_deadline(deadline: float, limit_s: float, param: str = "messages") -> None:
     if time.monotonic() > deadline:
-        raise _too_slow(limit_s)
+        raise _too_slow(limit_s, param)
 
 
 class Preprocessor:
@@ -113,17 +113,20 @@ class Preprocessor:
     async def decode(self, ids: list[int]) -> str:
         return await self.run(self.tokenizer.decode, ids, False)
 
-    async def render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
-        self.check_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+    async def render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any],
+                     param: str = "messages") -> str:
+        """The conversation through the chat template; errors name `param` (the request's messages)."""
+        self.check_chars(sum(len(m.get("content") or "") for m in messages), param)
         limit_s = self.limits.chat_template_timeout_s
         try:
             # the thread checks its own deadline; this answers the client even when
             # the template is stuck in one operation the thread cannot interrupt
-            return await self.run(self._render, messages, add_generation_prompt, kwargs, timeout_s=limit_s + 1.0)
+            return await self.run(self._render, messages, add_generation_prompt, kwargs, param,
+                                  timeout_s=limit_s + 1.0)
         except asyncio.TimeoutError:
-            raise _too_slow(limit_s) from None
+            raise _too_slow(limit_s, param) from None
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any], param: str) -> str:
         """On a pool thread: the rendering, stopped at the time and size bounds."""
         limit_s = self.limits.chat_template_timeout_s
         deadline = time.monotonic() + limit_s
@@ -139,11 +142,11 @@ class Preprocessor:
                 n += len(piece)
                 if n > self.max_chars:
                     raise bad_request(f"the chat template's output passed {self.max_chars} characters "
-                                      f"(--max-model-len x --max-chars-per-token) and was stopped", "messages")
-                _check_deadline(deadline, limit_s)
+                                      f"(--max-model-len x --max-chars-per-token) and was stopped", param)
+                _check_deadline(deadline, limit_s, param)
                 out.append(piece)
         except APIError:
             raise
         except Exception as e:  # a template that raises on these messages is the request's fault
-            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+            raise bad_request(f"the chat template could not render these messages: {e}", param) from None
         return "".join(out)

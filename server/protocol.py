@@ -48,15 +48,12 @@ class StructuredOutputsBody(_Body):
     json_object: bool | None = None
 
 
-class _Sampling(_Body):
-    """Fields shared by /v1/completions and /v1/chat/completions. Unknown fields are
-    kept (`model_extra`) so that vLLM's fields Detent lacks are refused, not ignored
-    (server/vllm_fields.py)."""
+class _Extensions(_Body):
+    """The sampling fields /v1/completions, /v1/chat/completions and /v1/responses share:
+    OpenAI's and vLLM's extensions. Unknown fields are kept (`model_extra`) so that
+    vLLM's fields Detent lacks are refused, not ignored (server/vllm_fields.py)."""
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True, protected_namespaces=())
     model: str | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -65,7 +62,6 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    response_format: ResponseFormat | None = None
     # extensions (vLLM names)
     top_k: int | None = None
     min_p: float | None = None
@@ -75,7 +71,6 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None
     logprobs_mode: Literal["raw", "processed"] | None = None
     golden_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -87,6 +82,15 @@ class _Sampling(_Body):
     request_id: str | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+
+
+class _Sampling(_Extensions):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -119,6 +123,46 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # with --reasoning-parser: false leaves `reasoning` out (server/reasoning.py)
+    reasoning_effort: str | None = None  # the chat template's variable `reasoning_effort`, as vLLM passes it
+
+
+class TextFormat(JsonSchemaFormat):
+    """Responses' `text.format`: chat's `response_format` with the json_schema fields flat."""
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ResponseText(_Body):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # only "medium" (the default) is honoured
+
+
+class ReasoningConfig(_Body):
+    effort: str | None = None  # passed to the chat template as `reasoning_effort`, as vLLM does
+    summary: str | None = None  # refused: the reasoning is returned whole, never summarized
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(_Extensions):
+    """OpenAI's Responses API (server/responses_input.py turns it into a chat request).
+    `input` items and `tools` are checked there, one by one, so that an unsupported
+    item names its index and type."""
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    text: ResponseText | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    reasoning: ReasoningConfig | None = None
+    store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
+    metadata: dict[str, str] | None = None
+    max_tool_calls: int | None = None  # calls to built-in tools, of which Detent has none
+    prompt_cache_key: str | None = None  # the prefix cache serves every request without a key
+    safety_identifier: str | None = None
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -59,6 +59,14 @@ class ReasoningParser:
             return body, None
         return reasoning, content or None
 
+    def span(self, text: str) -> tuple[int, int] | None:
+        """Where `split`'s reasoning lies in `text`: its first and end character offsets (None: no reasoning)."""
+        if not self.thinking:
+            return None
+        body = _after_start(text)
+        start = len(text) - len(body)
+        return start, start + len(body.partition(END)[0])
+
     def stream(self) -> "ReasoningStream":
         return ReasoningStream(self)
 

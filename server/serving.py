@@ -150,8 +150,10 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(obj: Any, event: str | None = None) -> str:
+    """One server-sent event; `event` names it (the Responses API's events are named by their type)."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class SSEResponse(StreamingResponse):

@@ -37,14 +37,46 @@ REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "add_special_tokens": ((None, False), "the chat template places the special tokens"),
     "documents": (_UNSET, "documents for RAG chat templates are not passed to the template"),
     "mm_processor_kwargs": (_UNSET, "the served models are text-only"),
-    "reasoning_effort": (_UNSET, "reasoning_effort is not passed to the chat template; use chat_template_kwargs"),
     "parallel_tool_calls": ((None, True), "tool_choice 'required' returns every call the model writes"),
 }
 
 
-def check_vllm_fields(extra: dict[str, Any] | None, chat: bool) -> None:
-    """400 for the first vLLM field in the request's unknown fields that asks for something Detent lacks."""
-    for table in (REFUSED, REFUSED_CHAT) if chat else (REFUSED,):
+# /v1/responses: the fields of vLLM's ResponsesRequest and OpenAI's Responses API that Detent lacks
+REFUSED_RESPONSES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "previous_response_id": (_UNSET, "responses are not stored; send the whole conversation as input items"),
+    "previous_response": (_UNSET, "responses are not stored; send the whole conversation as input items"),
+    "previous_input_messages": (_UNSET, "send the whole conversation as input items"),
+    "conversation": (_UNSET, "conversations are not stored; send the whole conversation as input items"),
+    "background": ((None, False), "responses are not stored, so they cannot run in the background"),
+    "background_options": (_UNSET, "responses are not stored, so they cannot run in the background"),
+    "prompt": (_UNSET, "stored prompt templates are not supported; send the input itself"),
+    "truncation": ((None, "disabled"), "the input is never truncated: one over the context is a 400"),
+    "context_management": (_UNSET, "the input is never compacted or truncated"),
+    "parallel_tool_calls": REFUSED_CHAT["parallel_tool_calls"],
+    "service_tier": ((None, "auto", "default"), "requests are served first come, first served"),
+    "stream_options": ((None, {}, {"include_obfuscation": False}), "stream events are not obfuscated"),
+    "prompt_cache_retention": ((None, "in_memory"), "the prefix cache keeps blocks in memory while there is room"),
+    "prompt_cache_options": (_UNSET, "the prefix cache is automatic; it takes no breakpoints or TTL"),
+    "moderation": (_UNSET, "there is no moderation"),
+    "image": (_UNSET, "the served models are text-only"),
+    "access_programs": (_UNSET, "there are no access programs"),
+    "enable_response_messages": ((None, False), "the rendered prompt is not returned; /v1/tokenize renders it"),
+    "priority": REFUSED["priority"],
+    "cache_salt": REFUSED["cache_salt"],
+    "kv_transfer_params": REFUSED["kv_transfer_params"],
+    "vllm_xargs": REFUSED["vllm_xargs"],
+    "mm_processor_kwargs": REFUSED_CHAT["mm_processor_kwargs"],
+}
+
+COMPLETION_FIELDS = (REFUSED,)
+CHAT_FIELDS = (REFUSED, REFUSED_CHAT)
+RESPONSES_FIELDS = (REFUSED_RESPONSES,)
+
+
+def check_vllm_fields(extra: dict[str, Any] | None, tables: tuple[dict[str, tuple[tuple[Any, ...], str]], ...]
+                      ) -> None:
+    """400 for the first field in the request's unknown fields that asks for something Detent lacks."""
+    for table in tables:
         for name, (off, why) in table.items():
             if name in (extra or {}) and not any(extra[name] == v and type(extra[name]) is type(v) or
                                                  extra[name] is v for v in off):

@@ -99,6 +99,22 @@ def launch(argv: list[str], env: dict | None = None):
         assert rc == 0, f"server exited with {rc} after SIGTERM:\n{s.output()[-3000:]}"
 
 
+# a Qwen3 deployment's chat flags: reasoning split out, tool calls the model writes read out
+AGENT_FLAGS = ("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+def openai_client(server: Server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def token_ids(server: Server, text: str) -> list[int]:
+    """`text`'s token ids, no special tokens added (an output to force with golden_token_ids)."""
+    r = httpx.post(server.url + "/v1/tokenize", json={"prompt": text, "add_special_tokens": False},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    return r.json()["tokens"]
+
+
 def make_tiny_model(path: str, hidden: int = 64, layers: int = 2) -> str:
     """A small random Llama with the embedded SmolLM2's tokenizer and chat template
     (`detent.models.tiny`). Real engine, real tokenizer, fast steps: the server's

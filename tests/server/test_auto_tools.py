@@ -11,11 +11,10 @@ import json
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from server_helpers import API_KEY, launch, real_argv
+from server_helpers import AGENT_FLAGS, API_KEY, launch, openai_client, real_argv, token_ids
 
 from detent.sampling.params import StructuredOutputs
 from detent.server.chat import _output_shape
@@ -32,23 +31,17 @@ EOS = 2  # the tiny model's end of sequence (models/tiny.py)
 @pytest.fixture(scope="module")
 def agent_server(tiny_model):
     with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024",
-                          "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
-                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as s:
+                          "--served-model-name", MODEL, *AGENT_FLAGS)) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def agent(agent_server):
-    return openai.OpenAI(base_url=agent_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def _ids(server, text: str) -> list[int]:
-    r = httpx.post(server.url + "/v1/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=AUTH)
-    return r.json()["tokens"]
+    return openai_client(agent_server)
 
 
 def _ask(client, server, text: str, stream: bool = False, **kw):
-    ids = _ids(server, text) + [EOS]  # ends as the model would: finish_reason "stop"
+    ids = token_ids(server, text) + [EOS]  # ends as the model would: finish_reason "stop"
     return client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, max_tokens=len(ids),
         temperature=0, stream=stream, extra_body={"golden_token_ids": ids}, **kw)

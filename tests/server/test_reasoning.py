@@ -93,7 +93,8 @@ def test_the_stream_holds_back_only_what_could_still_be_a_tag():
 @pytest.fixture(scope="module")
 def thinking_server(tiny_model):
     with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024",
-                          "--served-model-name", MODEL, "--reasoning-parser", "qwen3")) as s:
+                          "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
+                          "--trust-request-chat-template")) as s:
         yield s
 
 
@@ -149,3 +150,22 @@ def test_include_reasoning_false_without_a_parser_is_a_400(server):
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "include_reasoning": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "include_reasoning"
     assert "--reasoning-parser" in r.json()["error"]["message"]
+
+
+def test_reasoning_effort_is_a_template_variable(thinking_server):
+    """Chat's `reasoning_effort` and Responses' `reasoning.effort` reach the chat template as
+    `reasoning_effort`, as vLLM passes them; one differing from chat_template_kwargs' is a 400."""
+    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    template = "effort={{ reasoning_effort }};{% for m in messages %}{{ m.content }}{% endfor %}"
+    want = len(_forced(thinking_server, "effort=low;Hi"))
+    assert want != len(_forced(thinking_server, "effort=;Hi"))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          reasoning_effort="low", extra_body={"chat_template": template})
+    assert chat.usage.prompt_tokens == want
+    resp = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, reasoning={"effort": "low"},
+                                   extra_body={"chat_template": template})
+    assert resp.usage.input_tokens == want
+    r = httpx.post(thinking_server.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "reasoning_effort": "low",
+        "chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"

@@ -37,7 +37,7 @@ ASKS = {"use_beam_search": True, "length_penalty": 0.5, "truncate_prompt_tokens"
         "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ", "cache_salt": "s",
         "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "return_token_ids": True,
         "echo": True, "best_of": 2, "add_special_tokens": True, "documents": [{"t": "x"}], "mm_processor_kwargs": {"a": 1},
-        "reasoning_effort": "low", "parallel_tool_calls": False}
+        "parallel_tool_calls": False}
 
 
 def _post(server, path, body):
