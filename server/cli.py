@@ -280,7 +280,11 @@ def _uvicorn_log_config() -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
+    try:
+        a = parse_args(argv)
+    except ImportError as e:  # a partial install: the flags' own modules (tool-call parsers) need it
+        print(f"detent-serve: refusing to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt=LOG_DATEFMT)
     if a.enable_log_requests:  # asked for by name: shown even under a quieter --log-level

@@ -13,7 +13,6 @@ import os
 from typing import Any
 
 from detent.server.reasoning import PARSERS as REASONING_PARSERS
-from detent.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 REMOTE_CODE = ("--trust-remote-code: Detent runs no remote code; it implements each architecture it serves "
                "(Llama, Qwen3, Qwen3-MoE) in detent.models and loads only weights, config and tokenizer files "
@@ -74,6 +73,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice 'auto' (the default with tools): the model may write tool calls in its text, "
                         "read by --tool-call-parser")
+    # here, not at the top: the parsers need the HTTP side's dependencies, and a missing one
+    # must refuse startup by name (server/cli.py main), not fail importing the CLI
+    from detent.server.tool_parsers import PARSERS as TOOL_PARSERS
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="how tool calls are written: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3) or "
                         "llama3_json (Llama 3.1/3.2's JSON calls)")
