@@ -2,11 +2,13 @@
 running `detent-serve`, and compare the answers' bits with `==`
 (docs/verify.md; a whole request log: detent/verify_log.py).
 
-Input: the request body as sent to /v1/completions or /v1/chat/completions,
-and the response body received (its `detent` field carries the tuple hash,
-the deployment hash and the seed each choice sampled with). The request is
-refused when this server's tuple or deployment hash is not the response's:
-another tuple or deployment may give other bits, and that is no finding.
+Input: the request body as sent to /v1/completions, /v1/chat/completions or
+/v1/responses, and the response body received (its `detent` field carries
+the tuple hash, the deployment hash and the seed each choice sampled with).
+The request is refused when this server's tuple or deployment hash is not
+the response's: another tuple or deployment may give other bits, and that
+is no finding. Ids the server draws at random (a tool call's `id`, a
+Responses item's `id` and `call_id`) are not compared.
 """
 from __future__ import annotations
 
@@ -68,10 +70,34 @@ def _positions(choice: dict) -> tuple[str, list] | None:
                         zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
 
 
+_RANDOM_IDS = ("id", "call_id")  # drawn per response (uuid4): not part of the output's bits
+
+
+def _without_ids(value: Any) -> Any:
+    """A choice's tool calls, or a Responses output item, without the ids drawn at random."""
+    if isinstance(value, list):
+        return [_without_ids(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if k not in _RANDOM_IDS}
+    return value
+
+
+def _choices(body: dict) -> list[dict]:
+    """The choices to compare: a Responses body's output is its one choice (logprobs from its message)."""
+    if "output" not in body:
+        return [{**c, "message": _without_ids(c["message"])} if isinstance(c.get("message"), dict) else c
+                for c in body.get("choices", [])]
+    items = _without_ids(body["output"])
+    parts = [p for item in items if item.get("type") == "message" for p in item.get("content", [])]
+    lps = [e for p in parts for e in p.get("logprobs") or []]
+    return [{"index": 0, "status": body.get("status"), "output": items,
+             "logprobs": {"content": lps} if lps else None}]
+
+
 def compare(recorded: dict, replayed: dict) -> Verdict:
     """`==` on every choice; for a differing one, the first differing token and logprob."""
     diffs = []
-    a, b = recorded.get("choices", []), replayed.get("choices", [])
+    a, b = _choices(recorded), _choices(replayed)
     if len(a) != len(b):
         diffs.append(f"{len(a)} choices recorded, {len(b)} now")
     for ca, cb in zip(a, b):
@@ -94,7 +120,8 @@ def verify(url: str, request: dict, response: dict, api_key: str | None = None, 
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     check_fingerprint(response.get("detent") or {}, server_fingerprint(url, headers, timeout))
-    path = "/v1/chat/completions" if "messages" in request else "/v1/completions"
+    path = ("/v1/chat/completions" if "messages" in request else "/v1/responses" if "input" in request
+            else "/v1/completions")
     r = httpx.post(url + path, json=replay_body(request, response), headers=headers, timeout=timeout)
     if r.status_code != 200:
         raise VerifyRefused(f"the server refused the request ({r.status_code}): {r.text[:500]}")

@@ -82,3 +82,25 @@ def test_verify_a_chat_response(server, tmp_path, capsys):
     response["choices"][0]["logprobs"]["content"][3]["top_logprobs"][1]["logprob"] += 1.0
     assert _verify(server, tmp_path, request, response) == 1
     assert "first difference at token 3" in capsys.readouterr().out
+
+
+def test_verify_a_responses_answer_and_a_tool_call(server, tmp_path, capsys):
+    """/v1/responses bodies, and a chat tool call: the ids drawn at random (`id`, `call_id`)
+    are not compared, every token and logprob is."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    request = {"model": "smollm2", "input": "Say something.", "max_output_tokens": 8, "temperature": 1.0,
+               "include": ["message.output_text.logprobs"], "top_logprobs": 2, "ignore_eos": True}
+    response = httpx.post(server.url + "/v1/responses", json=request, timeout=120, headers=auth).json()
+    assert _verify(server, tmp_path, request, response) == 0
+    response["output"][-1]["content"][0]["logprobs"][4]["logprob"] += 2 ** -20
+    assert _verify(server, tmp_path, request, response) == 1
+    assert "first difference at token 4" in capsys.readouterr().out
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"], "additionalProperties": False}}}
+    request = {"model": "smollm2", "messages": [{"role": "user", "content": "Pick."}], "tools": [tool],
+               "tool_choice": "required", "max_tokens": 64, "temperature": 1.0, "seed": 3}
+    response = httpx.post(server.url + "/v1/chat/completions", json=request, timeout=120, headers=auth).json()
+    assert response["choices"][0]["message"]["tool_calls"], response
+    assert _verify(server, tmp_path, request, response) == 0
+    response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] = "other"
+    assert _verify(server, tmp_path, request, response) == 1
