@@ -169,3 +169,53 @@ def test_reasoning_effort_is_a_template_variable(thinking_server):
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "reasoning_effort": "low",
         "chat_template_kwargs": {"reasoning_effort": "high"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+def _with_think_tokens(model_dir: str) -> str:
+    """The tiny model's tokenizer with `<think>` and `</think>` as single added tokens that are
+    not special (they stay in the text), as in Qwen3's vocabulary: two of SmolLM2's unused
+    special tokens (ids 7 and 8) renamed, so the model's vocabulary is unchanged."""
+    import json
+    import os
+    names = {7: "<think>", 8: "</think>"}
+    path = os.path.join(model_dir, "tokenizer.json")
+    tok = json.load(open(path))
+    for added in tok["added_tokens"]:
+        if added["id"] in names:
+            old = added["content"]
+            added.update(content=names[added["id"]], special=False)
+            tok["model"]["vocab"][names[added["id"]]] = tok["model"]["vocab"].pop(old)
+    json.dump(tok, open(path, "w"))
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    cfg = json.load(open(path))
+    for i, name in names.items():
+        cfg.get("added_tokens_decoder", {}).get(str(i), {}).update(content=name, special=False)
+    cfg["additional_special_tokens"] = [t for t in cfg.get("additional_special_tokens") or []
+                                        if t not in ("<gh_stars>", "<issue_start>")]
+    json.dump(cfg, open(path, "w"))
+    return model_dir
+
+
+def test_a_constraint_binds_after_a_one_token_think_end(tmp_path):
+    """Where `</think>` is one token (Qwen3, DeepSeek-R1), structured outputs bind after the
+    reasoning block, as vLLM's: a free reasoning prefix (forced here) that the grammar would
+    refuse, then a constrained answer. The same request without the parser is constrained
+    from its first token, so the same prefix is refused (the grammar's 400)."""
+    from server_helpers import make_tiny_model
+    model = _with_think_tokens(make_tiny_model(str(tmp_path / "tiny-think")))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Pick"}], "max_tokens": 24, "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    with launch(real_argv("--model", model, "--api-key", API_KEY, "--max-model-len", "1024",
+                          "--served-model-name", MODEL, "--reasoning-parser", "qwen3")) as s:
+        think = _forced(s, "<think>\nmaybe + or -\n</think>")
+        assert _forced(s, "</think>") == [8] and think[-1] == 8
+        r = httpx.post(s.url + "/v1/chat/completions", headers=AUTH, timeout=120,
+                       json={**body, "golden_token_ids": think})
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["reasoning"] == "\nmaybe + or -\n" and msg["content"] in ("yes", "no"), msg
+    with launch(real_argv("--model", model, "--api-key", API_KEY, "--max-model-len", "1024",
+                          "--served-model-name", MODEL)) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", headers=AUTH, timeout=120,
+                       json={**body, "golden_token_ids": think})
+        assert r.status_code == 400 and "not allowed" in r.text, r.text
