@@ -156,11 +156,12 @@ def _output_shape(req: ChatCompletionRequest, state: ServerState, structured: St
     outputs do, when `</think>` is one token of the vocabulary (as in the models these parsers
     are for); otherwise the output is constrained from its first token and holds no reasoning."""
     auto = state.tool_parser if req.tools and req.tool_choice in (None, "auto") else None
+    tools = tuple(req.tools) if auto is not None else ()  # qwen3_coder converts values by their schema
     if state.reasoning_parser is None:
         if not req.include_reasoning:
             raise bad_request("include_reasoning: false needs a reasoning parser to find the reasoning in the "
                               "output; start detent-serve with --reasoning-parser", "include_reasoning")
-        return ChatOutput(tool_mode=tool_mode, tool_parser=auto), structured
+        return ChatOutput(tool_mode=tool_mode, tool_parser=auto, tools=tools), structured
     reasoner = ReasoningParser.for_request(state.reasoning_parser, req.chat_template_kwargs)
     if structured is not None and reasoner.thinking:
         end = state.tokenizer.encode(END, add_special_tokens=False)
@@ -168,7 +169,7 @@ def _output_shape(req: ChatCompletionRequest, state: ServerState, structured: St
             structured = dataclasses.replace(structured, start_after_token_ids=end)
         else:
             reasoner = None
-    return ChatOutput(reasoner, True, req.include_reasoning, tool_mode, auto), structured
+    return ChatOutput(reasoner, True, req.include_reasoning, tool_mode, auto, tools), structured
 
 
 def _stream(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan, ctx: dict) -> AsyncIterator[str]:

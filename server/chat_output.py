@@ -32,6 +32,7 @@ class ChatOutput:
     include_reasoning: bool = True
     tool_mode: str | None = None  # a forced call: the function's name, or "required"
     tool_parser: str | None = None  # tool_choice "auto" under --enable-auto-tool-choice
+    tools: tuple[dict[str, Any], ...] = ()  # the request's, for a parser that reads values by their schema
 
     def _split(self, text: str) -> tuple[str | None, str | None]:
         return self.reasoner.split(text) if self.reasoner is not None else (None, text)
@@ -42,7 +43,7 @@ class ChatOutput:
         if self.tool_mode is not None:
             message, finish = tool_message(content or "", self.tool_mode, finish)
         elif self.tool_parser is not None:
-            message, finish = _auto_message(self.tool_parser, content, finish)
+            message, finish = _auto_message(self.tool_parser, self.tools, content, finish)
         else:
             message = {"role": "assistant", "content": content}
         if self.reasoning_field:
@@ -53,8 +54,9 @@ class ChatOutput:
         return ChoiceStream(self)
 
 
-def _auto_message(parser: str, content: str | None, finish: str | None) -> tuple[dict[str, Any], str | None]:
-    text, calls = extract_tool_calls(parser, content or "")
+def _auto_message(parser: str, tools: tuple[dict[str, Any], ...], content: str | None,
+                  finish: str | None) -> tuple[dict[str, Any], str | None]:
+    text, calls = extract_tool_calls(parser, content or "", tools)
     if not calls:
         return {"role": "assistant", "content": content}, finish
     tool_calls = [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
@@ -69,7 +71,7 @@ class ChoiceStream:
         self.shape = shape
         self.thoughts = shape.reasoner.stream() if shape.reasoner is not None else None
         self.forced = ToolCallStream(shape.tool_mode) if shape.tool_mode is not None else None
-        self.auto = AutoToolStream(shape.tool_parser) if shape.tool_parser is not None else None
+        self.auto = AutoToolStream(shape.tool_parser, shape.tools) if shape.tool_parser is not None else None
         self.called = False  # an auto call was streamed
 
     def opening(self) -> dict[str, Any]:

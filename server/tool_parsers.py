@@ -1,60 +1,52 @@
 """`--enable-auto-tool-choice --tool-call-parser NAME`: under `tool_choice`
 "auto" the model writes free text, in which a parser finds the tool calls, as
-in `vllm serve`. Two of vLLM 0.20's parsers, by their vLLM names:
+in `vllm serve`. Three of vLLM 0.20's parsers, by their vLLM names:
+"hermes" (Qwen2.5, Qwen3) and "llama3_json" (Llama 3.1, 3.2), the calls
+written as JSON (server/tool_parser_json.py), and "qwen3_coder"
+(Qwen3-Coder, Qwen3.5), the calls written as XML whose values the request's
+tool schemas type (server/tool_parser_xml.py). A finished text gives
+(content, calls), each call (name, arguments as JSON text); a text with no
+calls is all content.
 
-- "hermes" (vLLM's Hermes2ProToolParser; Qwen2.5, Qwen3): each call is a
-  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` block, the last
-  possibly unterminated. Content: the text before the first block, None when
-  that is "" (whitespace is kept); text between and after blocks is dropped.
-- "llama3_json" (vLLM's Llama3JsonToolParser; Llama 3.1, 3.2): each call is a
-  JSON object `{"name": ..., "parameters" or "arguments": ...}` ("arguments"
-  wins), optionally after `<|python_tag|>`, usually joined by "; ". As in
-  vLLM, the next `{` past the end of an object starts the next one (vLLM
-  skips a `{` right at that end). Content: None; other text is dropped.
-
-As in vLLM, a block or object that is not JSON or lacks a string "name" or its
-arguments makes the whole text content, with no calls; `arguments` is
-`json.dumps(value, ensure_ascii=False)` of the parsed value. One divergence:
-llama3_json reads calls only from a text that starts (after whitespace) with
-`{` or `<|python_tag|>`, the rule of vLLM's stream; vLLM's non-streamed path
-also finds an object after prose, which a stream could only match by holding
-back all text to the end.
-
-Streamed (AutoToolStream), the pieces add up to the non-streamed result.
-Content goes out as generated, except what could still belong to a call:
-hermes holds a tail that could begin `<tool_call>` and all from the first one
-on; llama3_json holds all once the text starts like a call. A call is
-announced once its name is complete; its arguments stream as
-server/tool_stream.py streams "required" calls (the dump of the value so far,
-unfinished scalars dropped, minus trailing closers: a prefix that cannot
-change), not as the model spaced them (vLLM's hermes stream does that, which
-can differ from its own non-streamed `arguments`). At the end the whole text
-is parsed once more. When it has no calls (a block was no call), the held
-text goes out as content, so content still adds up, but calls already
-announced cannot be taken back (vLLM streams them too); none grows after a
-finished block or object failed. Nor can sent arguments be revised when a
-later key replaces their value (a repeated key, or "arguments" after
-"parameters"): that call's pieces stop where they were. Cost: finished calls
-are read once, the open one each step, and past `EVERY_STEP_CHARS` only
-once it grew by a sixteenth (server/tool_stream.py's `reread_due`).
+Streamed (AutoToolStream, one stream for all three: each parser gives it a
+reader that says where the calls begin and reads them step by step), the
+pieces add up to the non-streamed result. Content goes out as generated,
+except what could still belong to a call. A call is announced once its name
+is complete; its arguments stream as a prefix of the non-streamed
+`arguments` that cannot change. At the end the whole text is parsed once
+more. When it has no calls (a block was no call), the held text goes out as
+content, so content still adds up, but calls already announced cannot be
+taken back (vLLM streams them too).
 """
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import Any, Callable, Protocol
 
-from partial_json_parser import loads as partial_loads
+from detent.server import tool_parser_json as json_calls
+from detent.server import tool_parser_xml as xml_calls
+from detent.server.tool_stream import Call, Tools, call_id
 
-from detent.server.tool_stream import COMPLETE_SCALARS, call_id, reread_due
 
-PARSERS: tuple[str, ...] = ("hermes", "llama3_json")
+class CallReader(Protocol):
+    """A parser step by step, for one stream (made per stream from the request's tools)."""
+    done: list[Call]  # the calls finished so far, in order
 
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_PYTHON_TAG = "<|python_tag|>"
-_ARGUMENT_KEYS = {"hermes": ("arguments",), "llama3_json": ("arguments", "parameters")}
-_DECODER = json.JSONDecoder()
+    def content_end(self, text: str, shown: int) -> tuple[int, int]:
+        """(how far the text is content for now, where the calls begin or -1); `text[:shown]` went out."""
 
-Call = tuple[str, str]  # (name, arguments as JSON text)
+    def scan(self, text: str) -> Call | None:
+        """Moves past the calls finished since the last step; the open call's name and arguments so far, if any."""
+
+
+Extract = Callable[[str, Tools], tuple[str | None, list[Call]]]
+
+# Each parser by its vLLM name: how a finished text is read, and the reader a stream reads it with step by step.
+_FORMATS: dict[str, tuple[Extract, Callable[[Tools], CallReader]]] = {
+    "hermes": (json_calls.extract_hermes, json_calls.HermesReader),
+    "llama3_json": (json_calls.extract_llama, json_calls.LlamaReader),
+    xml_calls.PARSER: (xml_calls.extract, xml_calls.XmlReader),
+}
+PARSERS: tuple[str, ...] = tuple(_FORMATS)
 
 
 def _check(parser: str) -> None:
@@ -62,103 +54,25 @@ def _check(parser: str) -> None:
         raise ValueError(f"unknown tool call parser {parser!r}; Detent has {', '.join(PARSERS)}")
 
 
-def _as_call(value: Any, keys: tuple[str, ...]) -> Call | None:
-    """The call a parsed block or object holds, or None when it is not one."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    key = next((k for k in keys if k in value), None)
-    return None if key is None else (value["name"], json.dumps(value[key], ensure_ascii=False))
-
-
-def _loads_call(body: str, keys: tuple[str, ...]) -> Call | None:
-    try:
-        return _as_call(json.loads(body), keys)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _decode_at(text: str, start: int) -> tuple[Any, int] | None:
-    """The JSON value at `start` and where it ends, or None (unfinished, or not JSON)."""
-    try:
-        return _DECODER.raw_decode(text, start)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _tag_tail(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could be the start of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
-def _llama_starts_calls(text: str) -> bool | None:
-    """llama3_json: whether the text is calls (True) or content (False); None while it cannot tell."""
-    head = text.lstrip()
-    if head.startswith(("{", _PYTHON_TAG)):
-        return True
-    return None if not head or _PYTHON_TAG.startswith(head) else False
-
-
-def _extract_hermes(text: str) -> tuple[str | None, list[Call]]:
-    first = text.find(_OPEN)
-    if first < 0:
-        return text, []
-    calls: list[Call] = []
-    pos = first
-    while (start := text.find(_OPEN, pos)) >= 0:
-        body = start + len(_OPEN)
-        end = text.find(_CLOSE, body)
-        call = _loads_call(text[body:] if end < 0 else text[body:end], _ARGUMENT_KEYS["hermes"])
-        if call is None:
-            return text, []
-        calls.append(call)
-        if end < 0:
-            break
-        pos = end + len(_CLOSE)
-    return text[:first] or None, calls
-
-
-def _extract_llama(text: str) -> tuple[str | None, list[Call]]:
-    if not _llama_starts_calls(text):
-        return text, []
-    calls: list[Call] = []
-    pos = 0
-    while (start := text.find("{", pos)) >= 0:
-        decoded = _decode_at(text, start)
-        call = None if decoded is None else _as_call(decoded[0], _ARGUMENT_KEYS["llama3_json"])
-        if call is None:
-            return text, []
-        calls.append(call)
-        pos = decoded[1] + 1  # + 1: the `{` vLLM skips
-    return (None, calls) if calls else (text, [])
-
-
-def extract_tool_calls(parser: str, text: str) -> tuple[str | None, list[Call]]:
-    """(content, [(name, arguments_json), ...]) of a finished output; no calls -> (text, [])."""
+def extract_tool_calls(parser: str, text: str, tools: Tools = None) -> tuple[str | None, list[Call]]:
+    """(content, [(name, arguments_json), ...]) of a finished output; no calls -> (text, []).
+    `tools`: the request's, which qwen3_coder converts parameter values by."""
     _check(parser)
-    return _extract_hermes(text) if parser == "hermes" else _extract_llama(text)
+    return _FORMATS[parser][0](text, tools)
 
 
 class AutoToolStream:
-    """One choice's stream under tool_choice "auto": next(delta, finished) -> (content_piece, tool_call_deltas)."""
+    """One choice's stream under tool_choice "auto": next(delta, finished) -> (content_piece, tool_call_deltas).
+    The parser's reader says where the calls begin and reads them; the stream sends what is new."""
 
-    def __init__(self, parser: str):
+    def __init__(self, parser: str, tools: Tools = None):
         _check(parser)
-        self.hermes = parser == "hermes"
-        self.parser, self.keys = parser, _ARGUMENT_KEYS[parser]
+        self.parser, self.tools = parser, tools
+        self.reader = _FORMATS[parser][1](tools)
         self.text = ""
         self.shown = 0  # text[:shown] went out as content
-        self.plain = False  # llama3_json: the text is content, all of it
         self.calls_at = -1  # where the calls begin (from there on nothing is content until the end); -1: not yet
-        self.pos = 0  # where to look for the next call's start
-        self.open_at = -1  # where the call being generated begins (hermes: its body); -1: none
-        self.close_from = 0  # hermes: where to look for the open block's `</tool_call>`
-        self.read_len = 0  # the open call's length at its last re-read
-        self.done: list[Call] = []  # finished calls, in order
-        self.settled = 0  # the finished calls sent whole
-        self.broken = False  # a finished block or object was no call: the text will end as content
+        self.settled = 0  # the reader's finished calls sent whole
         self.names: list[str] = []  # announced calls
         self.sent: list[str] = []  # per announced call, the arguments sent so far
         self.finished = False
@@ -172,97 +86,23 @@ class AutoToolStream:
             self.finished = True
             return self._finish(out), out
         piece = self._content()
-        if self.calls_at >= 0 and not self.broken:
-            partial = self._scan_hermes() if self.hermes else self._scan_llama()
-            for i in range(self.settled, len(self.done)):  # finished since the last step: sent whole
-                self._send(out, i, *self.done[i])
-            self.settled = len(self.done)
-            if isinstance(partial, dict) and isinstance(partial.get("name"), str):
-                key = next((k for k in self.keys if k in partial), None)
-                args = "" if key is None else json.dumps(partial[key], ensure_ascii=False).rstrip("]}")
-                self._send(out, len(self.done), partial["name"], args)
+        if self.calls_at >= 0:
+            open_call = self.reader.scan(self.text)
+            done = self.reader.done
+            for i in range(self.settled, len(done)):  # finished since the last step: sent whole
+                self._send(out, i, *done[i])
+            self.settled = len(done)
+            if open_call is not None:
+                self._send(out, len(done), *open_call)
         return piece, out
 
     def _content(self) -> str:
         """The content piece sendable now; sets `calls_at` once the calls begin."""
-        text = self.text
         if self.calls_at >= 0:
             return ""
-        if self.hermes:
-            # Nothing before `shown` can begin the tag: a possible start was held back.
-            upto = text.find(_OPEN, self.shown)
-            if upto >= 0:
-                self.calls_at = self.pos = upto
-            else:
-                upto = len(text) - _tag_tail(text, _OPEN)
-        else:
-            if not self.plain:
-                starts = _llama_starts_calls(text)
-                if starts is None:
-                    return ""
-                if starts:
-                    self.calls_at = 0
-                    return ""
-                self.plain = True
-            upto = len(text)
-        piece, self.shown = text[self.shown:upto], upto
+        upto, self.calls_at = self.reader.content_end(self.text, self.shown)
+        piece, self.shown = self.text[self.shown:upto], upto
         return piece
-
-    def _due(self, length: int) -> bool:
-        """Whether to re-read the open call (`length` characters so far) this step."""
-        if not reread_due(length, self.read_len):
-            return False
-        self.read_len = length
-        return True
-
-    def _close(self, call: Call | None) -> bool:
-        """Records a finished call; False (and no more calls streamed) when it was none."""
-        if call is None:
-            self.broken = True
-            return False
-        self.done.append(call)
-        self.open_at = -1
-        return True
-
-    def _scan_hermes(self) -> Any:
-        """Moves past the blocks finished since the last step; the open block's partial value, if any."""
-        text = self.text
-        while True:
-            if self.open_at < 0:
-                start = text.find(_OPEN, self.pos)
-                if start < 0:  # a tag still arriving can only have begun within its length of the end
-                    self.pos = max(self.pos, len(text) - len(_OPEN) + 1)
-                    return None
-                self.open_at = self.close_from = start + len(_OPEN)
-                self.read_len = 0
-            end = text.find(_CLOSE, self.close_from)
-            if end < 0:
-                self.close_from = max(self.close_from, len(text) - len(_CLOSE) + 1)
-                if not self._due(len(text) - self.open_at):
-                    return None
-                return _partial(text[self.open_at:len(text) - _tag_tail(text, _CLOSE)])
-            if not self._close(_loads_call(text[self.open_at:end], self.keys)):
-                return None
-            self.pos = end + len(_CLOSE)
-
-    def _scan_llama(self) -> Any:
-        """Moves past the objects finished since the last step; the open object's partial value, if any."""
-        text = self.text
-        while True:
-            if self.open_at < 0:
-                start = text.find("{", self.pos)
-                if start < 0:
-                    self.pos = max(self.pos, len(text))  # not back onto a `{` skipped just after an object
-                    return None
-                self.open_at, self.read_len = start, 0
-            if not self._due(len(text) - self.open_at):
-                return None
-            decoded = _decode_at(text, self.open_at)
-            if decoded is None:  # unfinished (or never JSON: the end will tell)
-                return _partial(text[self.open_at:])
-            if not self._close(_as_call(decoded[0], self.keys)):
-                return None
-            self.pos = decoded[1] + 1  # + 1: the `{` vLLM skips
 
     def _send(self, out: list[dict[str, Any]], i: int, name: str, args: str) -> None:
         """Announces call i, or sends what `args` adds to what was sent. Called once per call per step."""
@@ -280,16 +120,8 @@ class AutoToolStream:
 
     def _finish(self, out: list[dict[str, Any]]) -> str:
         """The last step: the whole text parsed once; what was held goes out as calls or as content."""
-        content, calls = extract_tool_calls(self.parser, self.text)
+        content, calls = extract_tool_calls(self.parser, self.text, self.tools)
         for i, (name, args) in enumerate(calls):
             self._send(out, i, name, args)
         # With calls, the content is the text before them, all of which went out already.
         return (content or "")[self.shown:] if calls else self.text[self.shown:]
-
-
-def _partial(body: str) -> Any:
-    """The value parsed so far, complete scalars only; None before there is one (or when it is no JSON)."""
-    try:
-        return partial_loads(body, COMPLETE_SCALARS)
-    except Exception:  # the model's text may be anything; on some garbage the library fails an assert or an index
-        return None

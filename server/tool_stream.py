@@ -19,16 +19,21 @@ began, or the whole text parses at the end.
 Re-reading costs the length of the text, on the event loop: past
 `EVERY_STEP_CHARS` the text is re-read only once it has grown by a
 sixteenth (`reread_due`), so a long output costs linear time in all, in
-larger pieces. server/tool_parsers.py reads calls the same way.
+larger pieces. server/tool_parsers.py reads calls the same way, and its
+streams share the helpers here (`call_id`, and `content_until`: content held
+back where a call's tag could begin).
 """
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 from partial_json_parser import Allow, MalformedJSON
 from partial_json_parser import loads as partial_loads
+
+Call = tuple[str, str]  # a call the model chose to write: (name, arguments as JSON text)
+Tools = Sequence[dict[str, Any]] | None  # the request's tools, chat's shape: {"type": "function", "function": {...}}
 
 COMPLETE_SCALARS = Allow.OBJ | Allow.ARR  # open objects and arrays are kept; unfinished scalars are not
 EVERY_STEP_CHARS = 16384
@@ -38,6 +43,24 @@ def reread_due(length: int, last_read: int) -> bool:
     """Whether a text now `length` long, last read at `last_read`, is re-read this step:
     always below EVERY_STEP_CHARS, past it once it has grown by a sixteenth."""
     return length <= EVERY_STEP_CHARS or length * 16 >= last_read * 17
+
+
+def tag_tail(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could be the start of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def content_until(text: str, shown: int, tags: tuple[str, ...]) -> tuple[int, int]:
+    """(how far `text` may go out as content, where the first of `tags` in it begins or -1): content
+    stops at a tag and holds back a tail that could begin one. Nothing before `shown` begins a
+    tag: a possible start was held back."""
+    found = [at for tag in tags if (at := text.find(tag, shown)) >= 0]
+    if found:
+        return min(found), min(found)
+    return len(text) - max(tag_tail(text, tag) for tag in tags), -1
 
 
 def call_id() -> str:

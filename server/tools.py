@@ -49,8 +49,9 @@ def tool_constraint(tools: list[dict] | None, choice: Any,
         if auto_parser is not None:
             return None, None  # free text, read for calls afterwards (server/chat_output.py)
         raise bad_request("tool_choice 'auto' (the default with tools) needs a tool-call parser: start "
-                          "detent-serve with --enable-auto-tool-choice --tool-call-parser hermes|llama3_json, "
-                          "or use tool_choice 'required' or name a function", "tool_choice")
+                          "detent-serve with --enable-auto-tool-choice --tool-call-parser "
+                          "hermes|llama3_json|qwen3_coder, or use tool_choice 'required' or name a function",
+                          "tool_choice")
     if choice == "required":
         one_call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
                      "required": ["name", "parameters"]} for n, p in fns.items()]

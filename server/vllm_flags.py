@@ -77,8 +77,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     # must refuse startup by name (server/cli.py main), not fail importing the CLI
     from detent.server.tool_parsers import PARSERS as TOOL_PARSERS
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
-                   help="how tool calls are written: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3) or "
-                        "llama3_json (Llama 3.1/3.2's JSON calls)")
+                   help="how tool calls are written: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3), "
+                        "llama3_json (Llama 3.1/3.2's JSON calls) or qwen3_coder (<tool_call><function=NAME>"
+                        "<parameter=NAME>...: Qwen3-Coder, Qwen3.5; values typed by the request's tool schemas)")
 
 
 def load_chat_template(value: str) -> str:
@@ -131,8 +132,8 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--kv-cache-dtype {a.kv_cache_dtype}: Detent keeps the KV cache in the model's dtype; only "
                 "'auto' is taken")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
-        p.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): how the model writes "
-                "its calls")
+        p.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or qwen3_coder): how the "
+                "model writes its calls")
     if not a.enable_chunked_prefill:
         p.error("--no-enable-chunked-prefill: Detent always chunks long prompts (--max-num-batched-tokens), and a "
                 "request's bits are the same however its prompt is chunked; drop the flag")

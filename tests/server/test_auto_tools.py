@@ -1,10 +1,11 @@
 """`tool_choice: "auto"` under `--enable-auto-tool-choice --tool-call-parser
-hermes` with `--reasoning-parser qwen3`, through the official openai client
-against a real server: outputs forced with `golden_token_ids` come back as
-content, reasoning and `tool_calls`, the stream's pieces adding up to the
-non-streamed message (OpenAI's own stream accumulator); without the flags
-"auto" is a 400 naming them. Unit: when a constraint binds after the
-reasoning block (`_output_shape`)."""
+hermes` with `--reasoning-parser qwen3`, and under `--tool-call-parser
+qwen3_coder` (XML calls, values typed by the request's tools), through the
+official openai client against a real server: outputs forced with
+`golden_token_ids` come back as content, reasoning and `tool_calls`, the
+stream's pieces adding up to the non-streamed message (OpenAI's own stream
+accumulator); without the flags "auto" is a 400 naming them. Unit: when a
+constraint binds after the reasoning block (`_output_shape`)."""
 from __future__ import annotations
 
 import json
@@ -40,10 +41,10 @@ def agent(agent_server):
     return openai_client(agent_server)
 
 
-def _ask(client, server, text: str, stream: bool = False, **kw):
+def _ask(client, server, text: str, stream: bool = False, tools=TOOLS, **kw):
     ids = token_ids(server, text) + [EOS]  # ends as the model would: finish_reason "stop"
     return client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, max_tokens=len(ids),
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools, max_tokens=len(ids),
         temperature=0, stream=stream, extra_body={"golden_token_ids": ids}, **kw)
 
 
@@ -85,6 +86,39 @@ def test_text_without_a_call_stays_content(agent, agent_server):
         ("I will use <tool but no call.", None, "stop")
     bad = _ask(agent, agent_server, "</think>" + CALL.replace('"city"', "city")).choices[0]
     assert bad.message.tool_calls is None and bad.message.content == CALL.replace('"city"', "city")
+
+
+CODER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
+
+
+def _xml_call(city: str, days: str) -> str:
+    return (f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+            f"<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def coder_server(tiny_model):
+    with launch(real_argv("--model", tiny_model, "--api-key", API_KEY, "--max-model-len", "1024",
+                          "--served-model-name", MODEL, "--enable-auto-tool-choice",
+                          "--tool-call-parser", "qwen3_coder")) as s:
+        yield s
+
+
+def test_qwen3_coder_calls_streamed_and_not(coder_server):
+    coder = openai_client(coder_server)
+    text = "Let me check.\n" + _xml_call("Paris", "3") + "\n" + _xml_call("Lyon", "two")
+    choice = _ask(coder, coder_server, text, tools=CODER_TOOLS).choices[0]
+    assert (choice.message.content, choice.finish_reason) == ("Let me check.\n", "tool_calls")
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    # days: an integer by the tool's schema; "two" is not one, and stays a string
+    assert calls == [("get_weather", '{"city": "Paris", "days": 3}'), ("get_weather", '{"city": "Lyon", "days": "two"}')]
+    streamed = _accumulated(list(_ask(coder, coder_server, text, stream=True, tools=CODER_TOOLS)))
+    assert (streamed.message.content, streamed.finish_reason) == ("Let me check.\n", "tool_calls")
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == calls
+    plain = _ask(coder, coder_server, "No call: <function=get_weather", tools=CODER_TOOLS).choices[0]
+    assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == \
+        ("No call: <function=get_weather", None, "stop")
 
 
 def test_auto_needs_the_flags(server):

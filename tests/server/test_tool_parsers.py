@@ -1,7 +1,8 @@
-"""server/tool_parsers.py: the non-streamed results of vLLM's hermes and
-llama3_json parsers, and streams that add up to them however the text is cut
-into steps (every two-piece cut, one character a step, random cuts with
-empty steps)."""
+"""server/tool_parsers.py with server/tool_parser_json.py: the non-streamed
+results of vLLM's hermes and llama3_json parsers, and streams that add up to
+them however the text is cut into steps (every two-piece cut, one character a
+step, random cuts with empty steps). qwen3_coder: test_tool_parser_xml.py,
+which feeds its streams with `feed`, `splits` and `glued` from here."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detent.server import tool_parsers, tool_stream
+from detent.server import tool_parser_json, tool_stream
 from detent.server.tool_parsers import PARSERS, AutoToolStream, extract_tool_calls
+
+JSON_PARSERS = ("hermes", "llama3_json")
 
 _WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 _B = '{"name": "b", "arguments": {"y": [1, 2.5, true, null, -3e2], "z": {"w": "}]\\"{"}, "e": {}, "l": []}}'
@@ -78,9 +81,10 @@ CASES = [("hermes", *c) for c in HERMES] + [("llama3_json", *c) for c in LLAMA]
 _ID = re.compile(r"call_[0-9a-f]{24}")
 
 
-def _stream(parser: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[tuple[str, list[dict]]]]:
+def feed(parser: str, pieces: list[str], tools: list[dict] | None = None
+         ) -> tuple[str, list[tuple[str, str]], list[tuple[str, list[dict]]]]:
     """Feeds the pieces, the last one finishing, checking each delta's shape: (content, calls, each step's output)."""
-    stream = AutoToolStream(parser)
+    stream = AutoToolStream(parser, tools)
     content, calls, ids, steps = "", [], set(), []
     for k, piece in enumerate(pieces):
         text, deltas = stream.next(piece, k == len(pieces) - 1)
@@ -101,7 +105,7 @@ def _stream(parser: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]],
     return content, calls, steps
 
 
-def _splits(text: str):
+def splits(text: str):
     yield [text, ""]
     for cut in range(len(text) + 1):
         yield [text[:cut], text[cut:]]
@@ -122,8 +126,8 @@ def test_extract(parser, text, content, calls):
 
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
 def test_stream_adds_up(parser, text, content, calls):
-    for pieces in _splits(text):
-        got_content, got_calls, _ = _stream(parser, pieces)
+    for pieces in splits(text):
+        got_content, got_calls, _ = feed(parser, pieces)
         assert got_content == (content or ""), pieces
         if calls and text != _BOTH:  # _BOTH: test_parameters_then_arguments
             assert got_calls == calls, pieces
@@ -151,19 +155,19 @@ def test_arguments_stream_while_generated():
 
 
 def test_possible_tag_held_back():
-    assert _stream("hermes", ["I will use <tool", ""])[2] == [("I will use ", []), ("<tool", [])]
-    assert _stream("hermes", ["a <tool_c", "x> b", ""])[2] == [("a ", []), ("<tool_cx> b", []), ("", [])]
-    assert _stream("hermes", ["a <tool_c", "all> b", ""])[2] == [("a ", []), ("", []), ("<tool_call> b", [])]
-    steps = _stream("hermes", ["Hi <tool_", "call>{", '"name": "f", "arguments": {}}', ""])[2]
+    assert feed("hermes", ["I will use <tool", ""])[2] == [("I will use ", []), ("<tool", [])]
+    assert feed("hermes", ["a <tool_c", "x> b", ""])[2] == [("a ", []), ("<tool_cx> b", []), ("", [])]
+    assert feed("hermes", ["a <tool_c", "all> b", ""])[2] == [("a ", []), ("", []), ("<tool_call> b", [])]
+    steps = feed("hermes", ["Hi <tool_", "call>{", '"name": "f", "arguments": {}}', ""])[2]
     assert [s[0] for s in steps] == ["Hi ", "", "", ""]
     assert steps[2][1][0]["function"] == {"name": "f", "arguments": "{"} and steps[3][1] == [
         {"index": 0, "function": {"arguments": "}"}}]
 
 
 def test_llama_content_streams_at_once():
-    assert _stream("llama3_json", [" ", "\nHi", " there", ""])[2] == [("", []), (" \nHi", []), (" there", []), ("", [])]
-    assert [s[0] for s in _stream("llama3_json", ["<|py", "thon_tag|>x = 1", ""])[2]] == ["", "", "<|python_tag|>x = 1"]
-    steps = _stream("llama3_json", ["<|py", 'thon_tag|>{"name": "f", "parameters": {"a": 1', "}}", ""])[2]
+    assert feed("llama3_json", [" ", "\nHi", " there", ""])[2] == [("", []), (" \nHi", []), (" there", []), ("", [])]
+    assert [s[0] for s in feed("llama3_json", ["<|py", "thon_tag|>x = 1", ""])[2]] == ["", "", "<|python_tag|>x = 1"]
+    steps = feed("llama3_json", ["<|py", 'thon_tag|>{"name": "f", "parameters": {"a": 1', "}}", ""])[2]
     assert [s[0] for s in steps] == ["", "", "", ""]
     assert steps[1][1][0]["function"] == {"name": "f", "arguments": "{"}
     assert steps[2][1] == [{"index": 0, "function": {"arguments": '"a": 1}'}}] and steps[3][1] == []
@@ -171,7 +175,7 @@ def test_llama_content_streams_at_once():
 
 def test_bad_block_held_text_becomes_content():
     text = f'<tool_call>{_WEATHER}</tool_call><tool_call>{{"name": "b", "arguments": [}}</tool_call>'
-    content, calls, steps = _stream("hermes", [text[:70], text[70:], ""])
+    content, calls, steps = feed("hermes", [text[:70], text[70:], ""])
     assert content == text and calls == [("get_weather", '{"city": "Paris", "unit": "celsius"}')]
     assert steps[-1] == (text, [])  # all of it at the end, no further call
 
@@ -181,17 +185,22 @@ _ATOMS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "{", "}", "[", "]", '
           '{"name": "g", "arguments": {"k": [1, "}"]}}', '{"name": "h", "parameters": {}}']
 
 
+def glued(atoms: list[str], seed: int, most: int) -> tuple[str, list[str]]:
+    """A text of up to `most` atoms drawn at random, and the text cut at random (then an empty last step)."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, most)))
+    cuts = sorted({0, len(text), *(rng.randint(0, len(text)) for _ in range(rng.randint(0, 8)))})
+    return text, [text[a:b] for a, b in zip(cuts, cuts[1:])] + [""]
+
+
 def test_fragments_stream_as_parsed():
     """Texts glued from tags and JSON fragments, cut at random: content always adds up, calls whenever there are."""
     called = 0
     for seed in range(1500):
-        rng = random.Random(seed)
-        text = "".join(rng.choice(_ATOMS) for _ in range(rng.randint(0, 16)))
-        cuts = sorted({0, len(text), *(rng.randint(0, len(text)) for _ in range(rng.randint(0, 8)))})
-        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:])] + [""]
-        for parser in PARSERS:
+        text, pieces = glued(_ATOMS, seed, 16)
+        for parser in PARSERS:  # qwen3_coder too: these texts are content to it
             content, calls = extract_tool_calls(parser, text)
-            got_content, got_calls, _ = _stream(parser, pieces)
+            got_content, got_calls, _ = feed(parser, pieces)
             assert got_content == (content or ""), (parser, pieces)
             assert not calls or got_calls == calls, (parser, pieces)
             called += bool(calls)
@@ -201,8 +210,8 @@ def test_fragments_stream_as_parsed():
 def test_parameters_then_arguments():
     # What streamed from "parameters" cannot be taken back once "arguments" follows (vLLM's stream fails there too);
     # an object that arrives whole streams as the non-streamed call.
-    assert _stream("llama3_json", [*_BOTH, ""])[1] == [("f", '{"p": 1')]
-    assert _stream("llama3_json", [_BOTH, ""])[1] == [("f", '{"a": 2}')]
+    assert feed("llama3_json", [*_BOTH, ""])[1] == [("f", '{"p": 1')]
+    assert feed("llama3_json", [_BOTH, ""])[1] == [("f", '{"a": 2}')]
 
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
@@ -214,7 +223,7 @@ _layouts = st.sampled_from([{}, {"indent": 2}, {"separators": (",", ":")}, {"ens
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(PARSERS), st.lists(st.tuples(st.sampled_from(["f", "get_time", "x}]"]), _values), min_size=1,
+@given(st.sampled_from(JSON_PARSERS), st.lists(st.tuples(st.sampled_from(["f", "get_time", "x}]"]), _values), min_size=1,
                                           max_size=3),
        _layouts, st.text(max_size=6), st.lists(st.integers(0, 10**4), max_size=30))
 def test_generated_calls_stream_as_parsed(parser, calls, layout, prose, cuts):
@@ -228,13 +237,13 @@ def test_generated_calls_stream_as_parsed(parser, calls, layout, prose, cuts):
     assert got == want and content == (prose or None if parser == "hermes" else None)
     bounds = sorted({0, len(text), *[c % (len(text) + 1) for c in cuts]})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] + [""]
-    assert _stream(parser, pieces)[:2] == (content or "", want)
+    assert feed(parser, pieces)[:2] == (content or "", want)
 
 
 def test_long_arguments_add_up():
     value = "x\u00e9" * 20000  # past EVERY_STEP_CHARS: re-read once per sixteenth of growth
     text = f'<tool_call>{{"name": "w", "arguments": {{"a": [1, 2], "body": "{value}", "z": 1}}}}</tool_call>'
-    _, calls, steps = _stream("hermes", [text[k:k + 97] for k in range(0, len(text), 97)] + [""])
+    _, calls, steps = feed("hermes", [text[k:k + 97] for k in range(0, len(text), 97)] + [""])
     assert calls == [("w", json.dumps({"a": [1, 2], "body": value, "z": 1}, ensure_ascii=False))]
     sent = [d[0]["function"]["arguments"] for _, d in steps if d]
     assert sent[0] == '{"a": [1, 2' and sent[1].startswith('], "body": "x') and len(sent) == 2
@@ -244,11 +253,11 @@ def test_bound_skips_rereads(monkeypatch):
     monkeypatch.setattr(tool_stream, "EVERY_STEP_CHARS", 64)
     text = '{"name": "f", "parameters": {"k": [' + ", ".join(str(i) for i in range(300)) + "]}}"
     for pieces in ([*text, ""], [text[:40], text[40:], ""]):
-        content, calls, steps = _stream("llama3_json", pieces)
+        content, calls, steps = feed("llama3_json", pieces)
         assert content == "" and calls == [("f", json.dumps({"k": list(range(300))}))]
     reads = []
-    monkeypatch.setattr(tool_parsers, "_partial", lambda body: reads.append(len(body)))
-    _stream("llama3_json", [*text, ""])
+    monkeypatch.setattr(tool_parser_json, "_partial", lambda body: reads.append(len(body)))
+    feed("llama3_json", [*text, ""])
     assert len(reads) < 120 < len(text)  # one a step up to the bound, then one per sixteenth of growth
 
 
@@ -256,7 +265,7 @@ def test_unknown_parser_and_reuse():
     for make in (lambda: extract_tool_calls("mistral", "x"), lambda: AutoToolStream("mistral")):
         with pytest.raises(ValueError, match="'mistral'.*hermes, llama3_json"):
             make()
-    assert PARSERS == ("hermes", "llama3_json")
+    assert PARSERS == ("hermes", "llama3_json", "qwen3_coder")
     stream = AutoToolStream("hermes")
     stream.next("x", True)
     with pytest.raises(RuntimeError):

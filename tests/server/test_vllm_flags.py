@@ -46,6 +46,8 @@ def test_engine_flags_reach_the_engine():
 def test_reasoning_and_tool_parser_flags():
     a = parse_args(["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert (a.reasoning_parser, a.enable_auto_tool_choice, a.tool_call_parser) == ("qwen3", True, "hermes")
+    assert parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]).tool_call_parser == \
+        "qwen3_coder"
     a = parse_args([])
     assert (a.reasoning_parser, a.enable_auto_tool_choice, a.tool_call_parser) == (None, False, None)
     for bad in (["--enable-auto-tool-choice"], ["--reasoning-parser", "granite"], ["--tool-call-parser", "mistral"]):
