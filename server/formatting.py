@@ -11,6 +11,15 @@ import math
 from typing import Any, Callable, Sequence
 
 
+def tag_tail(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could be the start of `tag` (a proper prefix of it):
+    what a stream holds back until it knows (reasoning tags, tool-call tags)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
 def _lp(x: Any) -> float:
     v = float(getattr(x, "logprob", x))
     return v if math.isfinite(v) else -9999.0  # JSON has no -inf; OpenAI clients expect numbers

@@ -23,16 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from detent.server.formatting import tag_tail
+
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could be the start of `tag` (a proper prefix of it)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +89,7 @@ class ReasoningStream:
         reasoning, end, content = body.partition(END)
         if end:
             return reasoning, content
-        return body[:len(body) - _held(body, END)], ""
+        return body[:len(body) - tag_tail(body, END)], ""
 
     def next(self, delta: str, finished: bool) -> tuple[str, str]:
         self.text += delta

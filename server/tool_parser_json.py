@@ -40,7 +40,8 @@ from typing import Any
 
 from partial_json_parser import loads as partial_loads
 
-from detent.server.tool_stream import COMPLETE_SCALARS, Call, Tools, content_until, reread_due, tag_tail
+from detent.server.formatting import tag_tail
+from detent.server.tool_stream import COMPLETE_SCALARS, Call, Tools, content_until, reread_due
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"

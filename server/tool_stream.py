@@ -32,6 +32,8 @@ from typing import Any, Sequence
 from partial_json_parser import Allow, MalformedJSON
 from partial_json_parser import loads as partial_loads
 
+from detent.server.formatting import tag_tail
+
 Call = tuple[str, str]  # a call the model chose to write: (name, arguments as JSON text)
 Tools = Sequence[dict[str, Any]] | None  # the request's tools, chat's shape: {"type": "function", "function": {...}}
 
@@ -43,14 +45,6 @@ def reread_due(length: int, last_read: int) -> bool:
     """Whether a text now `length` long, last read at `last_read`, is re-read this step:
     always below EVERY_STEP_CHARS, past it once it has grown by a sixteenth."""
     return length <= EVERY_STEP_CHARS or length * 16 >= last_read * 17
-
-
-def tag_tail(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could be the start of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def content_until(text: str, shown: int, tags: tuple[str, ...]) -> tuple[int, int]:
