@@ -12,10 +12,9 @@ from __future__ import annotations
 import random
 
 import httpx
-import openai
 import pytest
 
-from server_helpers import API_KEY, launch, real_argv
+from server_helpers import API_KEY, launch, openai_client, real_argv, token_ids
 
 from detent.server.reasoning import ReasoningParser
 
@@ -98,23 +97,18 @@ def thinking_server(tiny_model):
         yield s
 
 
-def _forced(server, text: str) -> list[int]:
-    r = httpx.post(server.url + "/v1/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=AUTH)
-    return r.json()["tokens"]
-
-
 THOUGHT = "<think>\nThe user greets me. </think>\n\nHello there!"
 
 
 def _ask(client, server, text, stream=False, **extra):
-    ids = _forced(server, text)
+    ids = token_ids(server, text)
     return client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=len(ids), temperature=0, stream=stream,
         extra_body={"golden_token_ids": ids, **extra})
 
 
 def test_reasoning_and_content_over_http(thinking_server):
-    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    client = openai_client(thinking_server)
     msg = _ask(client, thinking_server, THOUGHT).choices[0].message
     assert (msg.model_extra["reasoning"], msg.content) == ("\nThe user greets me. ", "\n\nHello there!")
     chunks = list(_ask(client, thinking_server, THOUGHT, stream=True))
@@ -138,7 +132,7 @@ def test_reasoning_and_content_over_http(thinking_server):
 
 def test_a_constrained_output_is_all_content(thinking_server):
     """A grammar binds the output from its first token, so it holds no reasoning block."""
-    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    client = openai_client(thinking_server)
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick"}], max_tokens=5,
                                        temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert r.choices[0].message.content in ("yes", "no")
@@ -155,10 +149,10 @@ def test_include_reasoning_false_without_a_parser_is_a_400(server):
 def test_reasoning_effort_is_a_template_variable(thinking_server):
     """Chat's `reasoning_effort` and Responses' `reasoning.effort` reach the chat template as
     `reasoning_effort`, as vLLM passes them; one differing from chat_template_kwargs' is a 400."""
-    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    client = openai_client(thinking_server)
     template = "effort={{ reasoning_effort }};{% for m in messages %}{{ m.content }}{% endfor %}"
-    want = len(_forced(thinking_server, "effort=low;Hi"))
-    assert want != len(_forced(thinking_server, "effort=;Hi"))
+    want = len(token_ids(thinking_server, "effort=low;Hi"))
+    assert want != len(token_ids(thinking_server, "effort=;Hi"))
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                           reasoning_effort="low", extra_body={"chat_template": template})
     assert chat.usage.prompt_tokens == want
@@ -207,8 +201,8 @@ def test_a_constraint_binds_after_a_one_token_think_end(tmp_path):
             "structured_outputs": {"choice": ["yes", "no"]}}
     with launch(real_argv("--model", model, "--api-key", API_KEY, "--max-model-len", "1024",
                           "--served-model-name", MODEL, "--reasoning-parser", "qwen3")) as s:
-        think = _forced(s, "<think>\nmaybe + or -\n</think>")
-        assert _forced(s, "</think>") == [8] and think[-1] == 8
+        think = token_ids(s, "<think>\nmaybe + or -\n</think>")
+        assert token_ids(s, "</think>") == [8] and think[-1] == 8
         r = httpx.post(s.url + "/v1/chat/completions", headers=AUTH, timeout=120,
                        json={**body, "golden_token_ids": think})
         assert r.status_code == 200, r.text
