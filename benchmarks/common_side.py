@@ -12,7 +12,7 @@ and `.num_cached_tokens`. Sampling is always greedy with ignore_eos.
 
 Prompts are token ids drawn by `random.Random(seed).randrange(10, hi)` with
 hi = min(128000, vocab_size), in the same order as vLLM's peer scripts
-(shared/tools/vllm-peer/bench.py: seed 0; cells.py: seed 1), so both engines
+(the peer bundle's bench.py: seed 0; cells.py: seed 1), so both engines
 see the same prompts as those scripts did.
 """
 from __future__ import annotations

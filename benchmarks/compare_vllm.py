@@ -2,7 +2,7 @@
 measurement, the same invariance cells, the same prompts and the same
 random-weights scale (issue 10).
 
-    # vLLM 0.20.2 (installed on the device under /tmp/vsite, shared/tools/vllm-peer):
+    # vLLM 0.20.2 (installed on the device under /tmp/vsite from the peer bundle):
     PYTHONPATH=/tmp/vsite python3 benchmarks/compare_vllm.py --engine vllm --mode stock --out R.json
     PYTHONPATH=/tmp/vsite python3 benchmarks/compare_vllm.py --engine vllm --mode bi --out R.json
     # Detent, three selection modes over one weights load per part group:

@@ -101,7 +101,9 @@ def set_mode(llm, mode: str, *, graphs: bool | str, capture_sizes: list[int] | N
     settings read by the kernels ("pinned+VAR=VAL"), candidate parameters
     added to one family's selection ("pinned+moe:fuse_glue=1",
     `selection.provider.FamilyOverride`) and tuple knobs
-    ("pinned+attention.impl=fa4": FlashAttention-4 for every step).
+    ("pinned+attention.impl=fa4": FlashAttention-4 for every step) and engine config
+    fields the graphs read ("pinned+config:piecewise_max_tokens=2048": steps of more
+    tokens run eagerly).
     graphs: False (every step eager), True or "decode" (decode graphs; steps with
     prompt rows eager: the harnesses' numbers up to lease 21), "serving" (the
     graphs `detent-serve` runs: decode, piecewise and whole-step graphs,
@@ -125,19 +127,20 @@ def set_mode(llm, mode: str, *, graphs: bool | str, capture_sizes: list[int] | N
             params.setdefault(fam, {})[name] = _value(v)
         else:
             os.environ[k] = v
+    config = params.pop("config", {})
     d, source = dispatcher_for(eng, base, knobs)
     for fam, extra in params.items():
         d = Dispatcher(FamilyOverride(d.provider, fam, extra=extra))
     eng.dispatcher = d
     eng.runner.dispatcher = d
-    out = {"mode": mode, "selection_source": source, "overrides": params, "knobs": knobs,
+    out = {"mode": mode, "selection_source": source, "overrides": params, "knobs": knobs, "config": config,
            "env": {k: v for k, v in os.environ.items() if k.startswith("DETENT_")}}
     if graphs == "serving":
         import dataclasses
 
         from detent.engine.graphs import GRAPH_ATTRS, enable_graphs
         t0 = time.time()  # the engine was built eager (build): its config asks for the graphs
-        enable_graphs(eng.runner, dataclasses.replace(eng.config, enforce_eager=False),
+        enable_graphs(eng.runner, dataclasses.replace(eng.config, enforce_eager=False, **config),
                       max_model_len=eng.state.max_model_len)
         out["graph_capture_s"] = time.time() - t0
         out["graphs"] = {name: (g.disabled or "captured") for name in GRAPH_ATTRS

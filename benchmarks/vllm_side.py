@@ -4,7 +4,7 @@ engine in one process. Imports vllm only here, never Detent.
 
     PYTHONPATH=/tmp/vsite python3 benchmarks/vllm_side.py SPEC_JSON   (started by compare_vllm.py)
 
-As shared/tools/vllm-peer/bench.py and cells.py: VLLM_ENABLE_V1_MULTIPROCESSING=0,
+As the vLLM peer bundle's bench.py and cells.py: VLLM_ENABLE_V1_MULTIPROCESSING=0,
 VLLM_USE_FLASHINFER_SAMPLER=0, mode "bi" sets VLLM_BATCH_INVARIANT=1 before
 vllm is imported; the model is a config.json written from Detent's preset
 (same shapes, rope and vocabulary as Detent's), load_format="dummy",

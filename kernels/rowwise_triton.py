@@ -42,6 +42,34 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, eps, H, NH, sx, sx1, sr
     tl.store(y_ptr + row * sy + cols, y, mask=mask)
 
 
+@lazy_jit
+def _rms_norm_rows_kernel(x_ptr, w_ptr, y_ptr, eps, H, NH, n_rows, sx, sx1, sy,
+                          BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """`_rms_norm_kernel` without the residual, ROWS rows per program: for narrow rows (Qwen3's
+    q/k norm: 128 wide, T x 32 rows), where one program per row spends its time on launch and
+    scheduling. ROWS follows the width only, so a row's place in a program does not follow the
+    batch; every row's reduction runs over the same tile layout (tests/gpu/test_gpu_rowwise.py
+    checks every offset)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < H)[None, :]
+    base = (rows // NH) * sx + (rows % NH) * sx1
+    x = tl.load(x_ptr + base[:, None] + cols[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / H
+    normed = (xf * tl.rsqrt(var + eps)[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
+    y = (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * sy + cols[None, :], y, mask=mask)
+
+
+# rows per program of the residual-free norm, by width: one program per row at 1,024 and
+# wider (every norm of a layer), 2,048 elements per program below (the heads' q/k norm)
+def norm_rows(width: int) -> int:
+    block = triton.next_power_of_2(width)
+    return 1 if block >= 1024 else 2048 // block
+
+
 @register("norm", "triton_rowwise", devices=("cuda",))
 def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None):
     name = "norm/triton_rowwise"
@@ -69,7 +97,12 @@ def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torc
         check_last_contiguous(name, "residual", r2)
         ro = empty_like(x2)
     rows = y.shape[0]
-    if rows:
+    per = norm_rows(h)
+    if rows and residual is None and per > 1:
+        _rms_norm_rows_kernel[(triton.cdiv(rows, per),)](
+            x2, w, y, float(eps), h, nh, rows, sx, sx1, y.stride(0),
+            BLOCK=triton.next_power_of_2(h), ROWS=per, num_warps=4)
+    elif rows:
         _rms_norm_kernel[(rows,)](
             x2, r2 if r2 is not None else x2, w, y, ro if ro is not None else y, float(eps), h, nh,
             sx, sx1, r2.stride(0) if r2 is not None else 0, y.stride(0),

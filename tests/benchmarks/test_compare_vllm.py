@@ -2,7 +2,7 @@
 random Llama (--tiny) through every part (decode, prefill, cells) in stock
 and pinned, the results file's keys and merge, the report's tables and PNG,
 and that the prompts are drawn exactly as vLLM's peer scripts draw them
-(shared/tools/vllm-peer/bench.py and cells.py, transcribed below as the oracle).
+(the vLLM peer bundle's bench.py and cells.py, transcribed below as the oracle).
 """
 from __future__ import annotations
 

@@ -35,6 +35,21 @@ def test_rms_norm(residual):
     _rows_invariant(lambda a, b: R.rms_norm_triton(a, w, 1e-5, b), x, r)
 
 
+@pytest.mark.parametrize("nh", [32, 4])
+def test_head_norm_rows_are_invariant_at_every_place_in_a_program(nh):
+    # Qwen3's q (32 heads) and k (4 heads) norm: several 128-wide rows per program; a token's
+    # heads land at other places in a program when tokens before it come or go
+    x = torch.randn(300, nh, 128, device="cuda", dtype=BF16)
+    w = 1 + 0.1 * torch.randn(128, device="cuda", dtype=BF16)
+    assert R.norm_rows(128) > 1
+    full = R.rms_norm_triton(x, w, 1e-6, None)
+    assert _rel(full, R.rms_norm_reference(x, w, 1e-6, None)) < 8e-3
+    for s in range(R.norm_rows(128) + 1):
+        assert torch.equal(R.rms_norm_triton(x[s:s + 37], w, 1e-6, None), full[s:s + 37]), s
+        flat = x[s:s + 37].reshape(-1, 128)[s:]  # rows (not tokens) shifted by s
+        assert torch.equal(R.rms_norm_triton(flat, w, 1e-6, None), full[s:s + 37].reshape(-1, 128)[s:]), s
+
+
 def test_rope():
     t = 256
     q = torch.randn(t, 32, 128, device="cuda", dtype=BF16)

@@ -43,6 +43,17 @@ def test_rms_norm_reads_heads_in_place():
     _close(out, R.rms_norm_reference(q, w, 1e-6, None))
 
 
+def test_narrow_rows_share_a_program_and_keep_their_bits_at_any_offset():
+    g = _gen(4)
+    x, w = torch.randn(45, 16, generator=g), torch.randn(16, generator=g)
+    per = R.norm_rows(16)
+    assert per > 1 and R.norm_rows(1024) == 1 and R.norm_rows(4096) == 1
+    full = R.rms_norm_triton(x, w, 1e-6, None)
+    _close(full, R.rms_norm_reference(x, w, 1e-6, None))
+    for s in (1, per - 1, per, per + 3):
+        assert torch.equal(R.rms_norm_triton(x[s:], w, 1e-6, None), full[s:]), s
+
+
 def test_rope():
     g = _gen(1)
     q, k = torch.randn(5, 4, 16, generator=g), torch.randn(5, 2, 16, generator=g)

@@ -57,6 +57,10 @@ out = {
                                                "ro_ptr": "*bf16", "eps": "fp32", "H": "i32", "NH": "i32", "sx": "i32",
                                                "sx1": "i32", "sr": "i32", "sy": "i32", "sro": "i32"},
                          {"HAS_RES": False, "BLOCK": 128}, num_warps=4),
+    "rms_norm_rows": compile_(rw._rms_norm_rows_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                                         "eps": "fp32", "H": "i32", "NH": "i32", "n_rows": "i32",
+                                                         "sx": "i32", "sx1": "i32", "sy": "i32"},
+                              {"BLOCK": 128, "ROWS": 16}, num_warps=4),
 }
 from detent.kernels import gumbel_triton as gt
 out["gumbel"] = compile_(gt._gumbel_argmax_kernel, {"z_ptr": "*fp32", "key_ptr": "*i64", "val_ptr": "*fp64",
@@ -124,7 +128,7 @@ def compiled():
 
 
 @pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm",
-                                  "gumbel", "gumbel_first_max", "attention_long_skip", "attention_short",
+                                  "rms_norm_rows", "gumbel", "gumbel_first_max", "attention_long_skip", "attention_short",
                                   "attention_combine_skip", "attention_exp2_long", "attention_exp2_decode_parallel",
                                   "attention_combine_exp2", "attention_long_prefetch_st3", "attention_short_parallel",
                                   "attention_combine_short"])
