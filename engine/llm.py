@@ -16,6 +16,7 @@ from detent.engine.config import EngineConfig
 from detent.engine.llm_engine import LLMEngine
 from detent.engine.outputs import RequestOutput
 from detent.engine.vllm_args import refuse_vllm_only
+from detent.models.tokenizer import cut_at_final_message, open_final_message
 from detent.sampling.params import SamplingParams
 
 PromptType = str | dict
@@ -115,15 +116,14 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
+            final = None
+            if continue_final_message:
+                conv, final = open_final_message(conv)
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt and not
                                            continue_final_message, tools=tools,
                                            chat_template=chat_template, **(chat_template_kwargs or {}))
-            if continue_final_message:
-                last = conv[-1].get("content") if conv else None
-                if not isinstance(last, str) or last not in text:
-                    raise ValueError("continue_final_message: the last message's content (a string) must appear "
-                                     "in the rendered conversation")
-                text = text[: text.rindex(last) + len(last)]
+            if final is not None:
+                text = cut_at_final_message(text, final)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -58,6 +58,42 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+# `continue_final_message` (transformers' and vLLM's field): the last message is rendered with this
+# tag after its text, and the prompt ends where the tag starts, so a template that keeps spacing keeps
+# the message's trailing spaces, and an earlier copy of the same text is never taken for it
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def open_final_message(messages: list[dict]) -> tuple[list[dict], str]:
+    """The messages to render for `continue_final_message` (the last one's text, or its last text
+    part, followed by the tag), and that text."""
+    if not messages:
+        raise ValueError("continue_final_message: the conversation is empty")
+    msgs = [dict(m) for m in messages]
+    content = msgs[-1].get("content")
+    if isinstance(content, str):
+        msgs[-1]["content"] = content + CONTINUE_TAG
+        return msgs, content
+    parts = list(content) if isinstance(content, list) else []
+    for i in reversed(range(len(parts))):
+        if isinstance(parts[i], dict) and isinstance(parts[i].get("text"), str):
+            final = parts[i]["text"]
+            parts[i] = {**parts[i], "text": final + CONTINUE_TAG}
+            msgs[-1]["content"] = parts
+            return msgs, final
+    raise ValueError("continue_final_message: the last message has no text to continue")
+
+
+def cut_at_final_message(rendered: str, final: str) -> str:
+    """The conversation rendered from `open_final_message`'s messages, cut where the tag starts
+    (and right-stripped there when the template trimmed the text's trailing spacing)."""
+    if final.strip() not in rendered or CONTINUE_TAG.strip() not in rendered:
+        raise ValueError("continue_final_message: the last message's text does not appear in the rendered "
+                         "conversation (the chat template drops or changes it)")
+    at = rendered.rindex(CONTINUE_TAG.strip())
+    return rendered[:at] if rendered.startswith(CONTINUE_TAG, at) else rendered[:at].rstrip()
+
+
 class Tokenizer:
     def __init__(self, path: str):
         self.path = path

@@ -149,8 +149,8 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = await chat.chat_prompt_ids(state, req.messages, req.add_generation_prompt, kwargs=chat.client_template(
-                req, state.limits.trust_request_chat_template))
+            ids = await chat.chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                             kwargs=chat.client_template(req, state.limits.trust_request_chat_template))
         else:
             ids = await state.preprocess.encode(req.prompt, "prompt", req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from detent.models.tokenizer import cut_at_final_message, open_final_message
 from detent.sampling.params import SamplingParams, StructuredOutputs
 from detent.server.chat_output import ChatOutput, ChoiceStream
 from detent.server.errors import bad_request
@@ -63,12 +64,19 @@ def client_template(req: ChatCompletionRequest | TokenizeRequest, trusted: bool)
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
                           param: str = "messages") -> list[int]:
-    text = await state.preprocess.render(messages_to_dicts(messages), add_generation_prompt and not
-                                         continue_final_message, kwargs or {}, param)
+    dicts, final = messages_to_dicts(messages), None
     if continue_final_message:
-        last = messages[-1].content if isinstance(messages[-1].content, str) else None
-        if last and last in text:
-            text = text[: text.rindex(last) + len(last)]
+        try:
+            dicts, final = open_final_message(dicts)
+        except ValueError as e:
+            raise bad_request(str(e), "continue_final_message") from None
+    text = await state.preprocess.render(dicts, add_generation_prompt and not continue_final_message,
+                                         kwargs or {}, param)
+    if final is not None:
+        try:
+            text = cut_at_final_message(text, final)
+        except ValueError as e:
+            raise bad_request(str(e), "continue_final_message") from None
     return await state.preprocess.encode(text, param, add_special_tokens=False)
 
 

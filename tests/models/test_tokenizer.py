@@ -48,6 +48,29 @@ def test_chat_template_matches_transformers(embedded_tokenizer, hf_tok):
         assert embedded_tokenizer.encode_chat(conv) == list(want_ids)
 
 
+def _continued(tok, conv, **kw):
+    from detent.models.tokenizer import cut_at_final_message, open_final_message
+    msgs, final = open_final_message(conv)
+    return cut_at_final_message(tok.apply_chat_template(msgs, add_generation_prompt=False, **kw), final)
+
+
+def test_continue_final_message_cuts_where_transformers_does(embedded_tokenizer, hf_tok):
+    from detent.models.tokenizer import CONTINUE_TAG, open_final_message
+    for last in ("The capital is", "  spaced, and repeated: is  ", "is", "and 3+3?"):
+        conv = CONVERSATIONS[1] + [{"role": "assistant", "content": last}]
+        want = hf_tok.apply_chat_template(conv, continue_final_message=True, tokenize=False)
+        assert _continued(embedded_tokenizer, conv) == want, last
+    parts = [{"type": "text", "text": "first"}, {"type": "image"}]  # content parts: the last text part
+    msgs, final = open_final_message([{"role": "assistant", "content": parts}])
+    assert final == "first" and msgs[0]["content"][0]["text"] == "first" + CONTINUE_TAG and parts[0]["text"] == "first"
+    upper = "{% for m in messages %}{{ m.content | upper }}{% endfor %}"
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "lower"}]
+    with pytest.raises(ValueError):
+        hf_tok.apply_chat_template(conv, chat_template=upper, continue_final_message=True, tokenize=False)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        _continued(embedded_tokenizer, conv, chat_template=upper)
+
+
 TOOLS_TEMPLATE = (
     "{%- for m in messages %}{% if loop.index0 > 5 %}{% break %}{% endif %}"
     "<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>\n{% endfor %}"

@@ -62,6 +62,20 @@ def test_chat_counts_and_template(client, server):
     assert r.model_extra["detent"]["tuple_hash"]
 
 
+def test_continue_final_message_ends_the_prompt_with_the_open_message(client, server):
+    # vLLM's field: the last (assistant) message stays open, and the model continues it
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    tok = httpx.post(server.url + "/v1/tokenize", json=body, headers=AUTH).json()
+    text = httpx.post(server.url + "/v1/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH).json()["prompt"]
+    assert text.endswith("My favourite is")
+    closed = httpx.post(server.url + "/v1/tokenize", json={**body, "continue_final_message": False}, headers=AUTH).json()
+    assert closed["count"] > tok["count"] and closed["tokens"][:tok["count"]] == tok["tokens"]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert r.usage.prompt_tokens == tok["count"]
+
+
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_stream_chunks_concatenate_to_nonstreamed(client, server, kind):
     if kind == "completions":

@@ -176,6 +176,23 @@ def test_client_templates_pass_only_when_trusted():
     assert client_template(plain, trusted=False) == {"flag": 1}
 
 
+def test_continue_final_message_through_a_template_that_drops_the_text_is_a_400(tokenizer):
+    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=tokenizer, served_model_names=["m"],
+                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
+                        limits=ServerLimits(trust_request_chat_template=True))
+    client = TestClient(build_app(state))
+    msgs = [*MSGS, {"role": "assistant", "content": "the answer is"}]
+    body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    ok = client.post("/v1/tokenize", json=body)
+    assert ok.status_code == 200
+    assert tokenizer.decode(ok.json()["tokens"], skip_special_tokens=False).endswith("the answer is")
+    upper = "{% for m in messages %}{{ m.content | upper }}{% endfor %}"
+    for path, extra in (("/v1/tokenize", {}), ("/v1/chat/completions", {"model": "m", "max_tokens": 1})):
+        r = client.post(path, json={**body, **extra, "chat_template": upper})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+        assert "drops or changes it" in r.json()["error"]["message"]
+
+
 def test_limit_flags_build_the_servers_limits():
     from detent.server.cli import parse_args
     a = parse_args(["--max-n", "4", "--request-timeout", "2.5", "--trust-request-chat-template",
