@@ -173,5 +173,7 @@ def _tune(a: argparse.Namespace) -> int:
                   "or a smaller --num-requests leaves time for it")
         else:
             print(f"confirmed on the engine, {c['fraction']:.0%} of the workload: default {c['default']:.4g}, "
-                  f"tuned {c['tuned']:.4g} {c['unit']}" + ("; kept the default" if c["kept_default"] else ""))
+                  f"tuned {c['tuned']:.4g} {c['unit']}" + (f"; kept the default (not under the default's cheaper run "
+                                                           f"by more than its drift, {c['margin']:.4g})"
+                                                           if c["kept_default"] else ""))
     return 0

@@ -62,7 +62,7 @@ class TuneResult:
     kept_default: bool
     base_costs: tuple[float, float] = ()  # the default tuple measured first and last
     # the search's winner against the default on a second cost model (tune(confirm=...)):
-    # {"unit", "fraction", "default", "default_first_last", "tuned", "kept_default"}; None: not confirmed
+    # {"unit", "fraction", "default", "default_first_last", "margin", "tuned", "kept_default"}; None: not confirmed
     confirmed: dict[str, Any] | None = None
     cut: str | None = None  # where the search's deadline stopped it; None: it ran to the end
     cut_cost: float | None = None  # a cut search: the chosen tuple's cost on the whole workload (no check measured it)
