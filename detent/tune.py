@@ -153,8 +153,7 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
     last = float(model.measure(base, fraction))
     default = (first + last) / 2
     # the default's drift between its two runs is this measurement's noise: a winner must beat
-    # the default's cheaper run by more than it (lease 22: a 1.8 % win offline moved served TPOT
-    # by less than the run-to-run spread)
+    # the default's cheaper run by more than it
     margin = abs(first - last)
     keep = tuned >= min(first, last) - margin
     progress(f"  default {first:.4g} / {last:.4g}, tuned {tuned:.4g}: "
