@@ -3,11 +3,12 @@
 # machine warm between calls) and copied to OUTDIR/arms after each part
 # (docs/performance.md, "Arms and workloads"; Llama-3.1-8B shapes, dummy weights, word-level
 # tokenizer, W-A and W-C at 64 requests):
-#   stock | pinned-default | conservative | tuned-W-C | tuned-W-A:  serve_arms.py run --arms PART
+#   stock | pinned-default | conservative | tuned-W-A | tuned-W-B | tuned-W-C:  serve_arms.py run --arms PART
 #       (stock first: its lambda_max sets the others' rates; tuned-W-C takes lease 20's W-C tuple,
 #       tuned the whole W-C, unless /tmp/arms has one)
-#   tune-W-A:  `detent tune` on the whole W-A (600 turns), timed, into /tmp/arms/tuple-W-A.json (its
-#              time budget 570 s, inside the 590 s the part and the 600 s a device call may take)
+#   tune-W-A | tune-W-B:  `detent tune` on the whole workload (W-A: 600 turns), timed, into
+#              /tmp/arms/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
+#              600 s a device call may take)
 #   vllm:      `vllm serve` from the peer bundle (PYTHONPATH=VLLM_PATH, default /tmp/vsite), same
 #              deployment facts, then the same client and rates (serve_arms.py --vllm-url)
 #   report:    serve_arms.py report
@@ -18,7 +19,8 @@ shift
 M=/tmp/wl8b
 ARMS=/tmp/arms
 FACTS="--load-format dummy --device cuda --dtype bfloat16 --max-model-len 8192"
-A="--model $M $FACTS --num-requests 64 --workloads W-A,W-C --out $ARMS"
+# WORKLOADS (default W-A,W-C): the workloads the arms serve; add W-B for its tuned arm
+A="--model $M $FACTS --num-requests 64 --workloads ${WORKLOADS:-W-A,W-C} --out $ARMS"
 mkdir -p "$OUT" "$ARMS"
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M > /dev/null
 [ -f $ARMS/tuple-W-C.json ] || cp benchmarks/results/h200-2026-12-04-lease20/tune/tuple-W-C.json $ARMS/
@@ -26,7 +28,7 @@ source "$(dirname "$0")/gpu_timed.sh"
 TIMED_TAIL=12
 for PART in "$@"; do
     case $PART in
-        tuned-W-A|tuned-W-C)  # a tuple tuned in its own part: a tune inside this one would not fit its limit
+        tuned-W-A|tuned-W-B|tuned-W-C)  # a tuple tuned in its own part: a tune inside this one would not fit its limit
             T=$ARMS/tuple-${PART#tuned-}.json
             if [ -f "$T" ]; then
                 timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART"
@@ -35,9 +37,10 @@ for PART in "$@"; do
             fi ;;
         stock|pinned-default|conservative)
             timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART" ;;
-        tune-W-A)
-            timed tune-W-A 590 detent tune --model $M $FACTS --workload W-A --cost kernels --time-budget 570 \
-                -o $ARMS/tuple-W-A.json ;;
+        tune-W-A|tune-W-B)
+            W=${PART#tune-}
+            timed "$PART" 590 detent tune --model $M $FACTS --workload $W --cost kernels --time-budget 570 \
+                -o $ARMS/tuple-$W.json ;;
         vllm)
             PYTHONPATH=${VLLM_PATH:-/tmp/vsite} setsid python3 -m vllm.entrypoints.openai.api_server --model $M \
                 --load-format dummy --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
