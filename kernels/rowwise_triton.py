@@ -5,8 +5,9 @@ One program per row (token), one fixed block shape per call site: a row's
 reductions (the RMS mean, the log-softmax max and sum) run over the same
 tile in the same order whatever else is in the batch, so these are
 batch-invariant by construction. The one exception is the norm of narrow rows
-(Qwen3's 128-wide heads): several rows per program, a count fixed by the width. Each kernel has a launcher (checks) and a
-pure-torch reference (`*_reference`) that the tests compare against.
+(Qwen3's 128-wide heads): several rows per program, a count fixed by the width.
+Each kernel has a launcher (checks) and a pure-torch reference (`*_reference`)
+that the tests compare against.
 """
 from __future__ import annotations
 
