@@ -69,7 +69,8 @@ def test_continue_final_message_ends_the_prompt_with_the_open_message(client, se
     tok = httpx.post(server.url + "/v1/tokenize", json=body, headers=AUTH).json()
     text = httpx.post(server.url + "/v1/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH).json()["prompt"]
     assert text.endswith("My favourite is")
-    closed = httpx.post(server.url + "/v1/tokenize", json={**body, "continue_final_message": False}, headers=AUTH).json()
+    closed = httpx.post(server.url + "/v1/tokenize", json={**body, "continue_final_message": False},
+                        headers=AUTH).json()
     assert closed["count"] > tok["count"] and closed["tokens"][:tok["count"]] == tok["tokens"]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0,
                                        extra_body={"add_generation_prompt": False, "continue_final_message": True})
