@@ -64,11 +64,13 @@ def test_errors():
 
 @pytest.mark.parametrize("m,k,e,block_m,skew", [(1, 8, 128, 16, False), (3, 2, 6, 16, False), (64, 8, 128, 16, True),
                                                  (9, 2, 4, 32, True), (100, 8, 128, 64, False),
-                                                 (700, 8, 128, 64, False), (1100, 8, 128, 128, True)])
+                                                 (700, 8, 128, 64, False), (1100, 8, 128, 128, True),
+                                                 (2048, 8, 128, 64, False), (4000, 2, 6, 16, True)])
 def test_align_kernel_gives_align_s_integers(m, k, e, block_m, skew):
     # one launch instead of ~25 torch ops; the grouped GEMMs must see exactly the same rows.
-    # m * k up to 800 rows: several 64-row programs; 5,600 and 8,800 rows: 512-row programs that count
-    # every row in 4,096-row pieces; skew: most rows on two experts, many experts empty
+    # m * k up to 800 rows: several 64-row programs that count every row; 5,600 to 16,384 rows: 512-row
+    # programs after a launch that counts each one's rows (32 at 16,384: two 16-program pieces of the counts);
+    # skew: most rows on two experts, many experts empty
     from detent.kernels.moe_triton import align_fused
     g = torch.Generator().manual_seed(m * 31 + e)
     topi = (torch.randint(0, 2, (m, k), generator=g) * (e - 1) if skew

@@ -44,12 +44,15 @@ def compile_(lazy, sig, consts, aligned=(), **opts):
 from detent.kernels import rowwise_triton as rw
 comb = {"TOPK": 8, "BLOCK_H": 1024}
 out = {
-    "align": compile_(mt._align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "blk_expert_ptr": "*i32",
-                                         "R": "i32", "NUM_BLK": "i32"},
-                      {"HCH": 512, "E_PAD": 128, "BLOCK_M": 16, "CH": 64, "SUB": 64}, num_warps=4),
-    "align_prefill": compile_(mt._align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "blk_expert_ptr": "*i32",
-                                                 "R": "i32", "NUM_BLK": "i32"},
-                              {"HCH": 4096, "E_PAD": 128, "BLOCK_M": 64, "CH": 512, "SUB": 64}, num_warps=4),
+    "align": compile_(mt._align_kernel, {"ids_ptr": "*i64", "hist_ptr": "*i32", "rows_ptr": "*i32",
+                                         "blk_expert_ptr": "*i32", "R": "i32", "NUM_BLK": "i32"},
+                      {"HCH": 512, "E_PAD": 128, "BLOCK_M": 16, "CH": 64, "SUB": 64, "COUNTED": False}, num_warps=4),
+    "align_prefill": compile_(mt._align_kernel, {"ids_ptr": "*i64", "hist_ptr": "*i32", "rows_ptr": "*i32",
+                                                 "blk_expert_ptr": "*i32", "R": "i32", "NUM_BLK": "i32"},
+                              {"HCH": 4096, "E_PAD": 128, "BLOCK_M": 64, "CH": 512, "SUB": 64, "COUNTED": True},
+                              num_warps=4),
+    "align_count": compile_(mt._align_count_kernel, {"ids_ptr": "*i64", "hist_ptr": "*i32", "R": "i32"},
+                            {"E_PAD": 128, "CH": 512}, num_warps=4),
     "route": compile_(mt._route_kernel, {"logits_ptr": "*bf16", "topw_ptr": "*bf16", "topi_ptr": "*i64", "E": "i32",
                                          "stride": "i32"}, {"TOPK": 8, "TOPK_PAD": 8, "E_PAD": 128, "RENORM": True},
                       num_warps=1),
@@ -127,8 +130,9 @@ def compiled():
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["align", "align_prefill", "route", "combine_bf16", "combine_fp32", "rms_norm",
-                                  "rms_norm_rows", "gumbel", "gumbel_first_max", "attention_long_skip", "attention_short",
+@pytest.mark.parametrize("name", ["align", "align_prefill", "align_count", "route", "combine_bf16", "combine_fp32",
+                                  "rms_norm", "rms_norm_rows", "gumbel", "gumbel_first_max", "attention_long_skip",
+                                  "attention_short",
                                   "attention_combine_skip", "attention_exp2_long", "attention_exp2_decode_parallel",
                                   "attention_combine_exp2", "attention_long_prefetch_st3", "attention_short_parallel",
                                   "attention_combine_short"])
