@@ -33,6 +33,9 @@ _LAZY = {
     "build_engine": "detent.engine.core_process",
     "freeze_startup_heap": "detent.engine.core_process",
     "load_tokenizer": "detent.engine.loader",
+    # `continue_final_message` (LLM.chat and the server's chat requests share it)
+    "open_final_message": "detent.models.tokenizer",
+    "cut_at_final_message": "detent.models.tokenizer",
     "update_weights_from_file": "detent.engine.weight_update",
     # --profiler-config, POST /start_profile and /stop_profile (server/profile.py)
     "ProfilerConfig": "detent.engine.profiler",

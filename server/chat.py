@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from detent.models.tokenizer import cut_at_final_message, open_final_message
+from detent.engine import cut_at_final_message, open_final_message
 from detent.sampling.params import SamplingParams, StructuredOutputs
 from detent.server.chat_output import ChatOutput, ChoiceStream
 from detent.server.errors import bad_request
