@@ -41,7 +41,7 @@ from typing import Any
 from partial_json_parser import loads as partial_loads
 
 from detent.server.formatting import tag_tail
-from detent.server.tool_stream import COMPLETE_SCALARS, Call, Tools, content_until, reread_due
+from detent.server.tool_stream import COMPLETE_SCALARS, Call, Tools, content_until, reread_due, resume_at
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -178,14 +178,14 @@ class HermesReader(_JsonReader):
         while True:
             if self.open_at < 0:
                 start = text.find(_OPEN, self.pos)
-                if start < 0:  # a tag still arriving can only have begun within its length of the end
-                    self.pos = max(self.pos, len(text) - len(_OPEN) + 1)
+                if start < 0:
+                    self.pos = resume_at(text, _OPEN, self.pos)
                     return None
                 self.open_at = self.close_from = start + len(_OPEN)
                 self.read_len = 0
             end = text.find(_CLOSE, self.close_from)
             if end < 0:
-                self.close_from = max(self.close_from, len(text) - len(_CLOSE) + 1)
+                self.close_from = resume_at(text, _CLOSE, self.close_from)
                 if not self._due(len(text) - self.open_at):
                     return None
                 return _partial(text[self.open_at:len(text) - tag_tail(text, _CLOSE)])

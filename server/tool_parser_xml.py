@@ -66,7 +66,7 @@ import ast
 import json
 from typing import Any, Iterator
 
-from detent.server.tool_stream import Call, Tools, content_until
+from detent.server.tool_stream import Call, Tools, content_until, resume_at
 
 PARSER = "qwen3_coder"
 
@@ -239,12 +239,12 @@ class _OpenFunction:
             if self.value_at < 0:
                 at = text.find(_PARAM, self.param_from)
                 if at < 0:
-                    self.param_from = max(self.param_from, len(text) - len(_PARAM) + 1)
+                    self.param_from = resume_at(text, _PARAM, self.param_from)
                     break
                 self.value_at = self.value_from = at + len(_PARAM)
             end, following = _param_end(text, self.value_from)
             if end < 0:
-                self.value_from = max(self.value_from, len(text) - len(_PARAM_END) + 1)
+                self.value_from = resume_at(text, _PARAM_END, self.value_from)
                 break
             key, value = _param(text[self.value_at:end])
             self.args[key] = convert(value, key, self.props)
@@ -291,12 +291,12 @@ class XmlReader:
             if self.block_at < 0:
                 start = text.find(_BLOCK, self.pos)
                 if start < 0:
-                    self.pos = max(self.pos, len(text) - len(_BLOCK) + 1)
+                    self.pos = resume_at(text, _BLOCK, self.pos)
                     return None
                 self.block_at = self.block_from = self.function_from = start + len(_BLOCK)
             end = text.find(_BLOCK_END, self.block_from)
             if end < 0:
-                self.block_from = max(self.block_from, len(text) - len(_BLOCK_END) + 1)
+                self.block_from = resume_at(text, _BLOCK_END, self.block_from)
                 return self._scan_block(text)
             # The block ended: the rest of it (from the open function, if any) is read whole.
             rest = self.function_from if self.function is None else self.function.body_at - len(_FUNCTION)
@@ -309,13 +309,13 @@ class XmlReader:
             if self.function is None:
                 start = text.find(_FUNCTION, self.function_from)
                 if start < 0:
-                    self.function_from = max(self.function_from, len(text) - len(_FUNCTION) + 1)
+                    self.function_from = resume_at(text, _FUNCTION, self.function_from)
                     return None
                 self.function = _OpenFunction(start + len(_FUNCTION))
             function = self.function
             end = text.find(_FUNCTION_END, function.end_from)
             if end < 0:
-                function.end_from = max(function.end_from, len(text) - len(_FUNCTION_END) + 1)
+                function.end_from = resume_at(text, _FUNCTION_END, function.end_from)
                 return function.read(text, self.tools)
             if (call := _call(text[function.body_at:end], self.tools)) is not None:
                 self.done.append(call)

@@ -57,6 +57,12 @@ def content_until(text: str, shown: int, tags: tuple[str, ...]) -> tuple[int, in
     return len(text) - max(tag_tail(text, tag) for tag in tags), -1
 
 
+def resume_at(text: str, tag: str, pos: int) -> int:
+    """Where to look for `tag` next, after it was not found in `text` from `pos`: a tag still
+    arriving can only have begun within its length of the end."""
+    return max(pos, len(text) - len(tag) + 1)
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
