@@ -13,6 +13,7 @@ from typing import Any
 
 from detent.sampling.params import StructuredOutputs
 from detent.server.errors import bad_request
+from detent.server.tool_parsers import PARSERS
 from detent.server.tool_stream import call_id
 
 _EMPTY = {"type": "object", "properties": {}}
@@ -49,9 +50,8 @@ def tool_constraint(tools: list[dict] | None, choice: Any,
         if auto_parser is not None:
             return None, None  # free text, read for calls afterwards (server/chat_output.py)
         raise bad_request("tool_choice 'auto' (the default with tools) needs a tool-call parser: start "
-                          "detent-serve with --enable-auto-tool-choice --tool-call-parser "
-                          "hermes|llama3_json|qwen3_coder, or use tool_choice 'required' or name a function",
-                          "tool_choice")
+                          f"detent-serve with --enable-auto-tool-choice --tool-call-parser {'|'.join(PARSERS)}, "
+                          "or use tool_choice 'required' or name a function", "tool_choice")
     if choice == "required":
         one_call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
                      "required": ["name", "parameters"]} for n, p in fns.items()]

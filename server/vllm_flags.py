@@ -132,8 +132,9 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--kv-cache-dtype {a.kv_cache_dtype}: Detent keeps the KV cache in the model's dtype; only "
                 "'auto' is taken")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
-        p.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or qwen3_coder): how the "
-                "model writes its calls")
+        from detent.server.tool_parsers import PARSERS as TOOL_PARSERS  # imported by add_vllm_flags already
+        p.error(f"--enable-auto-tool-choice needs --tool-call-parser ({' | '.join(TOOL_PARSERS)}): how the model "
+                "writes its calls")
     if not a.enable_chunked_prefill:
         p.error("--no-enable-chunked-prefill: Detent always chunks long prompts (--max-num-batched-tokens), and a "
                 "request's bits are the same however its prompt is chunked; drop the flag")
