@@ -4,8 +4,9 @@
 # (docs/performance.md, "Arms and workloads"; Llama-3.1-8B shapes, dummy weights, word-level
 # tokenizer, W-A and W-C at 64 requests):
 #   stock | pinned-default | conservative | tuned-W-A | tuned-W-B | tuned-W-C:  serve_arms.py run --arms PART
-#       (stock first: its lambda_max sets the others' rates; tuned-W-C takes lease 20's W-C tuple,
-#       tuned the whole W-C, unless /tmp/arms has one)
+#       (stock first: its lambda_max sets the others' rates; tuned-W-C and tuned-W-A take lease 20's
+#       W-C and lease 22's W-A tuple, each tuned on its whole workload, unless /tmp/arms has one;
+#       every load sends its own prompts: benchmarks/workloads/README.md)
 #   tune-W-A | tune-W-B:  `detent tune` on the whole workload (W-A: 600 turns), timed, into
 #              /tmp/arms/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
 #              600 s a device call may take)
@@ -24,6 +25,7 @@ A="--model $M $FACTS --num-requests 64 --workloads ${WORKLOADS:-W-A,W-C} --out $
 mkdir -p "$OUT" "$ARMS"
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M > /dev/null
 [ -f $ARMS/tuple-W-C.json ] || cp benchmarks/results/h200-2026-12-04-lease20/tune/tuple-W-C.json $ARMS/
+[ -f $ARMS/tuple-W-A.json ] || cp benchmarks/results/h200-2026-12-05-lease22/tune/tuple-W-A.json $ARMS/
 source "$(dirname "$0")/gpu_timed.sh"
 TIMED_TAIL=12
 for PART in "$@"; do

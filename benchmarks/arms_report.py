@@ -1,6 +1,7 @@
 """The report of benchmarks/serve_arms.py: from OUT/arms.json, a markdown
 table (arms.md: p50/p90/p99 TPOT and TTFT per load and arm, geometric-mean
-ratios to stock, the tuple-drift matrix), the same numbers as JSON
+ratios to stock, the tuple-drift matrix, the tuned tuple against the
+default per workload), the same numbers as JSON
 (report.json), and two figures like the paper's:
 
 - fig7.png: (a) each arm's p50 TPOT over stock's, per load; (b) the tuned
@@ -59,7 +60,41 @@ def drift(res: dict, loads: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
-def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict) -> str:
+def paired(a: list, b: list, reps: int = 2000, seed: int = 0) -> dict | None:
+    """The median of the per-request differences a - b (requests paired by index: the same
+    prompt at the same arrival time), with a 95% bootstrap interval over the requests. The
+    resampling sees the spread between requests of one run, not the drift between runs."""
+    import random
+    import statistics
+    d = [x - y for x, y in zip(a, b) if x is not None and y is not None]
+    if len(d) < 2:
+        return None
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(d, k=len(d))) for _ in range(reps))
+    return {"median": statistics.median(d), "lo": meds[int(0.025 * reps)], "hi": meds[int(0.975 * reps) - 1],
+            "n": len(d)}
+
+
+def tuned_vs_default(res: dict, table: dict) -> dict:
+    """Issue 20's "tuned <= default TPOT on every workload": per workload, the geometric mean
+    over its loads of pinned-tuned's p50 TPOT over pinned-default's, and per load the paired
+    per-request TPOT difference, tuned - default in ms (`paired`; arms.json files from before
+    `per_request` have only the ratio)."""
+    tuned, default = table.get("pinned-tuned", {}), table.get("pinned-default", {})
+    stock = res["arms"].get("stock", {})
+    out: dict = {"workloads": {}, "loads": {}}
+    logs: dict[str, list[float]] = {}
+    for ld in (ld for ld in tuned if ld in default):
+        t, d = tuned[ld], default[ld]
+        if t["tpot_p50_ms"] > 0 and d["tpot_p50_ms"] > 0:
+            logs.setdefault(stock.get(ld, t)["workload"], []).append(math.log(t["tpot_p50_ms"] / d["tpot_p50_ms"]))
+        if "per_request" in t and "per_request" in d:
+            out["loads"][ld] = paired(t["per_request"]["tpot_ms"], d["per_request"]["tpot_ms"])
+    out["workloads"] = {w: math.exp(sum(v) / len(v)) for w, v in logs.items()}
+    return out
+
+
+def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, tvd: dict | None = None) -> str:
     lines = ["| load | arm | " + " | ".join(m.replace("_ms", "") for m in METRICS) + " | errors |",
              "|---|---|" + "---:|" * (len(METRICS) + 1)]
     for ld in loads:
@@ -76,6 +111,16 @@ def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict) 
                   "| tuple of | " + " | ".join(loads) + " |", "|---|" + "---:|" * len(loads)]
         for w, row in mat.items():
             lines.append(f"| {w} | " + " | ".join(f"{row[ld]:.3f}" if ld in row else "" for ld in loads) + " |")
+    if tvd and tvd["workloads"]:
+        lines += ["", "Tuned against default, p50 TPOT: geometric mean over each workload's loads of tuned / default; "
+                  "per load, the median paired per-request difference tuned - default (ms) and its 95% "
+                  "bootstrap interval over the requests:", "",
+                  "| workload | tuned / default | load: median [interval] |",
+                  "|---|---:|---|"]
+        for w, ratio in tvd["workloads"].items():
+            cells = [f"{ld}: {p['median']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]" for ld, p in tvd["loads"].items()
+                     if p and res["arms"]["stock"].get(ld, {}).get("workload") == w]
+            lines.append(f"| {w} | {ratio:.4f} | {'; '.join(cells)} |")
     lines += ["", f"stock lambda_max (req/s): {json.dumps({k: round(v, 3) for k, v in res['lambda_max'].items()})}"]
     return "\n".join(lines) + "\n"
 
@@ -142,10 +187,12 @@ def report(out_dir: str) -> dict:
     loads, table = arms_by_load(res)
     ratios = {arm: {m: geomean_ratio(table, arm, m) for m in METRICS} for arm in table if arm != "stock"}
     mat = drift(res, loads)
-    text = markdown(res, loads, table, ratios, mat)
+    tvd = tuned_vs_default(res, table)
+    text = markdown(res, loads, table, ratios, mat, tvd)
     with open(os.path.join(out_dir, "arms.md"), "w") as f:
         f.write(text)
-    summary = {"loads": loads, "geomean_ratio_to_stock": ratios, "drift": mat, "lambda_max": res["lambda_max"]}
+    summary = {"loads": loads, "geomean_ratio_to_stock": ratios, "drift": mat, "tuned_vs_default": tvd,
+               "lambda_max": res["lambda_max"]}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(text)

@@ -16,7 +16,10 @@ Order: tune each workload (`detent tune`, skipped when OUT/tuple-W.json
 exists), start stock and measure its maximum request throughput per
 workload (lambda_max: every request at once), then every arm serves every
 load — Poisson at the load's fraction of stock's lambda_max (the same rates
-for every arm, vLLM's too), or the closed loop. Results: OUT/arms.json.
+for every arm, vLLM's too), or the closed loop. Each load sends its own
+prompts, the same for every arm (`workload_client.for_load`): none hits what
+the lambda_max run or an earlier load left in the prefix cache. Results:
+OUT/arms.json (with each request's TTFT and TPOT, `per_request`).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from serve_load import _get, stop_server  # noqa: E402
-from workload_client import max_throughput, run_load, served_model  # noqa: E402
+from workload_client import for_load, max_throughput, run_load, served_model, warm_up  # noqa: E402
 
 ARMS = ("stock", "conservative", "pinned-default", "pinned-tuned")
 
@@ -85,14 +88,15 @@ def start(a, arm: str, extra: list[str]) -> subprocess.Popen:
 def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str, out: dict, saved,
                 api_key: str | None = None) -> None:
     """Every selected load of `workloads` into `out` (load name -> result), `saved()` after each,
-    so a call cut short keeps the loads it finished."""
+    so a call cut short keeps the loads it finished. A load sends its own prompts (`for_load`)."""
     model = served_model(url, api_key)
+    wargs = {"num_requests": a.num_requests, "max_len": a.max_len, "vocab": a.vocab}
     for name, w in workloads.items():
         for load in w.loads:
             if a.loads and load.name not in a.loads and name not in a.loads:
                 continue
-            r = run_load(url, model, w, load, lambda_max.get(name), a.seed, prompt_format=a.prompt_format,
-                         api_key=api_key)
+            r = run_load(url, model, for_load(name, load, a.seed, **wargs), load, lambda_max.get(name), a.seed,
+                         prompt_format=a.prompt_format, api_key=api_key)
             r["workload"] = name
             out[load.name] = r
             saved()
@@ -122,7 +126,10 @@ def load_results(a, names: list[str], wargs: dict) -> tuple[str, dict]:
     if res.get("workload_args", wargs) != wargs or res.get("workloads", names) != names:
         raise SystemExit(f"{path} holds other workloads ({res.get('workloads')}, {res.get('workload_args')}): "
                          "use another --out")
-    res.update(workloads=names, workload_args=wargs)
+    if res["arms"] and res.get("load_prompts") != "per-load":
+        raise SystemExit(f"{path} holds loads that re-sent the workload's own prompts (before each load had its "
+                         "own): use another --out")
+    res.update(workloads=names, workload_args=wargs, load_prompts="per-load")
     return path, res
 
 
@@ -158,8 +165,9 @@ def run(a) -> None:
     for arm, extra in servers(arms, res["tuples"]):
         proc = start(a, arm, extra)
         try:
+            model = served_model(url)
+            warm_up(url, model, a.prompt_format)  # uncounted, as vllm bench serve's test run
             if arm == "stock":
-                model = served_model(url)
                 for w in missing:
                     res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
                     save(res_path, res)
@@ -170,7 +178,9 @@ def run(a) -> None:
             stop_server(proc)
         save(res_path, res)
     if a.vllm_url:
-        serve_loads(a.vllm_url.rstrip("/"), workloads, res["lambda_max"], a, "vllm", res["arms"].setdefault("vllm", {}),
+        vurl = a.vllm_url.rstrip("/")
+        warm_up(vurl, served_model(vurl, a.api_key), a.prompt_format, a.api_key)
+        serve_loads(vurl, workloads, res["lambda_max"], a, "vllm", res["arms"].setdefault("vllm", {}),
                     lambda: save(res_path, res), a.api_key)
     save(res_path, res)
     if "stock" in res["arms"]:

@@ -8,7 +8,10 @@ take them) or as words "t<id>" for the word-level tokenizer of
 benchmarks/wordlevel_model.py (`--prompt-format words`). A chat turn waits
 for the turn before it (`Request.after`). Loads: Poisson arrivals at a
 fraction of `--lambda-max` (stock's maximum request throughput, which
-`--measure-max` measures: every request at once), or a closed loop.
+`--measure-max` measures: every request at once, at `--seed`), or a closed
+loop. Each load sends its own prompts (`for_load`: the workload drawn at
+`detent.workloads.load_seed`), so no load hits the prefix cache with what an
+earlier one sent.
 
     python3 benchmarks/workload_client.py --url http://127.0.0.1:8000 --workload W-C --measure-max
     python3 benchmarks/workload_client.py --url ... --workload W-A --load A2 --lambda-max 3.1
@@ -131,8 +134,35 @@ def max_throughput(url: str, model: str, workload, **kw) -> float:
     return s["request_throughput"]
 
 
+def warm_up(url: str, model: str, prompt_format: str = "ids", api_key: str | None = None) -> None:
+    """One short request, not counted, before a server's first load (as `vllm bench serve`'s
+    test run): the first requests of a load then do not pay a fresh server's first call.
+    Its prompt (ids 10..41) shares no page with a workload's random ids."""
+    from detent.workloads import Request
+    b = body(model, Request(tuple(range(10, 42)), 8), prompt_format)
+    r = asyncio.run(_one(url, b, api_key))
+    if "error" in r:
+        raise RuntimeError(f"the warm-up request failed: {r['error']}")
+
+
+async def _one(url: str, b: dict, api_key: str | None) -> dict:
+    import httpx
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
+        return await one(client, url, b)
+
+
+def for_load(name: str, load, seed: int = 0, **wargs):
+    """The requests one load sends: workload `name` drawn at the load's own prompt seed
+    (`detent.workloads.load_seed`), so a load never replays what an earlier one cached."""
+    from detent.workloads import load_seed, make
+    return make(name, seed=load_seed(seed, load.name), **wargs)
+
+
 def run_load(url: str, model: str, workload, load, lambda_max: float | None, seed: int = 0, **kw) -> dict:
-    """One load of the workload (`Load`: a fraction of `lambda_max`, or a concurrency); its summary."""
+    """One load (`Load`: a fraction of `lambda_max`, or a concurrency) of `workload` (the load's
+    own requests: `for_load`); its summary, and each request's TTFT and TPOT in request order
+    (`per_request`, ms, None where a request failed), for pairing arms request by request."""
     if load.fraction is not None:
         if not lambda_max:
             raise ValueError(f"load {load.name} is a fraction of stock's maximum throughput: give lambda_max")
@@ -140,7 +170,9 @@ def run_load(url: str, model: str, workload, load, lambda_max: float | None, see
     else:
         rate, conc = None, load.concurrency
     results, wall = asyncio.run(drive(url, model, workload, rate=rate, concurrency=conc, seed=seed, **kw))
-    return {"load": load.name, "rate": rate, "concurrency": conc, **summarize(results, wall)}
+    per = {f"{k}_ms": [None if "error" in r else round(1e3 * r[k], 3) for r in results] for k in ("ttft", "tpot")}
+    return {"load": load.name, "rate": rate, "concurrency": conc, "prompt_seed": workload.seed,
+            **summarize(results, wall), "per_request": per}
 
 
 def main(argv=None) -> None:
@@ -158,8 +190,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-format", choices=("ids", "words"), default="ids")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    w = make(a.workload, num_requests=a.num_requests, max_len=a.max_len, seed=a.seed,
-             vocab=a.vocab)
+    wargs = {"num_requests": a.num_requests, "max_len": a.max_len, "vocab": a.vocab}
+    w = make(a.workload, seed=a.seed, **wargs)
     model = served_model(a.url, a.api_key)
     kw = {"prompt_format": a.prompt_format, "api_key": a.api_key}
     if a.measure_max:
@@ -167,7 +199,8 @@ def main(argv=None) -> None:
         return
     for load in w.loads:
         if a.load in (None, load.name):
-            print(json.dumps(run_load(a.url, model, w, load, a.lambda_max, a.seed, **kw)), flush=True)
+            r = run_load(a.url, model, for_load(a.workload, load, a.seed, **wargs), load, a.lambda_max, a.seed, **kw)
+            print(json.dumps({k: v for k, v in r.items() if k != "per_request"}), flush=True)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(Exception, unhandled_handler)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the same probe
     async def health() -> Response:
         if state.engine.running:
             return JSONResponse({"status": "ok"})

@@ -145,6 +145,15 @@ def closed_loop(num_requests: int = 64, seed: int = 0, vocab: int = VOCAB, max_l
     return Workload("W-C", w.requests, (Load("C1", concurrency=1), Load("C2", concurrency=8)), seed)
 
 
+def load_seed(seed: int, load: str) -> int:
+    """The prompt seed of one load ("A1" ... "C2") of a run whose workloads have `seed`: each load
+    sends its own prompts, drawn like the workload's, so no load hits what an earlier load, or
+    the maximum-throughput run (at `seed` itself), left in the prefix cache. Every arm, and
+    vLLM, gets the same prompts for the same load. The seeds are 1,000 apart, so no two of a
+    run's random streams (a document's is its seed + 1) are the same."""
+    return seed + 1000 * (10 * "ABC".index(load[0]) + int(load[1:]))
+
+
 def make(name: str, *, num_requests: int | None = None, max_len: int | None = None, seed: int = 0,
          vocab: int = VOCAB) -> Workload:
     """A workload by name (W-A, W-B, W-C), optionally smaller: fewer requests,

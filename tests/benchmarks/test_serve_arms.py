@@ -2,7 +2,8 @@
 Llama, two workloads of two requests, every arm served by a real
 `detent-serve` and driven over HTTP by benchmarks/workload_client.py, a
 tuple tuned per workload by `detent tune` and served on every workload (the
-drift matrix), and the report's tables and figures."""
+drift matrix), and the report's tables and figures. Each load sends its own
+prompts (none hits what an earlier one left in the prefix cache)."""
 from __future__ import annotations
 
 import json
@@ -38,16 +39,24 @@ def test_arms_in_miniature(tmp_path):
     for arm, by_load in res["arms"].items():
         assert list(by_load) == loads, arm
         assert all(r["errors"] == 0 and r["requests"] == 2 and r["tpot_p50_ms"] > 0 for r in by_load.values()), arm
-    from detent.workloads import make
-    want = {w: sum(r.max_tokens for r in make(w, num_requests=2, max_len=40).requests) for w in ("W-A", "W-C")}
+    from detent.workloads import load_seed, make
+    want = {ld: sum(r.max_tokens for r in make(f"W-{ld[0]}", num_requests=2, max_len=40,
+                                                seed=load_seed(0, ld)).requests) for ld in loads}
     for by_load in res["arms"].values():  # the client counted every streamed token (ignore_eos: exact lengths)
-        assert all(round(r["output_tok_s"] * r["wall_s"]) == want[r["workload"]] for r in by_load.values())
+        assert all(round(r["output_tok_s"] * r["wall_s"]) == want[ld] for ld, r in by_load.items())
+        # each load sent its own prompts (none the lambda_max run or an earlier load cached), every arm the same
+        assert [r["prompt_seed"] for r in by_load.values()] == [load_seed(0, ld) for ld in loads]
+        assert all(len(r["per_request"]["ttft_ms"]) == 2 and None not in r["per_request"]["tpot_ms"]
+                   for r in by_load.values())
     assert res["lambda_max"]["W-A"] > 0 and res["arms"]["stock"]["A4"]["rate"] == res["lambda_max"]["W-A"]
     assert "W-C" not in res["lambda_max"]  # closed loops only: no maximum-throughput run for W-C
     assert res["arms"]["stock"]["C2"]["concurrency"] == 8
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["geomean_ratio_to_stock"]) == {"conservative", "pinned-default", "pinned-tuned"}
     assert all(v > 0 for v in rep["geomean_ratio_to_stock"]["pinned-tuned"].values())
+    tvd = rep["tuned_vs_default"]  # per workload tuned / default p50 TPOT; per load the paired difference
+    assert set(tvd["workloads"]) == {"W-A", "W-C"} and all(v > 0 for v in tvd["workloads"].values())
+    assert set(tvd["loads"]) == set(loads) and all(p["n"] == 2 and p["lo"] <= p["hi"] for p in tvd["loads"].values())
     drift = rep["drift"]
     assert [drift["W-A"][ld] for ld in loads[:4]] == [1.0] * 4 and [drift["W-C"][ld] for ld in loads[4:]] == [1.0] * 2
     assert all(v > 0 for row in drift.values() for v in row.values()) and len(drift["W-A"]) == 6
@@ -62,3 +71,9 @@ def test_arms_in_miniature(tmp_path):
     other = subprocess.run(cmd[:cmd.index("--workloads")] + ["--workloads", "W-B"] + cmd[cmd.index("--workloads") + 2:],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert other.returncode != 0 and "holds other workloads" in other.stderr  # results never mix
+    old = tmp_path / "old"  # a folder from before each load had its own prompts is not merged into
+    old.mkdir()
+    (old / "arms.json").write_text(json.dumps({k: v for k, v in res.items() if k != "load_prompts"}))
+    stale = subprocess.run(cmd + ["--arms", "pinned-default", "--out", str(old)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert stale.returncode != 0 and "re-sent the workload's own prompts" in stale.stderr

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from detent.workloads import Load, make
+from detent.workloads import NAMES, Load, load_seed, make
 
 
 def test_seeded_and_distinct_by_seed():
@@ -28,6 +28,25 @@ def test_w_a_is_multi_turn_chat_with_about_64_percent_prefix_reuse():
     assert 100 <= statistics.median(r.max_tokens for r in w.requests) <= 260  # ShareGPT-like answers
     assert max(len(r.prompt_token_ids) + r.max_tokens for r in w.requests) <= 4096
     assert [(ld.name, ld.fraction) for ld in w.loads] == [("A1", 0.25), ("A2", 0.5), ("A3", 0.75), ("A4", 1.0)]
+
+
+def test_each_load_sends_prompts_no_other_load_or_the_maximum_throughput_run_cached():
+    """Prefix caching keeps a served prompt's blocks: a load that re-sent the prompts of the
+    lambda_max run or of an earlier load would measure cache hits, not the workload. No first
+    16-token block (a page) of one load's prompts appears in another's."""
+    block = 16
+    owners: dict[tuple[int, ...], str] = {}
+    for name in NAMES:
+        w = make(name, num_requests=12, max_len=1024)
+        runs = {ld.name: make(name, num_requests=12, max_len=1024, seed=load_seed(0, ld.name)) for ld in w.loads}
+        if any(ld.fraction for ld in w.loads):  # closed loops (W-C) need no lambda_max run
+            runs[f"{name} lambda_max"] = w
+        for run, lw in runs.items():
+            assert len(lw.requests) == 12 and all(len(r.prompt_token_ids) >= block for r in lw.requests)
+            for key in {r.prompt_token_ids[:block] for r in lw.requests}:
+                assert owners.setdefault(key, run) == run, f"{run} re-sends a prompt of {owners[key]}"
+    assert len({load_seed(0, ld) for ld in ("A1", "A4", "B1", "B3", "C1", "C2")}) == 6
+    assert load_seed(7, "A1") == 7 + load_seed(0, "A1")
 
 
 def test_rounds_put_each_turn_after_the_one_before():

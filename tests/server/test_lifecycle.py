@@ -58,6 +58,7 @@ def test_200_requests_quarter_disconnect_mid_stream(which, request):
     assert server.metric("detent:num_requests_running") == 0
     assert _count(server, "abort") - aborted0 == 50
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.post(server.url + "/ping").json() == {"status": "ok"}
     print(f"200 requests (50 disconnecting) in {time.time() - t0:.1f}s")
 
 

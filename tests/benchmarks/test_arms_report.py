@@ -1,0 +1,49 @@
+"""benchmarks/arms_report.py's comparison of the tuned tuple with the default
+(issue 20: tuned <= default TPOT on every workload): the ratio per workload,
+and the paired per-request difference per load, against numbers worked by hand."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import arms_report  # noqa: E402
+
+
+def _load(workload: str, p50: float, tpots: list[float] | None = None) -> dict:
+    r = {"workload": workload, "errors": 0, **{m: p50 for m in arms_report.METRICS}}
+    if tpots is not None:
+        r["per_request"] = {"tpot_ms": tpots, "ttft_ms": [1.0] * len(tpots)}
+    return r
+
+
+def test_paired_difference_is_the_median_with_an_interval_that_holds_it():
+    default = [5.0 + 0.01 * i for i in range(40)]
+    tuned = [x - 0.02 for x in default]  # every request 0.02 ms faster
+    p = arms_report.paired(tuned, default)
+    assert math.isclose(p["median"], -0.02) and math.isclose(p["lo"], -0.02) and math.isclose(p["hi"], -0.02)
+    noisy = [x + (0.05 if i % 2 else -0.05) for i, x in enumerate(default)]  # half slower, half faster
+    p = arms_report.paired(noisy, default)
+    assert p["lo"] < 0 < p["hi"] and p["n"] == 40  # a tie: the interval straddles zero
+    assert arms_report.paired([None, 1.0], [2.0, None]) is None  # failed requests are dropped
+
+
+def test_tuned_against_default_per_workload_and_load(tmp_path):
+    res = {"lambda_max": {"W-A": 2.0}, "tuples": {"W-A": "t.json", "W-C": "c.json"}, "arms": {
+        "stock": {"A1": _load("W-A", 6.0), "A2": _load("W-A", 6.0), "C1": _load("W-C", 6.0)},
+        "pinned-default": {"A1": _load("W-A", 5.0, [5.0, 5.1, 5.2]), "A2": _load("W-A", 5.0),
+                           "C1": _load("W-C", 4.0, [4.0, 4.0])},
+        "tuned-W-A": {"A1": _load("W-A", 4.0, [4.9, 5.0, 5.1]), "A2": _load("W-A", 6.25)},
+        "tuned-W-C": {"C1": _load("W-C", 4.4, [4.4, 4.4])},
+    }}
+    (tmp_path / "arms.json").write_text(json.dumps(res))
+    out = arms_report.report(str(tmp_path))["tuned_vs_default"]
+    # W-A: sqrt(4/5 * 6.25/5) = 1.0; W-C: 4.4/4 = 1.1
+    assert math.isclose(out["workloads"]["W-A"], 1.0) and math.isclose(out["workloads"]["W-C"], 1.1)
+    assert math.isclose(out["loads"]["A1"]["median"], -0.1) and "A2" not in out["loads"]  # A2: no per_request
+    assert math.isclose(out["loads"]["C1"]["median"], 0.4)
+    md = (tmp_path / "arms.md").read_text()
+    assert "| W-A | 1.0000 | A1: -0.100 [-0.100, -0.100] |" in md and "| W-C | 1.1000 | C1: +0.400" in md
