@@ -20,17 +20,22 @@ shift
 M=/tmp/wl8b
 ARMS=/tmp/arms
 FACTS="--load-format dummy --device cuda --dtype bfloat16 --max-model-len 8192"
-# WORKLOADS (default W-A,W-C): the workloads the arms serve; add W-B for its tuned arm
-A="--model $M $FACTS --num-requests 64 --workloads ${WORKLOADS:-W-A,W-C} --out $ARMS"
-mkdir -p "$OUT" "$ARMS"
+# WORKLOADS (default W-A,W-C): the workloads the arms serve; add W-B for its tuned arm. Results for
+# other workloads go to their own folder (serve_arms.py never merges two sets of workloads); the
+# tuples stay in /tmp/arms, where the tunes write them, and are copied to that folder
+WL=${WORKLOADS:-W-A,W-C}
+[ "$WL" = W-A,W-C ] || ARMS=/tmp/arms-${WL//,/_}
+A="--model $M $FACTS --num-requests 64 --workloads $WL --out $ARMS"
+mkdir -p "$OUT" "$ARMS" /tmp/arms
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M > /dev/null
-[ -f $ARMS/tuple-W-C.json ] || cp benchmarks/results/h200-2026-12-04-lease20/tune/tuple-W-C.json $ARMS/
-[ -f $ARMS/tuple-W-A.json ] || cp benchmarks/results/h200-2026-12-05-lease22/tune/tuple-W-A.json $ARMS/
+[ -f /tmp/arms/tuple-W-C.json ] || cp benchmarks/results/h200-2026-12-04-lease20/tune/tuple-W-C.json /tmp/arms/
+[ -f /tmp/arms/tuple-W-A.json ] || cp benchmarks/results/h200-2026-12-05-lease22/tune/tuple-W-A.json /tmp/arms/
 source "$(dirname "$0")/gpu_timed.sh"
 TIMED_TAIL=12
 for PART in "$@"; do
     case $PART in
         tuned-W-A|tuned-W-B|tuned-W-C)  # a tuple tuned in its own part: a tune inside this one would not fit its limit
+            [ "$ARMS" = /tmp/arms ] || cp -n /tmp/arms/tuple-*.json "$ARMS/" 2> /dev/null
             T=$ARMS/tuple-${PART#tuned-}.json
             if [ -f "$T" ]; then
                 timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART"
@@ -42,7 +47,7 @@ for PART in "$@"; do
         tune-W-A|tune-W-B)
             W=${PART#tune-}
             timed "$PART" 590 detent tune --model $M $FACTS --workload $W --cost kernels --time-budget 570 \
-                -o $ARMS/tuple-$W.json ;;
+                -o /tmp/arms/tuple-$W.json ;;
         vllm)
             PYTHONPATH=${VLLM_PATH:-/tmp/vsite} setsid python3 -m vllm.entrypoints.openai.api_server --model $M \
                 --load-format dummy --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
@@ -61,4 +66,5 @@ for PART in "$@"; do
             echo "unknown part $PART"; exit 2 ;;
     esac
     cp -r $ARMS "$OUT/"
+    [ "$ARMS" = /tmp/arms ] || cp -r /tmp/arms "$OUT/"  # the tuples
 done
