@@ -4,6 +4,7 @@
 # (docs/performance.md, "Arms and workloads"; Llama-3.1-8B shapes, dummy weights, word-level
 # tokenizer, W-A and W-C at 64 requests):
 #   stock | pinned-default | conservative | tuned-W-A | tuned-W-B | tuned-W-C:  serve_arms.py run --arms PART
+#   pinned-default-again:  the default once more (--tag @2), for the report's run-to-run drift
 #       (stock first: its lambda_max sets the others' rates; tuned-W-C and tuned-W-A take lease 20's
 #       W-C and lease 22's W-A tuple, each tuned on its whole workload, unless /tmp/arms has one;
 #       every load sends its own prompts: benchmarks/workloads/README.md)
@@ -44,6 +45,8 @@ for PART in "$@"; do
             fi ;;
         stock|pinned-default|conservative)
             timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART" ;;
+        pinned-default-again)  # the default's second run, pinned-default@2: the run-to-run drift
+            timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms pinned-default --tag @2 ;;
         tune-W-A|tune-W-B)
             W=${PART#tune-}
             timed "$PART" 590 detent tune --model $M $FACTS --workload $W --cost kernels --time-budget 570 \

@@ -75,22 +75,31 @@ def paired(a: list, b: list, reps: int = 2000, seed: int = 0) -> dict | None:
             "n": len(d)}
 
 
+def _ratio_by_workload(num: dict, den: dict) -> dict[str, float]:
+    """Per workload, the geometric mean over the loads both have of num's p50 TPOT over den's."""
+    logs: dict[str, list[float]] = {}
+    for ld in (ld for ld in num if ld in den):
+        if num[ld]["tpot_p50_ms"] > 0 and den[ld]["tpot_p50_ms"] > 0:
+            logs.setdefault(num[ld]["workload"], []).append(math.log(num[ld]["tpot_p50_ms"] / den[ld]["tpot_p50_ms"]))
+    return {w: math.exp(sum(v) / len(v)) for w, v in logs.items()}
+
+
 def tuned_vs_default(res: dict, table: dict) -> dict:
     """Issue 20's "tuned <= default TPOT on every workload": per workload, the geometric mean
     over its loads of pinned-tuned's p50 TPOT over pinned-default's, and per load the paired
     per-request TPOT difference, tuned - default in ms (`paired`; arms.json files from before
-    `per_request` have only the ratio)."""
+    `per_request` have only the ratio). With a second run of the default (`serve_arms.py run
+    --arms pinned-default --tag @2`), `default_repeat` is the same ratio between its two runs:
+    how far a tuple moves from itself, run to run."""
     tuned, default = table.get("pinned-tuned", {}), table.get("pinned-default", {})
-    stock = res["arms"].get("stock", {})
-    out: dict = {"workloads": {}, "loads": {}}
-    logs: dict[str, list[float]] = {}
+    out: dict = {"workloads": _ratio_by_workload(tuned, default), "loads": {}}
     for ld in (ld for ld in tuned if ld in default):
         t, d = tuned[ld], default[ld]
-        if t["tpot_p50_ms"] > 0 and d["tpot_p50_ms"] > 0:
-            logs.setdefault(stock.get(ld, t)["workload"], []).append(math.log(t["tpot_p50_ms"] / d["tpot_p50_ms"]))
         if "per_request" in t and "per_request" in d:
             out["loads"][ld] = paired(t["per_request"]["tpot_ms"], d["per_request"]["tpot_ms"])
-    out["workloads"] = {w: math.exp(sum(v) / len(v)) for w, v in logs.items()}
+    again = next((v for k, v in sorted(res["arms"].items()) if k.startswith("pinned-default@")), None)
+    if again:
+        out["default_repeat"] = _ratio_by_workload(again, default)
     return out
 
 
@@ -121,6 +130,9 @@ def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, 
             cells = [f"{ld}: {p['median']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]" for ld, p in tvd["loads"].items()
                      if p and res["arms"]["stock"].get(ld, {}).get("workload") == w]
             lines.append(f"| {w} | {ratio:.4f} | {'; '.join(cells)} |")
+        if tvd.get("default_repeat"):
+            lines += ["", "The default run twice, second / first p50 TPOT (the run-to-run drift): "
+                      + ", ".join(f"{w} {v:.4f}" for w, v in tvd["default_repeat"].items())]
     lines += ["", f"stock lambda_max (req/s): {json.dumps({k: round(v, 3) for k, v in res['lambda_max'].items()})}"]
     return "\n".join(lines) + "\n"
 

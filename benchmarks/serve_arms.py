@@ -10,6 +10,7 @@ workload's loads too: the tuple-drift matrix.
     python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms stock      # one arm per call: results merge
     python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms tuned-W-B --loads W-A  # one tuple, one workload
     python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms '' --vllm-url URL   # only vLLM
+    python3 benchmarks/serve_arms.py run --model DIR --out OUT --arms pinned-default --tag @2  # a second run
     python3 benchmarks/serve_arms.py report OUT     # arms.md, fig7.png, fig8.png (benchmarks/arms_report.py)
 
 Order: tune each workload (`detent tune`, skipped when OUT/tuple-W.json
@@ -163,7 +164,8 @@ def run(a) -> None:
         raise SystemExit(f"no stock lambda_max for {missing} yet: run --arms stock on them first")
     url = f"http://127.0.0.1:{a.port}"
     for arm, extra in servers(arms, res["tuples"]):
-        proc = start(a, arm, extra)
+        key = arm + a.tag
+        proc = start(a, key, extra)
         try:
             model = served_model(url)
             warm_up(url, model, a.prompt_format)  # uncounted, as vllm bench serve's test run
@@ -172,7 +174,7 @@ def run(a) -> None:
                     res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
                     save(res_path, res)
                     print(f"stock lambda_max {w}: {res['lambda_max'][w]:.3f} req/s", flush=True)
-            serve_loads(url, workloads, res["lambda_max"], a, arm, res["arms"].setdefault(arm, {}),
+            serve_loads(url, workloads, res["lambda_max"], a, key, res["arms"].setdefault(key, {}),
                         lambda: save(res_path, res))
         finally:
             stop_server(proc)
@@ -180,7 +182,8 @@ def run(a) -> None:
     if a.vllm_url:
         vurl = a.vllm_url.rstrip("/")
         warm_up(vurl, served_model(vurl, a.api_key), a.prompt_format, a.api_key)
-        serve_loads(vurl, workloads, res["lambda_max"], a, "vllm", res["arms"].setdefault("vllm", {}),
+        vllm = "vllm" + a.tag
+        serve_loads(vurl, workloads, res["lambda_max"], a, vllm, res["arms"].setdefault(vllm, {}),
                     lambda: save(res_path, res), a.api_key)
     save(res_path, res)
     if "stock" in res["arms"]:
@@ -221,6 +224,8 @@ def main(argv=None) -> None:
                    "kernels`, confirmed on the engine: the whole W-C in 408 s on one H200, where the engine cost "
                    "did not finish in 540 s; `--tune-args='--cost engine'` overrides it)")
     r.add_argument("--tune-only", action="store_true", help="only tune the workloads' tuples (OUT/tuple-W.json)")
+    r.add_argument("--tag", default="", help="store the arms as ARM+TAG (e.g. @2: pinned-default@2, a second run "
+                   "of the same arm; the report sets its p50 TPOT against the first run's, the run-to-run drift)")
     r.add_argument("--port", type=int, default=8100)
     r.add_argument("--startup-timeout", type=float, default=900)
     r.add_argument("--seed", type=int, default=0)

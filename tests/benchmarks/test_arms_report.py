@@ -1,6 +1,7 @@
 """benchmarks/arms_report.py's comparison of the tuned tuple with the default
 (issue 20: tuned <= default TPOT on every workload): the ratio per workload,
-and the paired per-request difference per load, against numbers worked by hand."""
+the paired per-request difference per load and the default's run-to-run
+drift, against numbers worked by hand."""
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ def test_tuned_against_default_per_workload_and_load(tmp_path):
                            "C1": _load("W-C", 4.0, [4.0, 4.0])},
         "tuned-W-A": {"A1": _load("W-A", 4.0, [4.9, 5.0, 5.1]), "A2": _load("W-A", 6.25)},
         "tuned-W-C": {"C1": _load("W-C", 4.4, [4.4, 4.4])},
+        "pinned-default@2": {"A1": _load("W-A", 5.05), "A2": _load("W-A", 4.95), "C1": _load("W-C", 4.2)},
     }}
     (tmp_path / "arms.json").write_text(json.dumps(res))
     out = arms_report.report(str(tmp_path))["tuned_vs_default"]
@@ -45,5 +47,9 @@ def test_tuned_against_default_per_workload_and_load(tmp_path):
     assert math.isclose(out["workloads"]["W-A"], 1.0) and math.isclose(out["workloads"]["W-C"], 1.1)
     assert math.isclose(out["loads"]["A1"]["median"], -0.1) and "A2" not in out["loads"]  # A2: no per_request
     assert math.isclose(out["loads"]["C1"]["median"], 0.4)
+    # the default's second run (serve_arms.py --tag @2) over its first: the run-to-run drift
+    assert math.isclose(out["default_repeat"]["W-A"], math.sqrt(5.05 / 5 * 4.95 / 5))
+    assert math.isclose(out["default_repeat"]["W-C"], 1.05)
     md = (tmp_path / "arms.md").read_text()
+    assert "second / first p50 TPOT (the run-to-run drift): W-A 0.9999, W-C 1.0500" in md
     assert "| W-A | 1.0000 | A1: -0.100 [-0.100, -0.100] |" in md and "| W-C | 1.1000 | C1: +0.400" in md

@@ -27,15 +27,17 @@ def test_arms_in_miniature(tmp_path):
            "--workloads", "W-A,W-C", "--num-requests", "2", "--max-len", "40", "--device", "cpu",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32", "--port", "8197",
            "--tune-args", "--families gemm --interactions 0 --refine 0"]
-    for arms in ("stock,conservative,pinned-default,tuned-W-A", "tuned-W-C"):  # two calls: results merge
-        p = subprocess.run(cmd + ["--arms", arms], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    arms_first = ["stock,conservative,pinned-default,tuned-W-A"]
+    # three calls, results merge; the third runs the default again, stored as pinned-default@2
+    for arms in (arms_first, ["tuned-W-C"], ["pinned-default", "--tag", "@2"]):
+        p = subprocess.run(cmd + ["--arms", *arms], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        assert (out / "tuple-W-C.json").exists() == (arms == "tuned-W-C")  # tuned-W tunes W's tuple alone
+        assert (out / "tuple-W-C.json").exists() == (arms != arms_first)  # tuned-W tunes W's tuple alone
     res = json.loads((out / "arms.json").read_text())
     for w in ("W-A", "W-C"):  # the tunes time kernel calls (the engine cost does not fit 10 minutes at 8B)
         assert json.loads((out / f"tuple-{w}.report.json").read_text())["cost_model"] == "kernels"
     loads = ["A1", "A2", "A3", "A4", "C1", "C2"]
-    assert set(res["arms"]) == {"stock", "conservative", "pinned-default", "tuned-W-A", "tuned-W-C"}
+    assert set(res["arms"]) == {"stock", "conservative", "pinned-default", "tuned-W-A", "tuned-W-C", "pinned-default@2"}
     for arm, by_load in res["arms"].items():
         assert list(by_load) == loads, arm
         assert all(r["errors"] == 0 and r["requests"] == 2 and r["tpot_p50_ms"] > 0 for r in by_load.values()), arm
@@ -57,6 +59,7 @@ def test_arms_in_miniature(tmp_path):
     tvd = rep["tuned_vs_default"]  # per workload tuned / default p50 TPOT; per load the paired difference
     assert set(tvd["workloads"]) == {"W-A", "W-C"} and all(v > 0 for v in tvd["workloads"].values())
     assert set(tvd["loads"]) == set(loads) and all(p["n"] == 2 and p["lo"] <= p["hi"] for p in tvd["loads"].values())
+    assert set(tvd["default_repeat"]) == {"W-A", "W-C"}  # the default's second run over its first
     drift = rep["drift"]
     assert [drift["W-A"][ld] for ld in loads[:4]] == [1.0] * 4 and [drift["W-C"][ld] for ld in loads[4:]] == [1.0] * 2
     assert all(v > 0 for row in drift.values() for v in row.values()) and len(drift["W-A"]) == 6
