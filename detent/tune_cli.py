@@ -160,8 +160,8 @@ def _tune(a: argparse.Namespace) -> int:
         + (f", {a.plot or stem + '.png'}" if plotted else ""))
     print(f"default {res.base_cost:.4g}, tuned {report['measured_cost']:.4g} {out.unit} "
           f"(predicted {report['predicted_cost']:.4g}; additivity delta {100 * res.delta:.2f}%)"
-          + ("; kept the default tuple (the combined one measured slower)"
-             if report["measured_cost"] > res.base_cost else ""))
+          + ("; kept the default tuple (no measured repin or combination was cheaper)" if res.pick == "default"
+             else "" if res.pick == "combined best" else f"; the search took {res.pick}, the cheapest measured"))
     if res.cut:
         print(f"the search's share of --time-budget ran out ({res.cut}): "
               + ("the tuple is the default or one family's repin measured on the whole workload, no additivity "

@@ -25,16 +25,15 @@ def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any
             "tried": [{"assignment": t["assignment"], "costs": {f"{f:g}": c for f, c in sorted(t["costs"].items())},
                        **({"same_as": t["same_as"]} if "same_as" in t else {})} for t in r.tried],
         }
-    combined = res.checks[0] if res.checks else None
-    alone = res.base_cost if res.cut_cost is None else res.cut_cost  # no check: the default, or a cut's choice
     return {
         "format": FORMAT, **meta, "unit": unit,
         "tuple_hash": res.chosen.hash,
         "kept_default": res.kept_default,
         "default_cost": res.base_cost,
         "default_costs_first_last": list(res.base_costs),
-        "predicted_cost": combined["predicted"] if combined else alone,
-        "measured_cost": combined["measured"] if combined else alone,
+        "search_pick": res.pick,
+        "predicted_cost": res.base_cost if res.pick_predicted is None else res.pick_predicted,
+        "measured_cost": res.base_cost if res.pick_cost is None else res.pick_cost,
         "additivity": {"delta": res.delta, "checks": res.checks},
         "confirmed": res.confirmed,
         "search_cut": res.cut,

@@ -13,8 +13,10 @@ is measured (`TupleError` on an illegal one: a bug, never skipped).
 Additivity: with T(default) the base and g_f = T(best_f) - T(default) each
 family's gain, the combined tuple's predicted cost is T(default) + sum g_f.
 It is measured, with `interactions` other mixes of the families' finalists;
-delta = max |predicted - measured| / measured is reported. If the combined
-tuple measures slower than the default, the default is kept.
+delta = max |predicted - measured| / measured is reported. The tuple is the
+cheapest measured on the whole workload (`TuneSearch._pick`): the combined
+one where the gains add up, a mix or one family's repin where they do not,
+and the default unless one of them measures cheaper.
 
 With a `deadline` (a `clock()` value) no measurement starts after it: a
 family cut short takes its best candidate measured on the whole workload
@@ -22,6 +24,7 @@ family cut short takes its best candidate measured on the whole workload
 the additivity check is left out; the tuple returned is then the one
 measured family repin that beat the default most, or the default, never an
 unmeasured combination. `TuneResult.cut` says where the time ran out.
+`TuneResult.pick` names the tuple taken.
 """
 from __future__ import annotations
 
@@ -65,7 +68,11 @@ class TuneResult:
     # {"unit", "fraction", "default", "default_first_last", "margin", "tuned", "kept_default"}; None: not confirmed
     confirmed: dict[str, Any] | None = None
     cut: str | None = None  # where the search's deadline stopped it; None: it ran to the end
-    cut_cost: float | None = None  # a cut search: the chosen tuple's cost on the whole workload (no check measured it)
+    # which measured tuple the search took ("default", "combined best", "mix 2", "gemm alone"), its
+    # cost on the whole workload and its additive prediction
+    pick: str = "default"
+    pick_cost: float | None = None
+    pick_predicted: float | None = None
 
     @property
     def delta(self) -> float:
@@ -251,23 +258,33 @@ class Search:
                 self.cut = f"before {e}"
                 return self._best_single(fams, spaces, base_cost)
             self.cut = f"before {e} (the combined tuple was measured)"
-        combined = tuple_of(combos[0][1])
-        kept = checks[0]["measured"] > base_cost
-        return TuneResult(base_cost, fams, checks, self.base if kept else combined, kept, self.base_costs,
-                          cut=self.cut)
+        return self._pick(fams, spaces, base_cost, checks, self.base_costs)
 
     def _best_single(self, fams: dict[str, FamilyResult], spaces: list[FamilySpace],
                      base_cost: float) -> TuneResult:
-        """After the deadline: the one family repin, measured on the whole workload, that beat the
-        default most, or the default; no additivity check."""
-        byname = {s.family: s for s in spaces}
-        moved = [(r.cost(r.chosen), f) for f, r in fams.items() if r.chosen != r.default]
-        cost, fam = min(moved + [(base_cost, None)], key=lambda x: x[0])
-        if fam is None or cost >= base_cost:
-            chosen, kept = self.base, True
-        else:
-            chosen, kept = with_family(self.base, byname[fam], fams[fam].chosen), False
+        """After the deadline: no additivity check, so the pick is among the default and the
+        family repins measured on the whole workload."""
+        res = self._pick(fams, spaces, base_cost, [], (base_cost, base_cost))
         self.progress(f"the search's time ran out ({self.cut}): "
-                      + ("kept the default tuple" if kept else f"took {fam} {fams[fam].chosen} alone ({cost:.4g})"))
-        return TuneResult(base_cost, fams, [], chosen, kept, (base_cost, base_cost), cut=self.cut,
-                          cut_cost=base_cost if kept else cost)
+                      + ("kept the default tuple" if res.kept_default else f"took {res.pick} ({res.pick_cost:.4g})"))
+        return res
+
+    def _pick(self, fams: dict[str, FamilyResult], spaces: list[FamilySpace], base_cost: float,
+              checks: list[dict[str, Any]], base_costs: tuple[float, float]) -> TuneResult:
+        """The tuple: the cheapest one measured on the whole workload, of the default, each
+        family's repin alone and the checked combinations. Where the gains add up that is the
+        combined tuple; where families interact, the measurement decides. A tie keeps the default."""
+        byname = {s.family: s for s in spaces}
+        options = [(base_cost, "default", {}, base_cost)]
+        for f, r in fams.items():
+            cost = r.cost(r.chosen)
+            if r.chosen != r.default and cost is not None:
+                options.append((cost, f"{f} alone", {f: r.chosen}, cost))
+        options += [(c["measured"], c["label"], c["assignments"], c["predicted"]) for c in checks]
+        cost, label, assign, predicted = min(options, key=lambda o: o[0])  # the first of equals: default first
+        chosen = self.base
+        for f, a in assign.items():
+            if a != fams[f].default:
+                chosen = with_family(chosen, byname[f], a)
+        return TuneResult(base_cost, fams, checks, chosen, label == "default", base_costs, cut=self.cut,
+                          pick=label, pick_cost=cost, pick_predicted=predicted)

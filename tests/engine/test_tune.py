@@ -22,7 +22,8 @@ BEST = {"attention": {"split_tokens": 32, "split_stride": 64}, "gemm": {"chunk":
 
 
 class FakeCost:
-    """Cost = per-family bowls around BEST (plus `interaction` when both families move);
+    """Cost = per-family bowls around BEST (plus `interaction` when both families move, or
+    `interaction(assignments)` when it is a function);
     it checks every tuple it is given with the tuple loader and keeps them."""
 
     def __init__(self, facts, interaction: float = 0.0, check: bool = True):
@@ -39,7 +40,8 @@ class FakeCost:
         self.seen.append(t)
         a = {f: family_assignment(t, f) for f in ("gemm", "attention")}
         moved = all(a[f] != self.default[f] for f in a)
-        return 100.0 + sum(self.family_cost(f, x) for f, x in a.items()) + (self.interaction if moved else 0.0)
+        extra = self.interaction(a) if callable(self.interaction) else self.interaction if moved else 0.0
+        return 100.0 + sum(self.family_cost(f, x) for f, x in a.items()) + extra
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +154,29 @@ def test_additivity_check_reports_an_interaction(llm):
     c = out.result.checks[0]
     assert c["label"] == "combined best" and c["measured"] - c["predicted"] == pytest.approx(3.0)
     assert out.result.delta == pytest.approx(3.0 / c["measured"])
+
+
+def test_where_families_interact_the_cheapest_measured_tuple_is_taken(llm):
+    """The default costs 120 (gemm 5, attention 15), attention's repin alone 105, gemm's 115.
+    With +30 whenever both move, the combined tuple (130) and every mix cost more than the
+    default, and attention's repin alone is the cheapest tuple measured: it is the one taken
+    (before: the default, because the combined tuple was slower)."""
+    grid = dict(dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+    res = _tune(llm, interaction=30.0, **grid)[0].result
+    assert res.checks[0]["label"] == "combined best" and res.checks[0]["measured"] == pytest.approx(130.0)
+    assert res.base_cost == pytest.approx(120.0) and res.pick == "attention alone" and not res.kept_default
+    assert res.pick_cost == pytest.approx(105.0) and {f: family_assignment(res.chosen, f) for f in BEST} == {
+        "gemm": res.families["gemm"].default, "attention": BEST["attention"]}
+    # a mix that moves both families 50 cheaper than the additive sum, the combined tuple not:
+    # a measured mix beats the per-family optimum, and the cheapest measured mix is taken
+    bonus = lambda a: -50.0 if a["gemm"] == BEST["gemm"] and a["attention"] not in (  # noqa: E731
+        BEST["attention"], res.families["attention"].default) else 0.0
+    res = _tune(llm, interaction=bonus, **grid)[0].result
+    mixes = [c for c in res.checks if c["label"].startswith("mix")]
+    assert mixes and res.checks[0]["measured"] == pytest.approx(100.0)
+    best = min(mixes, key=lambda c: c["measured"])
+    assert res.pick == best["label"] and res.pick_cost == best["measured"] < 100.0
+    assert {f: family_assignment(res.chosen, f) for f in BEST} == best["assignments"]
 
 
 def test_dedupe_measures_each_set_of_selections_once(llm):
