@@ -13,6 +13,7 @@
 #              600 s a device call may take)
 #   vllm:      `vllm serve` from the peer bundle (PYTHONPATH=VLLM_PATH, default /tmp/vsite), same
 #              deployment facts, then the same client and rates (serve_arms.py --vllm-url)
+#   vllm-bi:   the same with VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant mode), stored as arm vllm-bi
 #   report:    serve_arms.py report
 # Usage: bash benchmarks/arms_gpu.sh OUTDIR PART [PART...]
 set -u
@@ -51,17 +52,21 @@ for PART in "$@"; do
             W=${PART#tune-}
             timed "$PART" 590 detent tune --model $M $FACTS --workload $W --cost kernels --time-budget 570 \
                 -o /tmp/arms/tuple-$W.json ;;
-        vllm)
-            PYTHONPATH=${VLLM_PATH:-/tmp/vsite} setsid python3 -m vllm.entrypoints.openai.api_server --model $M \
-                --load-format dummy --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
-                --gpu-memory-utilization 0.88 > "$OUT/vllm-server.log" 2>&1 &
+        vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)
+            BI=0; TAG=""
+            [ "$PART" = vllm-bi ] && BI=1 && TAG=-bi
+            VLLM_BATCH_INVARIANT=$BI PYTHONPATH=${VLLM_PATH:-/tmp/vsite} \
+                setsid python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
+                --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
+                --gpu-memory-utilization 0.88 > "$OUT/$PART-server.log" 2>&1 &
             V=$!
             for _ in $(seq 300); do
                 python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8200/health', timeout=2)" \
                     2> /dev/null && break
                 sleep 1
             done
-            timed arms-vllm 480 python3 benchmarks/serve_arms.py run $A --arms '' --vllm-url http://127.0.0.1:8200
+            timed "arms-$PART" 480 python3 benchmarks/serve_arms.py run $A --arms '' --tag "$TAG" \
+                --vllm-url http://127.0.0.1:8200
             kill -- -$V; wait $V 2> /dev/null ;;  # its process group: vLLM's engine core too
         report)
             python3 benchmarks/serve_arms.py report $ARMS | tail -30 ;;

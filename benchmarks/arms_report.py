@@ -19,7 +19,8 @@ import math
 import os
 
 METRICS = [f"{m}_p{p}_ms" for m in ("tpot", "ttft") for p in (50, 90, 99)]
-ORDER = ("stock", "conservative", "pinned-default", "pinned-tuned", "vllm")
+# vllm-bi: `vllm serve` with VLLM_BATCH_INVARIANT=1 (benchmarks/arms_gpu.sh), the paper's vLLM-Det
+ORDER = ("stock", "conservative", "pinned-default", "pinned-tuned", "vllm", "vllm-bi")
 
 
 def arms_by_load(res: dict) -> tuple[list[str], dict[str, dict[str, dict]]]:

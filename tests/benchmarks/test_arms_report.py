@@ -40,9 +40,13 @@ def test_tuned_against_default_per_workload_and_load(tmp_path):
         "tuned-W-A": {"A1": _load("W-A", 4.0, [4.9, 5.0, 5.1]), "A2": _load("W-A", 6.25)},
         "tuned-W-C": {"C1": _load("W-C", 4.4, [4.4, 4.4])},
         "pinned-default@2": {"A1": _load("W-A", 5.05), "A2": _load("W-A", 4.95), "C1": _load("W-C", 4.2)},
+        "vllm-bi": {"A1": _load("W-A", 12.0), "A2": _load("W-A", 12.0), "C1": _load("W-C", 12.0)},
     }}
     (tmp_path / "arms.json").write_text(json.dumps(res))
-    out = arms_report.report(str(tmp_path))["tuned_vs_default"]
+    rep = arms_report.report(str(tmp_path))
+    assert rep["geomean_ratio_to_stock"]["vllm-bi"]["tpot_p50_ms"] == 2.0  # vLLM's batch-invariant mode, an arm
+    assert "pinned-default@2" not in rep["geomean_ratio_to_stock"]  # a repeat is not an arm of its own
+    out = rep["tuned_vs_default"]
     # W-A: sqrt(4/5 * 6.25/5) = 1.0; W-C: 4.4/4 = 1.1
     assert math.isclose(out["workloads"]["W-A"], 1.0) and math.isclose(out["workloads"]["W-C"], 1.1)
     assert math.isclose(out["loads"]["A1"]["median"], -0.1) and "A2" not in out["loads"]  # A2: no per_request
