@@ -14,7 +14,7 @@ Additivity: with T(default) the base and g_f = T(best_f) - T(default) each
 family's gain, the combined tuple's predicted cost is T(default) + sum g_f.
 It is measured, with `interactions` other mixes of the families' finalists;
 delta = max |predicted - measured| / measured is reported. The tuple is the
-cheapest measured on the whole workload (`TuneSearch._pick`): the combined
+cheapest measured on the whole workload (`Search._pick`): the combined
 one where the gains add up, a mix or one family's repin where they do not,
 and the default unless one of them measures cheaper.
 
@@ -272,16 +272,24 @@ class Search:
     def _pick(self, fams: dict[str, FamilyResult], spaces: list[FamilySpace], base_cost: float,
               checks: list[dict[str, Any]], base_costs: tuple[float, float]) -> TuneResult:
         """The tuple: the cheapest one measured on the whole workload, of the default, each
-        family's repin alone and the checked combinations. Where the gains add up that is the
-        combined tuple; where families interact, the measurement decides. A tie keeps the default."""
+        family's repin alone and the checked combinations (a tuple measured twice counts by its
+        check). Where the gains add up that is the combined tuple; where families interact, the
+        measurement decides. A tie keeps the default."""
         byname = {s.family: s for s in spaces}
-        options = [(base_cost, "default", {}, base_cost)]
+
+        def moved(assign: dict[str, dict]) -> str:  # a tuple, by the families it repins
+            return repr(sorted((f, sorted(a.items())) for f, a in assign.items() if a != fams[f].default))
+
+        options = {moved({}): (base_cost, "default", {}, base_cost)}
         for f, r in fams.items():
             cost = r.cost(r.chosen)
             if r.chosen != r.default and cost is not None:
-                options.append((cost, f"{f} alone", {f: r.chosen}, cost))
-        options += [(c["measured"], c["label"], c["assignments"], c["predicted"]) for c in checks]
-        cost, label, assign, predicted = min(options, key=lambda o: o[0])  # the first of equals: default first
+                options[moved({f: r.chosen})] = (cost, f"{f} alone", {f: r.chosen}, cost)
+        for c in checks:  # a check measured its tuple again, after the search: its number stands
+            if moved(c["assignments"]) != moved({}):
+                options[moved(c["assignments"])] = (c["measured"], c["label"], c["assignments"], c["predicted"])
+        # the first of equals is taken, and the default is first
+        cost, label, assign, predicted = min(options.values(), key=lambda o: o[0])
         chosen = self.base
         for f, a in assign.items():
             if a != fams[f].default:

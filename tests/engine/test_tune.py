@@ -177,6 +177,10 @@ def test_where_families_interact_the_cheapest_measured_tuple_is_taken(llm):
     best = min(mixes, key=lambda c: c["measured"])
     assert res.pick == best["label"] and res.pick_cost == best["measured"] < 100.0
     assert {f: family_assignment(res.chosen, f) for f in BEST} == best["assignments"]
+    # one family searched (attention, as on one GPU): the combined tuple is that family's repin,
+    # and its check's later measurement stands for it, not the search's
+    res = _tune(llm, families=["attention"], **grid)[0].result
+    assert res.pick == "combined best" and res.pick_cost == res.checks[0]["measured"] == pytest.approx(105.0)
 
 
 def test_dedupe_measures_each_set_of_selections_once(llm):
