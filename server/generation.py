@@ -109,8 +109,10 @@ class Generation:
         return f"{self.base_id}-{i}"
 
     def close(self) -> None:
-        """Aborts whatever has not finished (the client left, or the response never started)."""
-        for i in range(len(self.prompts)):
+        """Aborts whatever it admitted that has not finished (the client left, or the response
+        never started). Only its own: an id it was refused (one already in use by another
+        request) is that request's, and cancelling it would end that request's stream."""
+        for i in range(len(self._streams)):
             if self.final[i] is None:
                 self.state.engine.cancel(self.rid(i))
 

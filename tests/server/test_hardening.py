@@ -192,3 +192,26 @@ def test_caps_on_prompts_sequences_and_logprob_volume(server):
     r = _post(server, CMPL, {"prompt": ids[:10], "max_tokens": 1, "n": 2, "echo": True, "logprobs": 2})
     assert r.status_code == 200, r.text
     _healthy(server)
+
+
+@pytest.mark.parametrize("path,body", [
+    (CMPL, {"prompt": "The sky is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
+    (CHAT, {"messages": MSG, "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 12, "temperature": 0, "ignore_eos": True}),
+])
+def test_a_request_id_already_in_use_is_a_400_that_leaves_its_owner_running(server, path, body):
+    """Found by the near-valid fuzz (test_robustness.py): the second request's refusal
+    cancelled the engine request of the first, whose response then never came."""
+    async def both():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=30) as c:
+            first = asyncio.ensure_future(c.post(path, content=json.dumps({**body, "request_id": "dup"}).encode()))
+            await asyncio.sleep(0.05)  # the first is admitted
+            second = await c.post(path, content=json.dumps({**body, "request_id": "dup"}).encode())
+            return await first, second
+
+    first, second = asyncio.run(both())
+    _err(second, 400, "already in use", param="request_id")
+    assert first.status_code == 200, first.text
+    usage = first.json()["usage"]
+    assert usage.get("completion_tokens", usage.get("output_tokens")) == 12
+    _healthy(server)

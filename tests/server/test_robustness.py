@@ -8,6 +8,10 @@ decide how much work a valid request does (n, max_tokens, prompt length)
 are drawn small, so that a valid request finishes fast and a slow response
 means a server bug, not a big job.
 
+Near-valid bodies come too: a valid request with one to three of its fields
+set to values of their own type, so that most of them pass validation and
+reach the sampler, logprobs, stops, grammars, tools and streams behind it.
+
 Each example sends its bodies concurrently with one good seeded request,
 and checks:
 - no 5xx, in the status or in-band in a stream;
@@ -32,7 +36,7 @@ from pydantic import BaseModel
 from server_helpers import API_KEY
 
 from detent.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest)
+                                    ResponsesRequest, TokenizeRequest)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 RESPONSE_BOUND_S = 15.0
@@ -57,6 +61,13 @@ SCHEMAS = st.sampled_from([{"type": "object"}, {"type": "integer"}, {"type": "no
                            {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}])
 OVERRIDES: dict[str, st.SearchStrategy] = {
     "n": SMALL, "best_of": SMALL, "max_tokens": SMALL, "max_completion_tokens": SMALL, "min_tokens": SMALL,
+    "max_output_tokens": SMALL,
+    "input": st.one_of(TEXT, st.lists(st.one_of(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "developer"]), "content": st.one_of(TEXT, st.lists(
+            st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                   "text": TEXT}), max_size=2))},
+        optional={"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]),
+                  "call_id": TEXT, "output": TEXT, "name": TEXT, "arguments": TEXT}), ANY_JSON), max_size=3)),
     "prompt": st.one_of(TEXT, st.lists(TEXT, max_size=3), TOKEN_IDS, st.lists(TOKEN_IDS, max_size=3), ANY_JSON),
     "tokens": st.one_of(TOKEN_IDS, ANY_JSON),
     "golden_token_ids": st.one_of(st.none(), TOKEN_IDS), "stop_token_ids": st.one_of(st.none(), TOKEN_IDS),
@@ -108,9 +119,41 @@ def _chat_body() -> st.SearchStrategy:
         lambda b: b if "max_tokens" in b or "max_completion_tokens" in b else {**b, "max_tokens": 3})
 
 
+def _responses_body() -> st.SearchStrategy:
+    # as a chat request: bounded, max_output_tokens drawn small
+    return _body(ResponsesRequest).map(lambda b: b if "max_output_tokens" in b else {**b, "max_output_tokens": 3})
+
+
+# near-valid bodies: a valid request with one to three fields set to values of their own type, the
+# work-setting ones small and valid, so that most pass validation and reach what lies behind it
+# (sampling, logprobs, stops, grammars, tools, streaming, the Responses items)
+NEAR_OVERRIDES: dict[str, st.SearchStrategy] = {
+    **OVERRIDES, **{k: st.integers(1, 3) for k in ("n", "best_of")},
+    **{k: st.integers(1, 4) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")},
+    "min_tokens": st.integers(0, 2), "logprobs": st.one_of(st.booleans(), st.integers(0, 5)),
+    "top_logprobs": st.integers(0, 5), "prompt_logprobs": st.integers(0, 3),
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "seed": INTS,
+}
+NEAR_BASES = {"/v1/completions": (CompletionRequest, {"prompt": "Hi there", "max_tokens": 3}),
+              "/v1/chat/completions": (ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}],
+                                                               "max_tokens": 3}),
+              "/v1/responses": (ResponsesRequest, {"input": "Hi", "max_output_tokens": 3})}
+
+
+def _near_valid(path: str) -> st.SearchStrategy:
+    model, base = NEAR_BASES[path]
+    fields = {(f.alias or name): NEAR_OVERRIDES.get(name, _typed(f.annotation))
+              for name, f in model.model_fields.items() if (f.alias or name) not in ("model", "messages", "input")}
+    keys = st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3, unique=True)
+    return keys.flatmap(lambda ks: st.fixed_dictionaries({**{k: st.just(v) for k, v in base.items()},
+                                                          **{k: fields[k] for k in ks}}))
+
+
 REQUESTS = st.one_of(
+    *(st.tuples(st.just(path), _near_valid(path)) for path in NEAR_BASES),
     st.tuples(st.just("/v1/completions"), _body(CompletionRequest)),
     st.tuples(st.just("/v1/chat/completions"), _chat_body()),
+    st.tuples(st.just("/v1/responses"), _responses_body()),
     st.tuples(st.just("/v1/tokenize"), _body(TokenizeRequest)),
     st.tuples(st.just("/v1/detokenize"), _body(DetokenizeRequest)),
 )
