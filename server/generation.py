@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 from detent.server.errors import APIError
@@ -88,6 +89,9 @@ class Generation:
         self.final: list[Any] = [None] * len(prompts)
         self.generated = [0] * len(prompts)  # tokens so far, per engine request
         self.reports_output = True  # False: the response drops the generated tokens (echo, max_tokens 0)
+        # the engine's ids carry a random suffix, as vLLM's: a client's request_id need not be unique
+        # (a retry, or a trace id on several requests), and two requests never share an engine request
+        self._engine_tag = uuid.uuid4().hex[:8]
 
     async def start(self) -> "Generation":
         """Admits every engine request (a refusal is raised here, before any response starts)."""
@@ -99,22 +103,25 @@ class Generation:
                      [q.max_tokens for q in self.params], p.temperature, p.top_p, p.top_k, p.seed)
         try:
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
-                self._streams.append(await self.state.engine.add(self.rid(i), ids, p))
+                self._streams.append(await self.state.engine.add(self.engine_id(i), ids, p))
         except BaseException:
             self.close()
             raise
         return self
 
     def rid(self, i: int) -> str:
+        """The i-th sample's id as the client and the request log see it."""
         return f"{self.base_id}-{i}"
+
+    def engine_id(self, i: int) -> str:
+        return f"{self.rid(i)}-{self._engine_tag}"
 
     def close(self) -> None:
         """Aborts whatever it admitted that has not finished (the client left, or the response
-        never started). Only its own: an id it was refused (one already in use by another
-        request) is that request's, and cancelling it would end that request's stream."""
+        never started): its own engine requests only."""
         for i in range(len(self._streams)):
             if self.final[i] is None:
-                self.state.engine.cancel(self.rid(i))
+                self.state.engine.cancel(self.engine_id(i))
 
     @property
     def prompt_tokens(self) -> int:
