@@ -65,7 +65,7 @@ for PART in "$@"; do
                     2> /dev/null && break
                 sleep 1
             done
-            timed "arms-$PART" 480 python3 benchmarks/serve_arms.py run $A --arms '' --tag "$TAG" \
+            timed "arms-$PART" 480 python3 benchmarks/serve_arms.py run $A --arms '' --tag="$TAG" \
                 --vllm-url http://127.0.0.1:8200
             kill -- -$V; wait $V 2> /dev/null ;;  # its process group: vLLM's engine core too
         report)

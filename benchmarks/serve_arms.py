@@ -225,7 +225,8 @@ def main(argv=None) -> None:
                    "did not finish in 540 s; `--tune-args='--cost engine'` overrides it)")
     r.add_argument("--tune-only", action="store_true", help="only tune the workloads' tuples (OUT/tuple-W.json)")
     r.add_argument("--tag", default="", help="store the arms as ARM+TAG (e.g. @2: pinned-default@2, a second run "
-                   "of the same arm; the report sets its p50 TPOT against the first run's, the run-to-run drift)")
+                   "of the same arm; the report sets its p50 TPOT against the first run's, the run-to-run drift; "
+                   "a tag that starts with '-' is given as --tag=-bi)")
     r.add_argument("--port", type=int, default=8100)
     r.add_argument("--startup-timeout", type=float, default=900)
     r.add_argument("--seed", type=int, default=0)
