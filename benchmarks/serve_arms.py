@@ -86,11 +86,10 @@ def start(a, arm: str, extra: list[str]) -> subprocess.Popen:
     return proc
 
 
-def serve_loads(url: str, workloads: dict, lambda_max: dict, a, label: str, out: dict, saved,
+def serve_loads(url: str, model: str, workloads: dict, lambda_max: dict, a, label: str, out: dict, saved,
                 api_key: str | None = None) -> None:
     """Every selected load of `workloads` into `out` (load name -> result), `saved()` after each,
     so a call cut short keeps the loads it finished. A load sends its own prompts (`for_load`)."""
-    model = served_model(url, api_key)
     wargs = {"num_requests": a.num_requests, "max_len": a.max_len, "vocab": a.vocab}
     for name, w in workloads.items():
         for load in w.loads:
@@ -174,16 +173,17 @@ def run(a) -> None:
                     res["lambda_max"][w] = max_throughput(url, model, workloads[w], prompt_format=a.prompt_format)
                     save(res_path, res)
                     print(f"stock lambda_max {w}: {res['lambda_max'][w]:.3f} req/s", flush=True)
-            serve_loads(url, workloads, res["lambda_max"], a, key, res["arms"].setdefault(key, {}),
+            serve_loads(url, model, workloads, res["lambda_max"], a, key, res["arms"].setdefault(key, {}),
                         lambda: save(res_path, res))
         finally:
             stop_server(proc)
         save(res_path, res)
     if a.vllm_url:
         vurl = a.vllm_url.rstrip("/")
-        warm_up(vurl, served_model(vurl, a.api_key), a.prompt_format, a.api_key)
+        vmodel = served_model(vurl, a.api_key)
+        warm_up(vurl, vmodel, a.prompt_format, a.api_key)
         vllm = "vllm" + a.tag
-        serve_loads(vurl, workloads, res["lambda_max"], a, vllm, res["arms"].setdefault(vllm, {}),
+        serve_loads(vurl, vmodel, workloads, res["lambda_max"], a, vllm, res["arms"].setdefault(vllm, {}),
                     lambda: save(res_path, res), a.api_key)
     save(res_path, res)
     if "stock" in res["arms"]:

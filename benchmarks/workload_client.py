@@ -138,18 +138,11 @@ def warm_up(url: str, model: str, prompt_format: str = "ids", api_key: str | Non
     """One short request, not counted, before a server's first load (as `vllm bench serve`'s
     test run): the first requests of a load then do not pay a fresh server's first call.
     Its prompt (ids 10..41) shares no page with a workload's random ids."""
-    from detent.workloads import Request
-    b = body(model, Request(tuple(range(10, 42)), 8), prompt_format)
-    r = asyncio.run(_one(url, b, api_key))
+    from detent.workloads import Request, Workload
+    w = Workload("warm-up", (Request(tuple(range(10, 42)), 8),), (), 0)
+    (r,), _ = asyncio.run(drive(url, model, w, prompt_format=prompt_format, api_key=api_key, timeout=600))
     if "error" in r:
         raise RuntimeError(f"the warm-up request failed: {r['error']}")
-
-
-async def _one(url: str, b: dict, api_key: str | None) -> dict:
-    import httpx
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
-        return await one(client, url, b)
 
 
 def for_load(name: str, load, seed: int = 0, **wargs):

@@ -113,15 +113,10 @@ def _body(model: type[BaseModel]) -> st.SearchStrategy:
     return st.fixed_dictionaries(req, optional={**opt, "unknown_field": ANY_JSON})
 
 
-def _chat_body() -> st.SearchStrategy:
-    # a chat request without max_tokens runs to the end of the context: always bound it
-    return _body(ChatCompletionRequest).map(
-        lambda b: b if "max_tokens" in b or "max_completion_tokens" in b else {**b, "max_tokens": 3})
-
-
-def _responses_body() -> st.SearchStrategy:
-    # as a chat request: bounded, max_output_tokens drawn small
-    return _body(ResponsesRequest).map(lambda b: b if "max_output_tokens" in b else {**b, "max_output_tokens": 3})
+def _bounded(model: type[BaseModel], *limits: str) -> st.SearchStrategy:
+    # a chat or Responses request without its output limit runs to the end of the context:
+    # always bound it (the first of `limits` set to 3 where none was drawn)
+    return _body(model).map(lambda b: b if any(k in b for k in limits) else {**b, limits[0]: 3})
 
 
 # near-valid bodies: a valid request with one to three fields set to values of their own type, the
@@ -152,8 +147,8 @@ def _near_valid(path: str) -> st.SearchStrategy:
 REQUESTS = st.one_of(
     *(st.tuples(st.just(path), _near_valid(path)) for path in NEAR_BASES),
     st.tuples(st.just("/v1/completions"), _body(CompletionRequest)),
-    st.tuples(st.just("/v1/chat/completions"), _chat_body()),
-    st.tuples(st.just("/v1/responses"), _responses_body()),
+    st.tuples(st.just("/v1/chat/completions"), _bounded(ChatCompletionRequest, "max_tokens", "max_completion_tokens")),
+    st.tuples(st.just("/v1/responses"), _bounded(ResponsesRequest, "max_output_tokens")),
     st.tuples(st.just("/v1/tokenize"), _body(TokenizeRequest)),
     st.tuples(st.just("/v1/detokenize"), _body(DetokenizeRequest)),
 )
