@@ -12,61 +12,16 @@ import pytest
 from detent.battery import OfflineBackend, run_battery
 from detent.battery_cells import select
 from detent.selection import CommitmentTuple
-from detent.selection.compiler.tune_space import family_assignment, family_space, with_family
+from detent.selection.compiler.tune_space import family_assignment, family_space
 from detent.tune import tune
-from detent.workloads import make
 from engine_helpers import bundle, make_llm
+from tune_helpers import BEST, CONFIG, fake_tune, tiny_llm, workload
 
-CONFIG = dict(max_num_batched_tokens=32, max_model_len=512)  # the battery's deployment: tune for the same facts
-BEST = {"attention": {"split_tokens": 32, "split_stride": 64}, "gemm": {"chunk": 1}}
-
-
-class FakeCost:
-    """Cost = per-family bowls around BEST (plus `interaction` when both families move, or
-    `interaction(assignments)` when it is a function);
-    it checks every tuple it is given with the tuple loader and keeps them."""
-
-    def __init__(self, facts, interaction: float = 0.0, check: bool = True):
-        self.facts, self.interaction, self.check, self.seen = facts, interaction, check, []
-
-    def family_cost(self, family: str, a: dict) -> float:
-        if family == "gemm":
-            return {1: 0.0, 16: 5.0}[a["chunk"]]
-        return abs(a["split_tokens"] - 32) / 16 + {16: 3.0, 64: 0.0, 256: 1.0, 1024: 2.0}[a["split_stride"]]
-
-    def measure(self, t: CommitmentTuple, fraction: float) -> float:
-        if self.check:
-            CommitmentTuple.from_json(t.to_json()).validate(self.facts)  # raises TupleError on an illegal tuple
-        self.seen.append(t)
-        a = {f: family_assignment(t, f) for f in ("gemm", "attention")}
-        moved = all(a[f] != self.default[f] for f in a)
-        extra = self.interaction(a) if callable(self.interaction) else self.interaction if moved else 0.0
-        return 100.0 + sum(self.family_cost(f, x) for f, x in a.items()) + extra
-
-
-@pytest.fixture(scope="module")
-def llm():
-    llm = make_llm(bundle("llama"), "pinned", **CONFIG)
-    yield llm
-    llm.shutdown()
-
-
-def workload():
-    return make("W-A", num_requests=5, max_len=96, vocab=160)
-
-
-def _tune(llm, interaction=0.0, check=True, **search):
-    from detent.selection import default_tuple
-    from detent.tune_engine import engine_facts
-    facts = engine_facts(llm)
-    fake = FakeCost(facts, interaction, check)
-    fake.default = {f: family_assignment(default_tuple(facts), f) for f in ("gemm", "attention")}
-    out = tune(llm, workload(), cost=lambda inst, calls: fake, **search)
-    return out, fake
+llm = pytest.fixture(scope="module")(tiny_llm)
 
 
 def test_profile_records_each_familys_runtime_inputs(llm):
-    out, _ = _tune(llm, max_candidates=2, min_fraction=1.0, refine=0, interactions=0)
+    out, _ = fake_tune(llm, max_candidates=2, min_fraction=1.0, refine=0, interactions=0)
     att = out.profile["attention"]
     assert len(att) == 1  # one call site
     (counts,) = att.values()
@@ -130,7 +85,7 @@ def test_profile_records_prompt_steps_and_one_decode_step_in_every_and_replays_t
 
 
 def test_fake_cost_exhaustive_picks_the_cheapest_legal_assignment(llm):
-    out, fake = _tune(llm, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+    out, fake = fake_tune(llm, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
     res = out.result
     for fam in ("gemm", "attention"):
         space = family_space(out.facts, fam)
@@ -142,7 +97,7 @@ def test_fake_cost_exhaustive_picks_the_cheapest_legal_assignment(llm):
 
 
 def test_halving_and_hill_climbing_reach_the_optimum_measuring_a_part_of_the_grid(llm):
-    out, fake = _tune(llm, dedupe=False, max_candidates=8, eta=3, min_fraction=0.25, refine=30)
+    out, fake = fake_tune(llm, dedupe=False, max_candidates=8, eta=3, min_fraction=0.25, refine=30)
     att = out.result.families["attention"]
     assert att.chosen == BEST["attention"]
     assert len(att.tried) < att.legal / 2
@@ -150,7 +105,7 @@ def test_halving_and_hill_climbing_reach_the_optimum_measuring_a_part_of_the_gri
 
 
 def test_additivity_check_reports_an_interaction(llm):
-    out, _ = _tune(llm, interaction=3.0, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+    out, _ = fake_tune(llm, interaction=3.0, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
     c = out.result.checks[0]
     assert c["label"] == "combined best" and c["measured"] - c["predicted"] == pytest.approx(3.0)
     assert out.result.delta == pytest.approx(3.0 / c["measured"])
@@ -162,7 +117,7 @@ def test_where_families_interact_the_cheapest_measured_tuple_is_taken(llm):
     default, and attention's repin alone is the cheapest tuple measured: it is the one taken
     (before: the default, because the combined tuple was slower)."""
     grid = dict(dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
-    res = _tune(llm, interaction=30.0, **grid)[0].result
+    res = fake_tune(llm, interaction=30.0, **grid)[0].result
     assert res.checks[0]["label"] == "combined best" and res.checks[0]["measured"] == pytest.approx(130.0)
     assert res.base_cost == pytest.approx(120.0) and res.pick == "attention alone" and not res.kept_default
     assert res.pick_cost == pytest.approx(105.0) and {f: family_assignment(res.chosen, f) for f in BEST} == {
@@ -171,7 +126,7 @@ def test_where_families_interact_the_cheapest_measured_tuple_is_taken(llm):
     # a measured mix beats the per-family optimum, and the cheapest measured mix is taken
     bonus = lambda a: -50.0 if a["gemm"] == BEST["gemm"] and a["attention"] not in (  # noqa: E731
         BEST["attention"], res.families["attention"].default) else 0.0
-    res = _tune(llm, interaction=bonus, **grid)[0].result
+    res = fake_tune(llm, interaction=bonus, **grid)[0].result
     mixes = [c for c in res.checks if c["label"].startswith("mix")]
     assert mixes and res.checks[0]["measured"] == pytest.approx(100.0)
     best = min(mixes, key=lambda c: c["measured"])
@@ -179,7 +134,7 @@ def test_where_families_interact_the_cheapest_measured_tuple_is_taken(llm):
     assert {f: family_assignment(res.chosen, f) for f in BEST} == best["assignments"]
     # one family searched (attention, as on one GPU): the combined tuple is that family's repin,
     # and its check's later measurement stands for it, not the search's
-    res = _tune(llm, families=["attention"], **grid)[0].result
+    res = fake_tune(llm, families=["attention"], **grid)[0].result
     assert res.pick == "combined best" and res.pick_cost == res.checks[0]["measured"] == pytest.approx(105.0)
 
 
@@ -187,7 +142,7 @@ def test_dedupe_measures_each_set_of_selections_once(llm):
     """Attention's split_stride only shapes the legal split sizes: repins that differ in it
     select the same kernels with the same parameters, so it is held at the default and a
     repeated selection is not measured again."""
-    out, fake = _tune(llm, max_candidates=10_000, min_fraction=1.0, refine=0)
+    out, fake = fake_tune(llm, max_candidates=10_000, min_fraction=1.0, refine=0)
     att = out.result.families["attention"]
     assert att.inert == ["split_stride"]
     assert all(t["assignment"]["split_stride"] == 256 for t in att.tried)
@@ -213,7 +168,7 @@ def test_an_illegal_candidate_is_refused_not_measured(llm, monkeypatch):
         return tune_space.FamilySpace(s.family, s.pins, s.knobs, axes, (bad,) + s.legal[:3], s.sites)
     monkeypatch.setattr("detent.tune.family_space", with_an_illegal_value)
     with pytest.raises(TupleError, match="split_tokens"):  # the tuner's own check, before measuring
-        _tune(llm, check=False, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
+        fake_tune(llm, check=False, dedupe=False, max_candidates=10_000, min_fraction=1.0, refine=0)
 
 
 def test_kernel_cost_times_the_profiled_calls(llm):
@@ -242,7 +197,7 @@ def _cells(selection: str, tuple_path: str | None):
 
 
 def test_tuned_tuple_loads_serves_and_stays_invariant(llm, tmp_path):
-    out, _ = _tune(llm, max_candidates=10_000, min_fraction=1.0, refine=0)
+    out, _ = fake_tune(llm, max_candidates=10_000, min_fraction=1.0, refine=0)
     path = str(tmp_path / "tuned.json")
     out.result.chosen.save(path)
     tuned = make_llm(bundle("llama"), "pinned", tuple=path, **CONFIG)
@@ -381,102 +336,6 @@ def test_a_candidate_whose_graphs_did_not_capture_stops_the_tune(llm, monkeypatc
     assert inst.current is None  # the next install tries again
 
 
-class Confirm:
-    """A second cost model for the confirmation: the default costs 10 (then 10 + `drift` on its
-    later runs), every other tuple `tuned`."""
-
-    def __init__(self, base_hash: str, tuned: float, drift: float = 0.0):
-        self.base_hash, self.tuned, self.drift, self.seen = base_hash, tuned, drift, []
-
-    def measure(self, t: CommitmentTuple, fraction: float) -> float:
-        self.seen.append((t.hash == self.base_hash, fraction))
-        if t.hash != self.base_hash:
-            return self.tuned
-        return 10.0 + (self.drift if len(self.seen) > 2 else 0.0)
-
-
-@pytest.mark.parametrize("tuned, drift, keeps_default", [(12.0, 0.0, True), (8.0, 0.0, False), (10.0, 0.0, True),
-                                                         (9.5, 1.0, True), (8.5, 1.0, False), (9.5, -1.0, True)])
-def test_the_winner_is_confirmed_against_the_default_on_a_second_cost_model(llm, tuned, drift, keeps_default):
-    # the search (a fake cost) picks BEST; the confirmation measures the default before and after
-    # the winner on the whole workload and keeps the default unless the winner is cheaper than the
-    # default's cheaper run by more than the default drifted between its runs (9.5 against 10 and 11,
-    # or 10 and 9, is within that noise)
-    from detent.selection import default_tuple
-    from detent.tune_engine import engine_facts
-    facts = engine_facts(llm)
-    base = default_tuple(facts)
-    fake = FakeCost(facts)
-    fake.default = {f: family_assignment(base, f) for f in ("gemm", "attention")}
-    check = Confirm(base.hash, tuned, drift)
-    out = tune(llm, workload(), cost=lambda inst, calls: fake, confirm=lambda inst, calls: check,
-               max_candidates=64, refine=0, interactions=0)
-    res = out.result
-    assert check.seen == [(True, 1.0), (True, 1.0), (False, 1.0), (True, 1.0)]  # untimed, default, tuned, default
-    assert res.confirmed == {"unit": "cost", "fraction": 1.0, "default": 10.0 + drift / 2,
-                             "default_first_last": [10.0, 10.0 + drift], "margin": abs(drift),
-                             "tuned": tuned, "kept_default": keeps_default}
-    assert res.kept_default is keeps_default
-    assert (res.chosen.hash == base.hash) is keeps_default
-    if not keeps_default:  # the search's combined winner
-        assert all(family_assignment(res.chosen, f) == r.chosen for f, r in res.families.items())
-
-
-class Clocked:
-    """A confirmation cost on a fake clock: a run of share f takes `install` (when the tuple
-    changes) + f * `run` seconds; the default costs 10, any other tuple 8."""
-
-    unit = "cost"
-
-    def __init__(self, base_hash: str, run: float, install: float):
-        self.base_hash, self.run, self.install, self.now, self.held = base_hash, run, install, 0.0, None
-        self.seen, self.last_install_s, self.max_install_s = [], 0.0, install
-
-    def measure(self, t: CommitmentTuple, fraction: float) -> float:
-        self.last_install_s = self.install if t.hash != self.held else 0.0
-        self.held = t.hash
-        self.now += self.last_install_s + fraction * self.run
-        self.seen.append((t.hash == self.base_hash, fraction))
-        return 10.0 if t.hash == self.base_hash else 8.0
-
-
-@pytest.mark.parametrize("left, fraction", [(400.0, 1.0), (171.0, 0.5), (35.0, None)])
-def test_a_deadline_sizes_the_confirmation_and_skips_it_when_too_little_fits(llm, left, fraction):
-    # a whole run takes 100 s and a tuple switch 10: the untimed probe (a quarter, after a switch)
-    # tells the run's length; the three timed runs and two switches must end before the deadline
-    from detent.selection import default_tuple
-    from detent.tune import CONFIRM_PROBE, confirmed
-    from detent.tune_engine import engine_facts
-    from detent.tune_search import TuneResult
-    facts = engine_facts(llm)
-    base = default_tuple(facts)
-    space = family_space(facts, "gemm")
-    other = next(a for a in space.legal if a != family_assignment(base, "gemm"))
-    winner = with_family(base, space, other)
-    m = Clocked(base.hash, run=100.0, install=10.0)
-    res = confirmed(TuneResult(10.0, {}, [], winner, False), base, m, lambda s: None,
-                    deadline=CONFIRM_PROBE * 100.0 + 10.0 + left, clock=lambda: m.now)
-    if fraction is None:  # 35 s cannot hold three runs of a tenth (30 s) and two switches (20 s)
-        assert m.seen == [(True, CONFIRM_PROBE)]
-        assert res.confirmed["skipped"] and res.confirmed["fraction"] == 0.0
-        assert res.kept_default and res.chosen.hash == base.hash  # an unconfirmed winner is not written
-    else:
-        assert m.seen == [(True, CONFIRM_PROBE), (True, fraction), (False, fraction), (True, fraction)]
-        assert res.confirmed["fraction"] == fraction and not res.kept_default and res.chosen.hash == winner.hash
-        assert m.now <= CONFIRM_PROBE * 100.0 + 10.0 + left
-
-
-def test_kernel_cost_search_confirmed_on_the_engine(llm):
-    out = tune(llm, workload(), cost="kernels", confirm="engine", families=["gemm"], max_candidates=2,
-               min_fraction=1.0, refine=0, interactions=0)
-    c = out.result.confirmed
-    if out.result.families["gemm"].chosen == out.result.families["gemm"].default:
-        assert c is None  # nothing to confirm: the search kept the default
-    else:
-        assert c["unit"] == "ms per output token" and c["default"] > 0 and c["tuned"] > 0
-        assert out.result.kept_default is c["kept_default"]
-
-
 def test_kernel_cost_compiles_are_not_logged_as_serving(llm, monkeypatch, caplog):
     """KernelCost's warm-up call compiles each candidate's kernels by design. After a warm start
     the engine's compile watch names every later compile as a miss of the warm start; inside the
@@ -497,21 +356,3 @@ def test_kernel_cost_compiles_are_not_logged_as_serving(llm, monkeypatch, caplog
     assert watch.count == 0 and "compiled while serving" not in caplog.text
     watch(repr="a_compile_while_serving")
     assert watch.count == 1 and "compiled while serving" in caplog.text
-
-
-def test_a_spent_time_budget_keeps_the_default_without_searching(llm):
-    # the deadline already passed when the search begins: the default is measured (every comparison's
-    # base), no candidate is, and the default tuple is the answer
-    import time
-
-    from detent.selection import default_tuple
-    from detent.tune_engine import engine_facts
-    facts = engine_facts(llm)
-    base = default_tuple(facts)
-    fake = FakeCost(facts)
-    fake.default = {f: family_assignment(base, f) for f in ("gemm", "attention")}
-    out = tune(llm, workload(), cost=lambda inst, calls: fake, deadline=time.perf_counter(), max_candidates=4)
-    res = out.result
-    assert res.cut and res.kept_default and res.chosen.hash == base.hash and res.checks == []
-    assert [t.hash for t in fake.seen] == [base.hash, base.hash]
-    assert set(out.phases) == {"profile", "search"}
