@@ -12,15 +12,18 @@ leaves no token the truncation kept, the grammar's allowed set (under the
 temperature-scaled distribution) is used instead, so a constrained request
 never stalls.
 
-No torch.cumsum (not batch-invariant on GPU): top-p's prefix sums use a
-Hillis-Steele scan of elementwise float64 additions whose order per element
-is fixed, whatever the batch or vocabulary.
+No float cumsum (its addition order is not the same for every batch on GPU):
+top-p (sampling/nucleus.py) sums probabilities as integers, exact in any
+order, and finds its boundary without a sort or a device read.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+
+from detent.sampling.nucleus import top_p_keep
+from detent.sampling.rng import to_device
 
 NEG_INF = float("-inf")
 
@@ -31,7 +34,12 @@ def _pad_ids(lists: Sequence[Sequence[int]], fill: int, device) -> torch.Tensor:
     for i, l in enumerate(lists):
         if len(l):
             out[i, :len(l)] = torch.as_tensor(list(l), dtype=torch.long)
-    return out.to(device)
+    return to_device(out, device)
+
+
+def _host(vals: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a device tensor, without waiting for the device's queue."""
+    return to_device(torch.tensor(vals, dtype=dtype), device)
 
 
 def token_presence(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
@@ -44,30 +52,47 @@ def token_presence(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.
 
 def apply_request_masks(x: torch.Tensor, rows) -> torch.Tensor:
     """allowed_token_ids, logit_bias, min_tokens (blocks EOS and stop_token_ids), bad words.
-    Returns x itself when no row has any of them, else a masked copy (x is not modified)."""
+    Returns x itself when no row has any of them, else a masked copy (x is not modified).
+    Which tokens each row masks is known on the host: one indexed write per kind, for all rows."""
     B, V = x.shape
     if not any(r.params.allowed_token_ids or r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens
                or r.params.bad_words_token_ids for r in rows):
         return x
-    x = x.clone()
+    allow_rows, allowed, biased, bias, banned = [], [], [], [], []
     for i, r in enumerate(rows):
         p = r.params
         if p.allowed_token_ids:
-            keep = torch.zeros(V, dtype=torch.bool, device=x.device)
-            keep[torch.tensor([t for t in p.allowed_token_ids if t < V], dtype=torch.long)] = True
-            x[i] = torch.where(keep, x[i], NEG_INF)
-        if p.logit_bias:
-            ids = torch.tensor([t for t in p.logit_bias if t < V], dtype=torch.long)
-            vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < V], dtype=x.dtype)
-            x[i, ids] += vals.to(x.device)
+            allow_rows.append(i)
+            allowed += [(i, t) for t in sorted(set(p.allowed_token_ids)) if t < V]
+        for t, v in (p.logit_bias or {}).items():
+            if t < V:
+                biased.append((i, t))
+                bias.append(v)
         if len(r.output_token_ids) < p.min_tokens:
-            banned = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
-            if banned:
-                x[i, torch.tensor(banned, dtype=torch.long)] = NEG_INF
-        bad = [w[-1] for w in p.bad_words_token_ids or () if w[-1] < V and _ends_with(r.output_token_ids, w[:-1])]
-        if bad:
-            x[i, torch.tensor(bad, dtype=torch.long)] = NEG_INF
+            banned += [(i, t) for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
+        banned += [(i, w[-1]) for w in p.bad_words_token_ids or ()
+                   if w[-1] < V and _ends_with(r.output_token_ids, w[:-1])]
+    dev = x.device
+    if allow_rows:  # a row with allowed_token_ids keeps those alone
+        keep = torch.ones(B, V, dtype=torch.bool, device=dev).index_fill_(0, _host(allow_rows, torch.long, dev), False)
+        if allowed:
+            at = _cells(allowed, dev)
+            keep.index_put_(at, torch.ones(len(allowed), dtype=torch.bool, device=dev))
+        x = torch.where(keep, x, NEG_INF)
+    else:
+        x = x.clone()
+    if biased:  # (row, token) pairs are unique: a dict's keys per row
+        at = _cells(biased, dev)
+        x.index_put_(at, x[at] + _host(bias, x.dtype, dev))
+    if banned:
+        x.index_put_(_cells(banned, dev), torch.full((len(banned),), NEG_INF, dtype=x.dtype, device=dev))
     return x
+
+
+def _cells(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, tokens) index tensors on the device for a list of (row, token) pairs."""
+    both = _host(pairs, torch.long, device)  # [n, 2]
+    return both[:, 0], both[:, 1]
 
 
 def _ends_with(seq: Sequence[int], tail: Sequence[int]) -> bool:
@@ -80,15 +105,13 @@ def apply_penalties(x: torch.Tensor, rows) -> torch.Tensor:
     """vLLM semantics: repetition over prompt+output tokens; frequency/presence over output tokens."""
     B, V = x.shape
     dev = x.device
-    if all(r.params.repetition_penalty == 1.0 and r.params.frequency_penalty == 0.0
-           and r.params.presence_penalty == 0.0 for r in rows):
-        return x  # decided on the host: no tensors, no device sync
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype, device=dev)[:, None]
-    use_rep, use_freq = bool((rep != 1.0).any()), bool((freq != 0.0).any() or (pres != 0.0).any())
+    reps = [r.params.repetition_penalty for r in rows]
+    freqs = [r.params.frequency_penalty for r in rows]
+    press = [r.params.presence_penalty for r in rows]
+    use_rep, use_freq = any(v != 1.0 for v in reps), any(v != 0.0 for v in freqs + press)
     if not (use_rep or use_freq):
-        return x
+        return x  # decided on the host: no tensors
+    rep, freq, pres = (_host(v, x.dtype, dev)[:, None] for v in (reps, freqs, press))
     out_counts = token_presence([r.output_token_ids for r in rows], V, dev)
     if use_rep:
         seen = (token_presence([r.prompt_token_ids for r in rows], V, dev) > 0) | (out_counts > 0)
@@ -96,16 +119,6 @@ def apply_penalties(x: torch.Tensor, rows) -> torch.Tensor:
     if use_freq:
         x = x - freq * out_counts.to(x.dtype) - pres * (out_counts > 0).to(x.dtype)
     return x
-
-
-def inclusive_scan(v: torch.Tensor) -> torch.Tensor:
-    """Row-wise inclusive prefix sum by a Hillis-Steele scan (fixed addition order per element)."""
-    n = v.shape[-1]
-    s = 1
-    while s < n:
-        v = torch.cat([v[:, :s], v[:, s:] + v[:, :-s]], dim=1)
-        s *= 2
-    return v
 
 
 def count(mask: torch.Tensor) -> torch.Tensor:
@@ -155,36 +168,13 @@ def truncation_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         kvals, _ = ordered_topk(x, max((V if (v <= 0 or v > V) else v) for v in hk))
         keep = x >= kvals.gather(1, (k.clamp(max=kvals.shape[1]) - 1)[:, None])
     if any(v < 1.0 for v in hp):  # rows with top_p >= 1 keep everything either way
-        keep = keep & _top_p_keep(torch.where(keep, x, NEG_INF), top_p)
+        keep = keep & top_p_keep(torch.where(keep, x, NEG_INF), top_p)
     # min-p relative to the most likely token (always kept above):
     # p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p), exact elementwise ops only
     if any(v > 0 for v in hm):
         log_min_p = torch.where(min_p > 0, torch.log(min_p), float("-inf"))
         keep = keep & ((x - x_max).double() >= log_min_p[:, None])
     return keep
-
-
-def _top_p_keep(xk: torch.Tensor, top_p: torch.Tensor, first: int = 256) -> torch.Tensor:
-    """Top-p over the top-k-filtered logits xk: keep a token when the mass before it, in the
-    order (probability descending, ties to the lower id), is < top_p.
-
-    Only the leading candidates are sorted: `first` of them, grown until every row's
-    nucleus ends inside them (x8 per round). A prefix's scan values do not depend on its length, so the
-    result is the same whatever `first` is."""
-    B, V = xk.shape
-    probs = torch.softmax(xk, dim=-1)
-    need = top_p[:, None] < 1.0
-    n = min(first, V)
-    while True:
-        pv, pid = ordered_topk(probs, n)
-        before = torch.cat([torch.zeros_like(pv[:, :1]), pv[:, :-1]], dim=1).double()
-        # running max: the kept set is a prefix even if rounding made the scan dip by an ulp
-        mass_before = torch.cummax(inclusive_scan(before), dim=-1).values
-        keep_sorted = (mass_before < top_p[:, None]) | ~need
-        if n == V or not bool((keep_sorted[:, -1:] & need).any()):  # every nucleus ended inside
-            break
-        n = min(8 * n, V)
-    return torch.zeros_like(xk, dtype=torch.bool).scatter_(1, pid, keep_sorted) | ~need
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

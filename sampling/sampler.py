@@ -13,8 +13,8 @@ integer arithmetic), drawn through the `gumbel` kernel family
 (`ops.gumbel_argmax`: the torch reference, or one fused Triton kernel on GPU). Everything else is an op whose per-row result does not depend on
 the other rows: elementwise arithmetic, comparisons, where/gather/scatter,
 stable sorts, argmax (first maximum), and the last-dim softmax/log_softmax
-kernels; no cumsum (top-p uses a fixed-order scan) and no cross-row
-reduction. tests/sampling/test_row_invariance.py checks each of these, and
+kernels, integer scatter-adds and cumsums (exact in any order: top-p,
+sampling/nucleus.py); no float cumsum and no cross-row reduction. tests/sampling/test_row_invariance.py checks each of these, and
 the whole sampler, for a row alone against the same row at other positions
 in batches of other sizes.
 
@@ -102,12 +102,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
 
 
 def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
-    """`sample` without waiting for the device where the rows allow it: no top-p
-    (its sort grows until every row's nucleus fits: a device read per round) and
-    no grammar (a request with one needs its token on the host before its next step
-    anyway). Top-k and min-p decide from host values; the keyed draw reads the
-    device only in the torch reference's sparse path (kernels/gumbel.py), which the
-    GPU's fused kernel does not take."""
+    """`sample` without waiting for the device: every choice of which work runs is
+    made from host values (the rows' parameters and tokens), and what the device
+    needs from the host goes through pinned memory (`to_device`). Top-p
+    (sampling/nucleus.py) does the same work whatever the logits. The keyed draw
+    reads the device only in the torch reference's sparse path (kernels/gumbel.py),
+    which the GPU's fused kernel does not take."""
     R, V = logits.shape
     if R != len(rows):
         raise ValueError(f"sample: {R} logits rows but {len(rows)} SamplingRows")
@@ -207,10 +207,9 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
 def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:
     """bool [B, V]: the grammar's allowed tokens per row (all True for rows without a grammar)."""
     allowed = torch.ones(len(rows), V, dtype=torch.bool, device=dev)
-    for j, r in enumerate(rows):
-        if r.grammar is not None:
-            allowed[j] = P.bitmask_to_bool(r.grammar.bitmask()[None, :], V)[0].to(dev)
-    return allowed
+    js = [j for j, r in enumerate(rows) if r.grammar is not None]
+    masks = to_device(torch.stack([rows[j].grammar.bitmask() for j in js]), dev)  # [G, W] int32
+    return allowed.index_copy_(0, _rows_to(js, torch.long, dev), P.bitmask_to_bool(masks, V))
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> SamplerOutput:

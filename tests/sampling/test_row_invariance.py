@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from detent.sampling import processors as P
+from detent.sampling.nucleus import top_p_keep
 from detent.sampling.params import SamplingParams, StructuredOutputs
 from detent.sampling.sampler import SamplingRow, sample
 
@@ -114,7 +115,7 @@ def test_shared_stream_sampler_fails_the_same_check():
 
 @pytest.mark.parametrize("V", [61, 64, 5003, 49152])
 def test_torch_ops_used_by_the_sampler_are_row_invariant(V):
-    """The elementwise/transcendental, softmax, sort, argmax and scan ops, row alone vs in a batch."""
+    """The elementwise/transcendental, softmax, sort, argmax and top-p ops, row alone vs in a batch."""
     g = torch.Generator().manual_seed(V)
     x = torch.randn(64, V, generator=g) * 3
     u = torch.rand(64, V, generator=g, dtype=torch.float64) * 0.999 + 1e-4
@@ -124,17 +125,11 @@ def test_torch_ops_used_by_the_sampler_are_row_invariant(V):
         "log_softmax": lambda t: torch.log_softmax(t, -1),
         "sort": lambda t: torch.sort(t, dim=-1, descending=True, stable=True)[1],
         "ordered_topk": lambda t: P.ordered_topk(t, 40)[1],
-        "top_p_expanding": lambda t: P._top_p_keep(t, torch.full((t.shape[0],), 0.99, dtype=torch.float64), first=2),
+        "top_p": lambda t: top_p_keep(t, torch.full((t.shape[0],), 0.99, dtype=torch.float64)),
         "argmax": lambda t: torch.argmax(t, -1),
-        "scan": lambda t: P.inclusive_scan(torch.softmax(t, -1).double()),
         "truncation": lambda t: P.truncation_mask(t, torch.full((t.shape[0],), 20), torch.full((t.shape[0],), 0.7,
                                                   dtype=torch.float64), torch.full((t.shape[0],), 0.01,
                                                                                    dtype=torch.float64)),
     }
     for name, fn in ops.items():
         assert torch.equal(fn(x)[17], fn(x[17:18].clone())[0]), name
-
-
-def test_inclusive_scan_is_a_prefix_sum():
-    v = torch.rand(3, 1000, dtype=torch.float64)
-    assert torch.allclose(P.inclusive_scan(v), torch.cumsum(v, -1), rtol=1e-12, atol=1e-12)
