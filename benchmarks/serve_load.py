@@ -18,7 +18,12 @@ on random 1,024-token prompts with 128 output tokens; and a ShareGPT-like mix
 (`s10`: Poisson 10 req/s, `sc64`: C = 64) from a synthetic, seeded ShareGPT
 file (log-normal prompt and output lengths, benchmarks/loadgen.sharegpt_like).
 The model is a Llama-3.1-8B-shaped directory with a word-level tokenizer
-(benchmarks/wordlevel_model.py), so prompt lengths are exact.
+(benchmarks/wordlevel_model.py), so prompt lengths are exact. vLLM 0.20's
+`bench serve` sends no sampling parameters unless told, so each server's
+defaults apply: this directory has no generation_config.json, so both sample
+at temperature 1 without truncation. `--sampling` sends its flags with every
+request (e.g. `--temperature=0.6 --top-p=0.9`, what Llama-3.1-8B-Instruct's
+generation_config.json gives both servers by default).
 
 The load generator is imported once per run: `BenchWorker`
 (benchmarks/bench_worker.py) keeps one process that calls
@@ -132,11 +137,12 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed: int, out_dir: str,
-          name: str, sharegpt: str, vllm_path: str, worker: BenchWorker | None = None) -> dict:
+          name: str, sharegpt: str, vllm_path: str, worker: BenchWorker | None = None,
+          sampling: list[str] = ()) -> dict:
     data = RANDOM if dataset == "random" else ["--dataset-name", "sharegpt", "--dataset-path", sharegpt]
     argv = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", model_dir,
             *data, "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--seed", str(seed), "--num-prompts", str(n), *args, "--save-result", "--result-dir", out_dir,
+            "--seed", str(seed), "--num-prompts", str(n), *args, *sampling, "--save-result", "--result-dir", out_dir,
             "--result-filename", name + ".json"]
     t0 = time.time()
     try:
@@ -266,12 +272,13 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
             raise SystemExit(f"the load generator exited before the first load; see bench.log "
                              f"(--vllm-path {a.vllm_path})")
         time.sleep(1)
-    summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": server_args,
+    summary = {"server": a.server, "startup_s": time.time() - t0, "server_args": server_args, "sampling": a.sampling,
                "load_format": a.load_format, "loads": {}}
     try:
         alone = _post(url + "/v1/completions", PROBE)["choices"][0]
         for name, (args, n, ds) in (("warmup", (["--max-concurrency", "64"], 192, "random")),):
-            bench(port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path, worker)
+            bench(port, a.model_dir, args, n, ds, 99, a.out, f"{a.server}-{name}", sharegpt, a.vllm_path, worker,
+                  a.sampling.split())
         # the profiled load runs once more after the others: the profiler slows it, so its
         # latencies stay out of the side by side
         runs = [(name, False) for name in a.loads.split(",")] + ([(a.profile_load, True)] if a.profile_load else [])
@@ -297,7 +304,7 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
             before = step_kinds(url)
             label = name + ("-profiled" if profiled else "")
             r = bench(port, a.model_dir, args, n, ds, seed_for(name, profiled), a.out, f"{a.server}-{label}{tag}",
-                      sharegpt, a.vllm_path, worker)
+                      sharegpt, a.vllm_path, worker, a.sampling.split())
             stop.set()
             time.sleep(1.0)  # the idle core's stats snapshot
             after = step_kinds(url)
@@ -476,6 +483,10 @@ def main() -> None:
                         "--profiler-config, which detent-serve takes too): 200 engine steps after the first 300 "
                         "(results LOAD-profiled; traces in OUT/vprof; kernels by family in "
                         "SERVER-kernels-LOAD.json, benchmarks/vllm_profile.py)")
+    r.add_argument("--sampling", default="", metavar="BENCH_FLAGS",
+                   help="vllm bench serve's sampling flags, sent with every request (its default sends none: "
+                        "the server's defaults apply), e.g. --sampling='--temperature=0.6 --top-p=0.9' with "
+                        "--tag=-p09 for both servers")
     r.add_argument("--pack", default="", help="also write every result and log to this .tgz (e.g. $OUT/load.tgz)")
     rep = sub.add_parser("report")
     rep.add_argument("dir")

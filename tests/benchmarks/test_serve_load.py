@@ -147,7 +147,7 @@ print("a benchmark that talks on stdout at import")  # vLLM's logging does (leas
 FLAGS = ("--ignore-eos", "--save-result")
 OPTS = ("--backend", "--base-url", "--model", "--tokenizer", "--dataset-name", "--random-input-len",
         "--random-output-len", "--percentile-metrics", "--metric-percentiles", "--seed", "--num-prompts",
-        "--max-concurrency", "--result-dir", "--result-filename")
+        "--max-concurrency", "--result-dir", "--result-filename", "--temperature", "--top-p")
 RUNS = []
 def add_cli_args(p):
     for f in FLAGS:
@@ -159,7 +159,8 @@ def main(args):
     os.write(1, b"and below Python too\\n")
     RUNS.append(args.num_prompts)  # one process for every run: the count survives
     with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
-        json.dump({"completed": int(args.num_prompts), "runs_in_this_process": len(RUNS), "label": "x"}, f)
+        json.dump({"completed": int(args.num_prompts), "runs_in_this_process": len(RUNS), "label": "x",
+                   "top_p": float(args.top_p or 1)}, f)
 '''
 
 
@@ -176,8 +177,10 @@ def test_the_bench_worker_runs_every_load_in_one_process_and_survives_a_bad_one(
             raise AssertionError("a bad argument must raise")
         except RuntimeError as e:
             assert "SystemExit" in str(e)
-        r = serve_load.bench(8100, "/m", [], 9, "random", 2, str(tmp_path), "b", "", "", worker=w)
+        r = serve_load.bench(8100, "/m", [], 9, "random", 2, str(tmp_path), "b", "", "", worker=w,
+                             sampling=["--temperature=0.6", "--top-p=0.9"])
         assert r["completed"] == 9 and r["runs_in_this_process"] == 2  # the same process, after the error
+        assert r["top_p"] == 0.9
     finally:
         w.close()
     assert w.proc.returncode == 0
@@ -252,24 +255,27 @@ def test_arms_run_one_server_after_the_other_with_one_bench_worker(tmp_path, mon
     monkeypatch.setattr(serve_load, "_post", lambda url, body: {"choices": [{"text": "x"}]})
     monkeypatch.setattr(serve_load, "step_kinds", lambda url: {})
     monkeypatch.setattr(serve_load.time, "sleep", lambda s: None)
-    monkeypatch.setattr(serve_load, "bench", lambda port, md, args, n, ds, seed, out, name, sg, vp, worker: benched.append(
-        (port, name, worker)) or {"output_throughput": float(port)})
+    monkeypatch.setattr(serve_load, "bench", lambda port, md, args, n, ds, seed, out, name, sg, vp, worker, sampling:
+                        benched.append((port, name, worker, sampling)) or {"output_throughput": float(port)})
     monkeypatch.setattr(serve_load, "write_sharegpt", lambda path: path)
     monkeypatch.setattr(serve_load.signal, "signal", lambda *args: None)  # keep pytest's own SIGTERM handler
     a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1",
                                       server_args="", tag="", vllm_path="", startup_timeout=5, pack="",
                                       arm=["=", "-g=--mixed-graph-max-tokens 2048"], load_format="auto",
-                                      profile_load=None)
+                                      profile_load=None, sampling="--temperature=0.6 --top-p=0.9")
     serve_load.run(a)
     assert started == [(8100, [], "detent.log", "auto"),
                        (8101, ["--mixed-graph-max-tokens", "2048"], "detent-g.log", "auto")]
     assert len(stopped) == 2 and len(workers) == 1 and workers[0].closed
-    assert [(p, n) for p, n, _ in benched] == [(8100, "detent-warmup"), (8100, "detent-c1"),
-                                               (8101, "detent-warmup"), (8101, "detent-c1-g")]
-    assert all(w is workers[0] for _, _, w in benched)
+    assert [(p, n) for p, n, _, _ in benched] == [(8100, "detent-warmup"), (8100, "detent-c1"),
+                                                  (8101, "detent-warmup"), (8101, "detent-c1-g")]
+    assert all(w is workers[0] for _, _, w, _ in benched)
+    # --sampling goes with every load, the warm-up's too, and the summary says which
+    assert all(sp == ["--temperature=0.6", "--top-p=0.9"] for _, _, _, sp in benched)
     s = json.loads((tmp_path / "summary-detent-g.json").read_text())
     assert s["server_args"] == "--mixed-graph-max-tokens 2048" and s["loads"]["c1"]["output_throughput"] == 8101.0
     assert s["load_format"] == "auto"  # the run says whose weights the servers ran on
+    assert s["sampling"] == "--temperature=0.6 --top-p=0.9"
 
 
 def test_a_load_generator_that_cannot_import_stops_the_run_before_the_first_load(tmp_path, monkeypatch):
@@ -291,7 +297,7 @@ def test_a_load_generator_that_cannot_import_stops_the_run_before_the_first_load
     monkeypatch.setattr(serve_load, "BenchWorker", lambda env, log: real(env, log, module="no_such_module"))
     a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1",
                                       server_args="", tag="", vllm_path="/nowhere", startup_timeout=30, pack="",
-                                      arm=[], load_format="dummy", profile_load=None)
+                                      arm=[], load_format="dummy", profile_load=None, sampling="")
     t0 = time.time()
     with pytest.raises(SystemExit, match="load generator exited before the first load"):
         serve_load.run(a)
@@ -376,13 +382,13 @@ def test_the_profiled_load_runs_last_on_prompts_no_load_sent(tmp_path, monkeypat
     monkeypatch.setattr(serve_load, "_post", lambda url, body: {"choices": [{"text": "x"}]})
     monkeypatch.setattr(serve_load, "step_kinds", lambda url: {})
     monkeypatch.setattr(serve_load.time, "sleep", lambda s: None)
-    monkeypatch.setattr(serve_load, "bench", lambda port, md, args, n, ds, seed, out, name, sg, vp, worker: benched.append(
-        (name, seed, "--profile" in args)) or {"output_throughput": 1.0})
+    monkeypatch.setattr(serve_load, "bench", lambda port, md, args, n, ds, seed, out, name, sg, vp, worker, sampling:
+                        benched.append((name, seed, "--profile" in args)) or {"output_throughput": 1.0})
     monkeypatch.setattr(serve_load, "write_sharegpt", lambda path: path)
     monkeypatch.setattr(serve_load.signal, "signal", lambda *args: None)
     a = serve_load.argparse.Namespace(out=str(tmp_path), server="detent", model_dir="/m", port=8100, loads="c1,c16",
                                       server_args="", tag="", vllm_path="", startup_timeout=5, pack="", arm=[],
-                                      load_format="dummy", profile_load="c1")
+                                      load_format="dummy", profile_load="c1", sampling="")
     serve_load.run(a)  # no trace is written here: the summary step says so and the loads stand
     names = [n for n, _, _ in benched]
     assert names == ["detent-warmup", "detent-c1", "detent-c16", "detent-c1-profiled"]
