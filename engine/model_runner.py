@@ -73,8 +73,9 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device; do not wait for them.
 
         Input tokens the host does not know yet (`PLACEHOLDER`, the tokens `prev`
-        sampled) are taken from `prev`'s device tensor. Prompt logprobs, top-k/p
-        truncation and grammar masks still wait for the device inside."""
+        sampled) are taken from `prev`'s device tensor. Sampling never waits for
+        the device (tests/sampling/test_no_sync.py); prompt logprobs do, as their
+        values go to the host here."""
         t0 = time.perf_counter()
         events = None
         if self.device.type == "cuda":  # the step's span on the device, for the engine's counters
