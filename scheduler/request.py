@@ -91,12 +91,13 @@ class Request:
     @property
     def needs_token_feedback(self) -> bool:
         """Its next step cannot be planned before the host has its last token:
-        a grammar advances on it; penalties, min_tokens and golden tokens read
-        the output so far; prompt logprobs arrive with the step."""
+        a grammar advances on it; penalties, min_tokens, golden tokens and a bad
+        word of several tokens (banned where the output ends with its prefix)
+        read the output so far; prompt logprobs arrive with the step."""
         p = self.params
         return (self.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                 or p.presence_penalty != 0.0 or p.min_tokens > 0 or p.golden_token_ids is not None
-                or self.wants_prompt_logprobs)
+                or any(len(w) > 1 for w in p.bad_words_token_ids or ()) or self.wants_prompt_logprobs)
 
     @property
     def golden_token(self) -> int | None:

@@ -175,3 +175,22 @@ def test_random_workloads_same_with_and_without_overlap(seed):
         bm = llm.llm_engine.block_manager
         assert bm.num_free_blocks == bm.num_usable_blocks
     assert outs[True] == outs[False]
+
+
+def test_a_bad_word_of_several_tokens_is_banned_the_same_with_and_without_overlap():
+    """The ban of a bad word's last token reads whether the output ends with the word's
+    prefix: under overlap the host had not yet got that prefix's last token, so the word
+    went through (and whether it did depended on a neighbour forcing the step to be
+    collected first)."""
+    p = prompt(7, 20, 160)
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    free = text_llm("pinned", async_scheduling=False).generate(
+        [{"prompt_token_ids": p}], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    word = list(free[3:5])  # two tokens the free run produces in a row
+    sp = SamplingParams(**greedy, bad_words_token_ids=[word])
+    outs = {}
+    for overlap in (False, True):
+        llm = text_llm("pinned", async_scheduling=overlap)
+        outs[overlap] = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert outs[False][:4] == free[:4] and outs[False][4] != word[1]  # the ban bites
+    assert outs[True] == outs[False]
