@@ -148,7 +148,8 @@ def test_abort_while_a_token_is_in_flight_frees_everything():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workloads_same_with_and_without_overlap(seed):
-    """Seeded random workloads (prompt lengths, max_tokens, max_model_len, stop tokens, sampling, n,
+    """Seeded random workloads (prompt lengths, max_tokens, max_model_len, stop tokens, sampling
+    with top-p, top-k, min-p, logit bias, allowed tokens, min_tokens, penalties or bad words, n,
     KV pool and token budget): every request's outputs are `==` with and without overlap."""
     import random
     r = random.Random(seed)
@@ -163,6 +164,12 @@ def test_random_workloads_same_with_and_without_overlap(seed):
             kw["stop_token_ids"] = [r.randrange(2, 160) for _ in range(3)]
         if r.random() < 0.2:
             kw["n"] = 2
+        if r.random() < 0.4:  # one more sampling feature, each read at a different point of the step
+            kw.update(r.choice([dict(top_p=0.8), dict(top_k=5, min_p=0.05), dict(logit_bias={7: 3.0, 9: -2.0}),
+                                dict(allowed_token_ids=list(range(40, 90))), dict(min_tokens=kw["max_tokens"] // 2),
+                                dict(repetition_penalty=1.3, presence_penalty=0.2),
+                                dict(bad_words_token_ids=[[r.randrange(2, 160), r.randrange(2, 160)],
+                                                          [r.randrange(2, 160)]])]))
         items.append((prompt(1000 * seed + i, r.randrange(1, 45), 160), SamplingParams(**kw)))
     max_len = r.choice([48, 256])  # 256 needs 16 blocks of 16 tokens for one request
     engine_kw = dict(num_gpu_blocks=r.choice([12, 20, 200] if max_len == 48 else [20, 200]),
