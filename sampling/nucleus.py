@@ -13,12 +13,12 @@ V = 152k), and a token below 2**-60 weighs nothing.
 
 Which probability ends the nucleus is found without a sort and without a
 sync. A probability's float32 bits (p >= 0, so below 2**30) order like its
-value, so a radix select of three 10-bit digits finds, per row, v: the
+value, so a radix select of two 15-bit digits finds, per row, v: the
 smallest probability present whose mass strictly above is < top_p. Every
 token above v is kept, every token below is not, and v's own tokens are kept
 in id order while their mass before stays < top_p. Each digit is one
-histogram of masses (an integer scatter-add, exact in any order) and one
-integer suffix sum. The work is the same for every row and every step, so
+histogram of masses over 32,768 bins (an integer index-add, exact in any
+order) and one integer suffix sum. The work is the same for every row and every step, so
 the host never waits for it: a sort grown until every nucleus fits would
 read the device once per round.
 """
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 SCALE = 2.0 ** 60  # a probability's mass unit: 2**-60
-_DIGIT = 10
+_DIGIT = 15
 _BINS = 1 << _DIGIT
-_SHIFTS = (20, 10, 0)  # 30 bits: every probability in [0, 1] as float32 bits is below 2**30
+_SHIFTS = (15, 0)  # 30 bits: every probability in [0, 1] as float32 bits is below 2**30
 
 
 def top_p_keep(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -52,15 +52,18 @@ def top_p_keep(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def _boundary(bits: torch.Tensor, mass: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, v's bits [B, 1] int32 and the mass strictly above v [B, 1] int64:
     v the smallest probability present (of positive mass) whose mass above is < limit."""
-    B = bits.shape[0]
-    prefix = torch.zeros(B, 1, dtype=torch.int32, device=bits.device)  # v's digits found so far
-    above = torch.zeros(B, 1, dtype=torch.int64, device=bits.device)  # mass above the prefix's range
-    digits = torch.arange(_BINS, device=bits.device)
+    B, dev = bits.shape[0], bits.device
+    prefix = torch.zeros(B, 1, dtype=torch.int32, device=dev)  # v's digits found so far
+    above = torch.zeros(B, 1, dtype=torch.int64, device=dev)  # mass above the prefix's range
+    digits = torch.arange(_BINS, device=dev)
+    base = torch.arange(B, dtype=torch.int32, device=dev)[:, None] * (_BINS + 1)  # each row's bins, flat
+    flat_mass = mass.view(-1)
     for shift in _SHIFTS:
         # tokens under the prefix, binned by their next digit; the others (and NaN) go to a dropped bin
         own = (bits >> (shift + _DIGIT)) == prefix
-        digit = torch.where(own, (bits >> shift) & (_BINS - 1), _BINS).long()
-        hist = mass.new_zeros(B, _BINS + 1).scatter_add_(1, digit, mass)[:, :_BINS]  # [B, 1024]
+        slot = torch.where(own, (bits >> shift) & (_BINS - 1), _BINS) + base  # [B, V] int32
+        hist = mass.new_zeros(B * (_BINS + 1)).index_add_(0, slot.view(-1), flat_mass)
+        hist = hist.view(B, _BINS + 1)[:, :_BINS]  # [B, 32768]
         higher = hist.flip(1).cumsum(1).flip(1) - hist  # mass of the bins above each bin
         before = above + higher  # mass strictly above each bin's probabilities
         # v's bin: the lowest present bin whose mass above is < limit (the top present bin always is)

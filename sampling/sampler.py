@@ -13,7 +13,7 @@ integer arithmetic), drawn through the `gumbel` kernel family
 (`ops.gumbel_argmax`: the torch reference, or one fused Triton kernel on GPU). Everything else is an op whose per-row result does not depend on
 the other rows: elementwise arithmetic, comparisons, where/gather/scatter,
 stable sorts, argmax (first maximum), and the last-dim softmax/log_softmax
-kernels, integer scatter-adds and cumsums (exact in any order: top-p,
+kernels, integer index-adds and cumsums (exact in any order: top-p,
 sampling/nucleus.py); no float cumsum and no cross-row reduction. tests/sampling/test_row_invariance.py checks each of these, and
 the whole sampler, for a row alone against the same row at other positions
 in batches of other sizes.
