@@ -28,7 +28,7 @@ def test_launching_sampling_never_waits_for_the_device():
     rows = [SamplingRow(SamplingParams(seed=i, **KINDS[i % len(KINDS)]), seed=i, position=7,
                         prompt_token_ids=[1, 5, 9], output_token_ids=[5, 4], eos_token_ids=[2])
             for i in range(x.shape[0])]
-    with use_dispatcher(make_dispatcher({"device": "cuda"}, "pinned")):
+    with use_dispatcher(make_dispatcher({"device": "cuda", "triton": True}, "pinned")):  # the fused draw
         sample(x, rows)  # warm: the first call may load kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
