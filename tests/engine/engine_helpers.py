@@ -117,6 +117,20 @@ def generate_target(llm: LLM, target: list[int], others: list[list[int]] = (), r
     return result_of(outs[row])
 
 
+def summary(out) -> tuple:
+    """A request's whole output, comparable with `==`: per completion its token ids,
+    finish and stop reasons, text and logprobs (id, float32 value as a Python float,
+    rank), then its prompt logprobs and error."""
+    rows = []
+    for c in out.outputs:
+        lps = None if c.logprobs is None else [sorted((t, lp.logprob, lp.rank) for t, lp in d.items())
+                                              for d in c.logprobs]
+        rows.append((c.token_ids, c.finish_reason, c.stop_reason, c.text, lps))
+    plps = None if out.prompt_logprobs is None else [
+        None if d is None else sorted((t, lp.logprob, lp.rank) for t, lp in d.items()) for d in out.prompt_logprobs]
+    return rows, plps, out.error
+
+
 class ByteTokenizer:
     """Token i <-> chr(32 + i); ids 0, 1 are special (BOS, EOS). Enough for stop strings."""
 

@@ -17,7 +17,7 @@ import pytest
 
 from detent.engine import SamplingParams
 from detent.scheduler.outputs import PLACEHOLDER
-from engine_helpers import prompt, text_llm
+from engine_helpers import prompt, summary, text_llm
 
 
 def workload() -> list[tuple[list[int], SamplingParams]]:
@@ -60,17 +60,6 @@ def _fields(sp: SamplingParams) -> dict:
     keys = ("temperature", "top_p", "seed", "n", "max_tokens", "logprobs", "prompt_logprobs", "stop",
             "ignore_eos", "repetition_penalty", "min_tokens")
     return {k: getattr(sp, k) for k in keys}
-
-
-def summary(o):
-    rows = []
-    for c in o.outputs:
-        lps = None if c.logprobs is None else [sorted((t, lp.logprob, lp.rank) for t, lp in d.items())
-                                              for d in c.logprobs]
-        rows.append((c.token_ids, c.finish_reason, c.stop_reason, c.text, lps))
-    plps = None if o.prompt_logprobs is None else [
-        None if d is None else sorted((t, lp.logprob, lp.rank) for t, lp in d.items()) for d in o.prompt_logprobs]
-    return rows, plps, o.error
 
 
 def _llm(async_scheduling: bool, selection: str = "pinned"):
