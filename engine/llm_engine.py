@@ -16,7 +16,8 @@ logprobs and their bits are the same as without overlap: every row is
 computed from the same inputs, and the extra rows are neighbours, which a
 batch-invariant step does not see. The engine collects first (no overlap)
 whenever a request needs its token on the host before its next step
-(grammar, penalties, min_tokens, golden tokens, prompt logprobs). Without
+(grammar, penalties, min_tokens, golden tokens, a bad word of several
+tokens, prompt logprobs: `Request.needs_token_feedback`). Without
 `async_scheduling` each step launches and collects its own plan.
 
 Threading: `add_request` and `abort_request` may be called from any thread
