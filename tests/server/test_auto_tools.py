@@ -4,11 +4,16 @@ qwen3_coder` (XML calls, values typed by the request's tools), through the
 official openai client against a real server: outputs forced with
 `golden_token_ids` come back as content, reasoning and `tool_calls`, the
 stream's pieces adding up to the non-streamed message (OpenAI's own stream
-accumulator); without the flags "auto" is a 400 naming them. Unit: when a
+accumulator); without the flags "auto" is a 400 naming them. A property test forces
+outputs built from pieces of calls (complete, cut, repeated, inside the
+reasoning, XML) under every tool_choice, streamed and not, beside a seeded
+request: no 5xx, and the seeded request equal to its solo run
+(DETENT_FUZZ_EXAMPLES / 6 examples per parser). Unit: when a
 constraint binds after the reasoning block (`_output_shape`)."""
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import httpx
@@ -119,6 +124,56 @@ def test_qwen3_coder_calls_streamed_and_not(coder_server):
     plain = _ask(coder, coder_server, "No call: <function=get_weather", tools=CODER_TOOLS).choices[0]
     assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == \
         ("No call: <function=get_weather", None, "stop")
+
+
+# generated forced outputs: pieces of calls, complete, broken, repeated or inside the reasoning
+PIECES = [CALL, CALL[:len(CALL) // 2], CALL[len(CALL) // 2:], "<tool_call>", "</tool_call>", "<think>", "</think>",
+          "Let me check.", "\n", '{"name": "nowhere", "arguments": 5}', _xml_call("Paris", "3"),
+          _xml_call("Oslo", "x")[:40], "<function=get_weather>", "<parameter=city>", "</parameter>", "é世"]
+CHOICES = [None, "auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}]
+GOOD_CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6, "temperature": 0.9,
+             "seed": 21, "logprobs": True, "top_logprobs": 2}
+
+
+def _chat(server, body: dict) -> tuple[int, str]:
+    with httpx.Client(timeout=60) as c:
+        r = c.post(server.url + "/v1/chat/completions", headers=AUTH, json={"model": MODEL, **body})
+        return r.status_code, r.text
+
+
+@pytest.mark.parametrize("which", ["agent", "coder"])
+def test_generated_forced_outputs_never_fail_the_server_or_a_neighbour(which, request):
+    """Each example forces an output built from pieces of tool calls (golden_token_ids) under a
+    drawn tool_choice, stream and length, sent beside a seeded request: no 5xx (in the status or
+    in a stream), and the seeded request's choices == its solo run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    server = request.getfixturevalue(f"{which}_server")
+    tools = TOOLS if which == "agent" else CODER_TOOLS
+    status, solo = _chat(server, GOOD_CHAT)
+    assert status == 200, solo
+    solo = json.loads(solo)["choices"]
+
+    @settings(max_examples=int(os.environ.get("DETENT_FUZZ_EXAMPLES", "40")) // 6, deadline=None, derandomize=True,
+              database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(pieces=st.lists(st.sampled_from(PIECES), min_size=1, max_size=4), choice=st.sampled_from(CHOICES),
+           stream=st.booleans(), cut=st.integers(0, 3), end=st.booleans())
+    def check(pieces, choice, stream, cut, end):
+        ids = token_ids(server, "".join(pieces)) + ([EOS] if end else [])
+        body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+                "max_tokens": max(1, len(ids) - cut), "temperature": 0, "stream": stream,
+                "golden_token_ids": ids}
+        if choice is not None:
+            body["tool_choice"] = choice
+        with ThreadPoolExecutor(2) as pool:
+            forced, good = pool.map(lambda b: _chat(server, b), [body, GOOD_CHAT])
+        assert forced[0] < 500 and "internal_server_error" not in forced[1], (body, forced)
+        assert good[0] == 200 and json.loads(good[1])["choices"] == solo, (body, good)
+
+    check()
 
 
 def test_auto_needs_the_flags(server):
