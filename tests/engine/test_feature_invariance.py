@@ -34,6 +34,8 @@ FEATURES = {
     "n = 2": dict(n=2),
     "processed logprobs": dict(logprobs_mode="processed", top_p=0.9),
     "stop string": dict(stop=["zz", "~"], include_stop_str_in_output=True),
+    "prompt logprobs": dict(prompt_logprobs=2),
+    "golden tokens": dict(golden_token_ids=[5, 6, 7, 8, 9, 10, 11, 12]),  # forced, then sampled
 }
 
 
