@@ -14,11 +14,13 @@ straight from the device (`PLACEHOLDER` inputs); a request that finishes at
 step N has one extra row in step N+1, whose token is dropped. The tokens,
 logprobs and their bits are the same as without overlap: every row is
 computed from the same inputs, and the extra rows are neighbours, which a
-batch-invariant step does not see. The engine collects first (no overlap)
-whenever a request needs its token on the host before its next step
-(grammar, penalties, min_tokens, golden tokens, a bad word of several
-tokens, prompt logprobs: `Request.needs_token_feedback`). Without
-`async_scheduling` each step launches and collects its own plan.
+batch-invariant step does not see. Rows that read their output so far
+(penalties, min_tokens, bad words, golden tokens) take its pending last
+token from the device (`SamplingRow.pending`: it is the row's last input
+token). The engine collects first (no overlap) only when a request needs its
+token on the host before its next step (a grammar advances on it) or gets
+values back with the step (prompt logprobs): `Request.needs_token_feedback`.
+Without `async_scheduling` each step launches and collects its own plan.
 
 Threading: `add_request` and `abort_request` may be called from any thread
 (e.g. a server's event loop) while another thread runs `step()`. They

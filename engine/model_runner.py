@@ -168,7 +168,9 @@ class ModelRunner:
         if not rows:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [R, V] fp32
-        return sampling.sample_async(logits, rows)
+        # a row whose last token is still pending (async scheduling) reads it as its last input token
+        last = batch.input_ids.index_select(0, batch.sample_rows) if any(r.pending for r in rows) else None
+        return sampling.sample_async(logits, rows, last)
 
     def _prompt_logprobs(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> dict:
         if batch.prompt_rows.numel() == 0:

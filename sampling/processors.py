@@ -50,15 +50,17 @@ def token_presence(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.
     return counts[:, :vocab]
 
 
-def apply_request_masks(x: torch.Tensor, rows) -> torch.Tensor:
+def apply_request_masks(x: torch.Tensor, rows, last: torch.Tensor | None = None) -> torch.Tensor:
     """allowed_token_ids, logit_bias, min_tokens (blocks EOS and stop_token_ids), bad words.
     Returns x itself when no row has any of them, else a masked copy (x is not modified).
-    Which tokens each row masks is known on the host: one indexed write per kind, for all rows."""
+    Which tokens each row masks is known on the host, one indexed write per kind for all
+    rows, except where a row's last token is `pending` (on the device only, in `last`):
+    a bad word whose prefix ends with it is banned when last == that token."""
     B, V = x.shape
-    if not any(r.params.allowed_token_ids or r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens
-               or r.params.bad_words_token_ids for r in rows):
+    if not any(r.params.allowed_token_ids or r.params.logit_bias or r.params.bad_words_token_ids
+               or len(r.output_token_ids) + r.pending < r.params.min_tokens for r in rows):
         return x
-    allow_rows, allowed, biased, bias, banned = [], [], [], [], []
+    allow_rows, allowed, biased, bias, banned = [], [], [], [], []  # banned: (row, token, last it needs or -1)
     for i, r in enumerate(rows):
         p = r.params
         if p.allowed_token_ids:
@@ -68,10 +70,9 @@ def apply_request_masks(x: torch.Tensor, rows) -> torch.Tensor:
             if t < V:
                 biased.append((i, t))
                 bias.append(v)
-        if len(r.output_token_ids) < p.min_tokens:
-            banned += [(i, t) for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
-        banned += [(i, w[-1]) for w in p.bad_words_token_ids or ()
-                   if w[-1] < V and _ends_with(r.output_token_ids, w[:-1])]
+        if len(r.output_token_ids) + r.pending < p.min_tokens:
+            banned += [(i, t, -1) for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
+        banned += _bad_word_bans(i, r, V)
     dev = x.device
     if allow_rows:  # a row with allowed_token_ids keeps those alone
         keep = torch.ones(B, V, dtype=torch.bool, device=dev).index_fill_(0, _host(allow_rows, torch.long, dev), False)
@@ -85,8 +86,32 @@ def apply_request_masks(x: torch.Tensor, rows) -> torch.Tensor:
         at = _cells(biased, dev)
         x.index_put_(at, x[at] + _host(bias, x.dtype, dev))
     if banned:
-        x.index_put_(_cells(banned, dev), torch.full((len(banned),), NEG_INF, dtype=x.dtype, device=dev))
+        ban = _host(banned, torch.long, dev)  # [n, 3]
+        hit = ban[:, 2] < 0
+        if last is not None:
+            hit = hit | (last.index_select(0, ban[:, 0]) == ban[:, 2])
+        # an integer sum per cell: a cell listed twice is banned if either entry hits, in any order
+        hits = torch.zeros(B, V, dtype=torch.int32, device=dev).index_put_((ban[:, 0], ban[:, 1]), hit.int(),
+                                                                          accumulate=True)
+        x = x.masked_fill(hits > 0, NEG_INF)
     return x
+
+
+def _bad_word_bans(i: int, r, V: int) -> list[tuple[int, int, int]]:
+    """Row i's bad-word bans: a word's last token where the output ends with the rest of the word.
+    With the output's last token pending, a word whose prefix's earlier tokens match is banned
+    on the condition that the pending token is the prefix's last (-1: no condition)."""
+    out = []
+    for w in r.params.bad_words_token_ids or ():
+        if w[-1] >= V:
+            continue
+        prefix = w[:-1]
+        if not r.pending or not prefix:
+            if _ends_with(r.output_token_ids, prefix):
+                out.append((i, w[-1], -1))
+        elif _ends_with(r.output_token_ids, prefix[:-1]):
+            out.append((i, w[-1], prefix[-1]))
+    return out
 
 
 def _cells(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +126,9 @@ def _ends_with(seq: Sequence[int], tail: Sequence[int]) -> bool:
     return n == 0 or (len(seq) >= n and list(seq[len(seq) - n:]) == list(tail))
 
 
-def apply_penalties(x: torch.Tensor, rows) -> torch.Tensor:
-    """vLLM semantics: repetition over prompt+output tokens; frequency/presence over output tokens."""
+def apply_penalties(x: torch.Tensor, rows, last: torch.Tensor | None = None) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt+output tokens; frequency/presence over output tokens.
+    A row's `pending` last token (on the device only, in `last`) is counted among its outputs."""
     B, V = x.shape
     dev = x.device
     reps = [r.params.repetition_penalty for r in rows]
@@ -113,6 +139,9 @@ def apply_penalties(x: torch.Tensor, rows) -> torch.Tensor:
         return x  # decided on the host: no tensors
     rep, freq, pres = (_host(v, x.dtype, dev)[:, None] for v in (reps, freqs, press))
     out_counts = token_presence([r.output_token_ids for r in rows], V, dev)
+    pending = [r.pending for r in rows]
+    if any(pending):
+        out_counts.scatter_add_(1, last[:, None], _host(pending, torch.int32, dev)[:, None])
     if use_rep:
         seen = (token_presence([r.prompt_token_ids for r in rows], V, dev) > 0) | (out_counts > 0)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)

@@ -47,6 +47,10 @@ class SamplingRow:
     grammar: Any = None  # per-request GrammarState (sampling/grammar.py), or None
     eos_token_ids: Sequence[int] = ()  # masked while len(output) < params.min_tokens
     role: int = ROLE_SAMPLE
+    # tokens the request has sampled that output_token_ids does not hold yet (0 or 1: under
+    # async scheduling, the step before's, still on the device); it is this row's last input
+    # token, which the sampler is given as `last_tokens`
+    pending: int = 0
 
 
 @dataclass
@@ -101,13 +105,18 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     return sample_async(logits, rows).resolve()
 
 
-def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
+def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 last_tokens: torch.Tensor | None = None) -> PendingSample:
     """`sample` without waiting for the device: every choice of which work runs is
     made from host values (the rows' parameters and tokens), and what the device
     needs from the host goes through pinned memory (`to_device`). Top-p
     (sampling/nucleus.py) does the same work whatever the logits. The keyed draw
     reads the device only in the torch reference's sparse path (kernels/gumbel.py),
-    which the GPU's fused kernel does not take."""
+    which the GPU's fused kernel does not take.
+
+    `last_tokens` [R] long, on the logits' device: each row's last input token. Needed
+    when a row is `pending` (its output so far ends with that token, which the host
+    does not have yet): penalties, min_tokens and bad words then count it there."""
     R, V = logits.shape
     if R != len(rows):
         raise ValueError(f"sample: {R} logits rows but {len(rows)} SamplingRows")
@@ -119,7 +128,9 @@ def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSa
     for r in rows:
         if r.golden_token is not None and not 0 <= r.golden_token < V:
             raise ValueError(f"golden token {r.golden_token} outside the vocabulary [0, {V})")
-    return _sample_block(logits.float(), list(rows))
+    if last_tokens is None and any(r.pending for r in rows):
+        raise ValueError("sample: a row's last token is still on the device, but no last_tokens were given")
+    return _sample_block(logits.float(), list(rows), last_tokens)
 
 
 def _gumbel_max(z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -141,15 +152,15 @@ def _rows_to(vals: list, dtype: torch.dtype, dev) -> torch.Tensor:
     return to_device(torch.tensor(vals, dtype=dtype), dev)
 
 
-def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], last: torch.Tensor | None) -> PendingSample:
     B, V = x_raw.shape
     dev = x_raw.device
     # the reported distribution's [B, V] passes (log-softmax, the chosen token's rank) only
     # when some row reports logprobs: the tokens come from z alone
     want_lp = any(r.params.logprobs is not None for r in rows)
     raw_lp = ops.log_softmax(x_raw) if want_lp else None  # [B, V] fp32
-    x = P.apply_request_masks(x_raw, rows)  # a copy only when some row is masked
-    x = P.apply_penalties(x, rows)
+    x = P.apply_request_masks(x_raw, rows, last)  # a copy only when some row is masked
+    x = P.apply_penalties(x, rows, last)
     greedy = [r.params.greedy for r in rows]
     temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)]
     # temperature-scaled; x / 1.0 == x exactly, so rows at 1.0 need no division at all

@@ -91,20 +91,19 @@ class Request:
     @property
     def needs_token_feedback(self) -> bool:
         """Its next step cannot be planned before the host has its last token:
-        a grammar advances on it; penalties, min_tokens, golden tokens and a bad
-        word of several tokens (banned where the output ends with its prefix)
-        read the output so far; prompt logprobs arrive with the step."""
-        p = self.params
-        return (self.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0 or p.min_tokens > 0 or p.golden_token_ids is not None
-                or any(len(w) > 1 for w in p.bad_words_token_ids or ()) or self.wants_prompt_logprobs)
+        a grammar advances on it (on the host); prompt logprobs arrive with the
+        step. (Penalties, min_tokens, bad words and golden tokens read the output
+        so far, and take its pending last token from the device: SamplingRow.pending.)"""
+        return self.grammar is not None or self.wants_prompt_logprobs
 
     @property
     def golden_token(self) -> int | None:
-        """The teacher-forced token for the position about to be sampled, if any."""
+        """The teacher-forced token for the position about to be planned, if any: the
+        output's next one after those the host has and the one still pending."""
         g = self.params.golden_token_ids
-        if g is not None and self.num_output_tokens < len(g):
-            return g[self.num_output_tokens]
+        k = self.num_output_tokens + self.num_pending
+        if g is not None and k < len(g):
+            return g[k]
         return None
 
     # ------------------------------------------------------------ the one mutator of tokens

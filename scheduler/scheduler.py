@@ -20,9 +20,11 @@ Overlap (the engine plans step N+1 while step N runs on the device):
 `schedule()` advances `num_computed_tokens` as it plans, and a request that
 samples gets `num_pending = 1` until `update()` brings the token. The next
 plan may then include that request with a `PLACEHOLDER` for the token, which
-the runner fills from step N's device tensor. A request whose pending token
-must be its last (max_tokens, max_model_len) is not planned again; one that
-needs its token on the host (`Request.needs_token_feedback`) waits for it; a
+the runner fills from step N's device tensor; its sampling row says so
+(`SamplingRow.pending`), for what reads the output so far. A request whose
+pending token must be its last (max_tokens, max_model_len) is not planned
+again; one that needs its token on the host (`Request.needs_token_feedback`)
+waits for it; a
 request that turns out finished when its token arrives is dropped from the
 step already launched for it (that row's token is discarded).
 """
@@ -246,7 +248,7 @@ class Scheduler:
                                  prompt_token_ids=req.prompt_token_ids,
                                  output_token_ids=req.output_token_ids,
                                  golden_token=req.golden_token, grammar=req.grammar,
-                                 eos_token_ids=tuple(req.eos_token_ids))
+                                 eos_token_ids=tuple(req.eos_token_ids), pending=req.num_pending)
         k, lo, targets = 0, 0, ()
         if req.wants_prompt_logprobs:
             # row p predicts prompt token p + 1; rows already reported (before a preemption) are skipped

@@ -177,7 +177,7 @@ def test_a_bad_word_of_several_tokens_is_banned_the_same_with_and_without_overla
     """The ban of a bad word's last token reads whether the output ends with the word's
     prefix: under overlap the host had not yet got that prefix's last token, so the word
     went through (and whether it did depended on a neighbour forcing the step to be
-    collected first)."""
+    collected first). The sampler now compares that token on the device."""
     p = prompt(7, 20, 160)
     greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
     free = text_llm("pinned", async_scheduling=False).generate(
@@ -190,3 +190,24 @@ def test_a_bad_word_of_several_tokens_is_banned_the_same_with_and_without_overla
         outs[overlap] = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert outs[False][:4] == free[:4] and outs[False][4] != word[1]  # the ban bites
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("feature", [
+    # processed logprobs: the penalised or masked distribution is reported, so a miss shows
+    dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5, logprobs=2, logprobs_mode="processed"),
+    dict(min_tokens=8, ignore_eos=False, logprobs=2, logprobs_mode="processed"),
+    dict(bad_words_token_ids=[[40, 41], [41, 42, 43], [44]], logprobs=2, logprobs_mode="processed"),
+    dict(golden_token_ids=[50, 51, 52, 53, 54, 55]),
+], ids=["penalties", "min_tokens", "bad words", "golden tokens"])
+def test_requests_that_read_their_output_overlap_and_match_serial(feature, count_placeholders):
+    """Penalties, min_tokens, bad words and golden tokens read the output so far, whose last
+    token is still on the device under overlap (SamplingRow.pending): their steps overlap,
+    and every output is the serial one."""
+    items = [(prompt(300 + i, 10 + 3 * i, 160), SamplingParams(**{**dict(temperature=0.8, seed=i, max_tokens=12,
+                                                                          ignore_eos=True), **feature}))
+             for i in range(4)]
+    serial = run(_llm(False), items)[0]
+    llm = _llm(True)
+    holes = count_placeholders(llm.llm_engine)
+    assert run(llm, items)[0] == serial
+    assert sum(holes) >= 8, holes  # the steps did overlap

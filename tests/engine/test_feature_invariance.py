@@ -2,8 +2,8 @@
 feature, with async scheduling on (the default on CUDA).
 
 Neighbours change more than the batch: a neighbour that needs its token on the
-host before its next step (penalties here) makes the engine collect each step
-before it plans the next, so the target's steps run with and without the
+host before its next step (prompt logprobs here) makes the engine collect each
+step before it plans the next, so the target's steps run with and without the
 overlap depending on who else is running. A feature that read host state the
 overlap has not updated yet (a bad word's prefix did) gave different bits in
 the two cases.
@@ -27,9 +27,9 @@ FEATURES = {
     "seeded": {},
     "top-p": dict(top_p=0.8),
     "top-k + min-p": dict(top_k=8, min_p=0.05),
-    "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1),
+    "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1, logprobs_mode="processed"),
     "logit bias + allowed tokens": dict(logit_bias={40: 2.0, 41: -3.0}, allowed_token_ids=list(range(30, 120))),
-    "min_tokens": dict(min_tokens=6, ignore_eos=False),
+    "min_tokens": dict(min_tokens=6, ignore_eos=False, logprobs_mode="processed"),
     "bad words": None,  # two tokens the seeded run produces in a row (they must bite)
     "n = 2": dict(n=2),
     "processed logprobs": dict(logprobs_mode="processed", top_p=0.9),
@@ -40,14 +40,16 @@ FEATURES = {
 
 
 def _others(kind: str) -> list[tuple[list[int], SamplingParams]]:
-    """Seven neighbours of mixed lengths: greedy ones (the overlap stays on), or ones with a
-    repetition penalty (each step is collected before the next is planned), or both."""
+    """Seven neighbours of mixed lengths: greedy ones (the overlap stays on), or ones that want
+    prompt logprobs (each step is collected before the next is planned), or both, with a
+    repetition penalty on some."""
     out = []
     for i in range(7):
         p = prompt(100 + i, [3, 25, 70][i % 3], VOCAB)
         feedback = kind == "feedback" or (kind == "both" and i % 2)
         out.append((p, SamplingParams(temperature=0, max_tokens=4 + (5 * i) % 13, ignore_eos=True,
-                                      repetition_penalty=1.2 if feedback else 1.0)))
+                                      prompt_logprobs=1 if feedback else None,
+                                      repetition_penalty=1.2 if kind == "both" and i % 3 == 0 else 1.0)))
     return out
 
 

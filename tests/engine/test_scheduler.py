@@ -154,7 +154,9 @@ def test_limits_are_validated():
 
 
 def _out(plan, tok=7):
-    return ModelOutput({q.request_id: SampledToken(tok, (0.0, 1, (), ())) for q in plan.seqs if q.sample}, {})
+    return ModelOutput({q.request_id: SampledToken(tok, (0.0, 1, (), ())) for q in plan.seqs if q.sample},
+                       {q.request_id: tuple((0.0, 1, (), ()) for _ in q.prompt_targets)
+                        for q in plan.seqs if q.prompt_targets})
 
 
 def test_plans_ahead_with_placeholders_for_pending_tokens():
@@ -162,14 +164,14 @@ def test_plans_ahead_with_placeholders_for_pending_tokens():
     from detent.scheduler.outputs import PLACEHOLDER
     s = make(budget=64)
     a, b = req("a", 5, max_tokens=3), req("b", 3, max_tokens=1)
-    c = req("c", 4, max_tokens=5, repetition_penalty=1.2)  # reads its outputs: waits for its token
+    c = req("c", 4, max_tokens=5, prompt_logprobs=1)  # its prompt logprobs come with the step: it waits
     for r in (a, b, c):
         s.add(r)
     p1 = s.schedule()
     assert [(q.request_id, q.num_tokens, q.sample.position) for q in p1.seqs] == [("a", 5, 5), ("b", 3, 3),
                                                                                   ("c", 4, 4)]
     assert (a.num_computed_tokens, a.num_pending) == (5, 1)
-    p2 = s.schedule()  # b's pending token is its last; c needs its token on the host first
+    p2 = s.schedule()  # b's pending token is its last; c needs its step collected first
     assert [(q.request_id, q.start, q.token_ids, q.sample.position) for q in p2.seqs] == [
         ("a", 5, (PLACEHOLDER,), 6)]
     assert a.num_pending == 2
@@ -181,6 +183,18 @@ def test_plans_ahead_with_placeholders_for_pending_tokens():
     s.update(p3, _out(p3, 10))
     assert a.output_token_ids == [8, 9, 10] and a.is_finished  # max_tokens=3
     assert c.output_token_ids == [8, 10] and not c.is_finished
+
+
+def test_a_request_that_reads_its_outputs_plans_ahead_with_its_pending_token_marked():
+    """Penalties and golden tokens read the output so far: the row planned over a placeholder
+    says its last token is pending, and the golden token is the one after it."""
+    from detent.scheduler.outputs import PLACEHOLDER
+    s = make(budget=64)
+    g = req("g", 4, max_tokens=4, repetition_penalty=1.2, golden_token_ids=[20, 21, 22, 23])
+    s.add(g)
+    (q1,), (q2,) = s.schedule().seqs, s.schedule().seqs
+    assert (q1.token_ids[-1], q1.sample.pending, q1.sample.golden_token) == (13, 0, 20)
+    assert (q2.token_ids, q2.sample.pending, q2.sample.golden_token) == ((PLACEHOLDER,), 1, 21)
 
 
 def test_a_preempted_request_with_a_pending_token_waits_for_it():

@@ -10,7 +10,7 @@ import torch
 
 from detent.sampling.nucleus import top_p_keep
 from detent.sampling.params import SamplingParams
-from detent.sampling.sampler import SamplingRow, sample, sample_async
+from detent.sampling.sampler import SamplingRow, sample_async
 from detent.selection import make_dispatcher, use_dispatcher
 
 pytestmark = pytest.mark.gpu
@@ -25,18 +25,20 @@ KINDS = [dict(temperature=0.6, top_p=0.9), dict(temperature=1.0, top_k=20, top_p
 def test_launching_sampling_never_waits_for_the_device():
     dev = torch.device("cuda")
     x = torch.randn(len(KINDS) * 3, V, device=dev) * 4
+    # half the rows with their last output token still on the device (async scheduling's pending token)
     rows = [SamplingRow(SamplingParams(seed=i, **KINDS[i % len(KINDS)]), seed=i, position=7,
-                        prompt_token_ids=[1, 5, 9], output_token_ids=[5, 4], eos_token_ids=[2])
+                        prompt_token_ids=[1, 5, 9], output_token_ids=[5, 4], eos_token_ids=[2], pending=i % 2)
             for i in range(x.shape[0])]
+    last = torch.full((x.shape[0],), 5, device=dev)
     with use_dispatcher(make_dispatcher({"device": "cuda", "triton": True}, "pinned")):  # the fused draw
-        sample(x, rows)  # warm: the first call may load kernels
+        sample_async(x, rows, last).resolve()  # warm: the first call may load kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            pending = sample_async(x, rows)
+            pending = sample_async(x, rows, last)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        assert pending.resolve().token_ids == sample(x, rows).token_ids
+        assert pending.resolve().token_ids == sample_async(x, rows, last).resolve().token_ids
 
 
 def _exact(probs_row: list[float], top_p: float) -> list[int]:

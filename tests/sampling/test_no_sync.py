@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from detent.sampling.params import SamplingParams
-from detent.sampling.sampler import SamplingRow, sample, sample_async
+from detent.sampling.sampler import SamplingRow, sample_async
 
 KINDS = {
     "top-p": dict(temperature=0.7, top_p=0.9),
@@ -32,13 +32,14 @@ class DeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("pending", [0, 1], ids=["outputs on the host", "last output on the device"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_launching_a_step_reads_no_device_value(kind):
+def test_launching_a_step_reads_no_device_value(kind, pending):
     x = torch.randn(4, 500, generator=torch.Generator().manual_seed(1)) * 3
     rows = [SamplingRow(SamplingParams(seed=i, **KINDS[kind]), seed=i, position=4, prompt_token_ids=[1, 2, 9],
-                        output_token_ids=[3, 3], eos_token_ids=[2]) for i in range(4)]
+                        output_token_ids=[3, 3], eos_token_ids=[2], pending=pending) for i in range(4)]
+    last = torch.tensor([9, 3, 5, 9]) if pending else None  # each row's last input token
     with DeviceReads() as watch:
-        pending = sample_async(x, rows)
+        out = sample_async(x, rows, last)
     assert watch.reads == 0, f"{kind}: {watch.reads} device reads"
-    out = pending.resolve()
-    assert out.token_ids == sample(x, rows).token_ids
+    assert out.resolve().token_ids == sample_async(x, rows, last).resolve().token_ids

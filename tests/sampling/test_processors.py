@@ -154,3 +154,31 @@ def test_a_step_without_logprobs_skips_the_distribution_and_samples_the_same_tok
     assert calls == [(4, V)] and out2.token_ids == out.token_ids
     assert out2.ranks[3] >= 1
     assert abs(out2.logprobs[3] - torch.log_softmax(x[3].double(), -1)[out2.token_ids[3]].item()) < 1e-5
+
+
+@pytest.mark.parametrize("pending_token", [7, 8], ids=["completes a bad word's prefix", "does not"])
+def test_a_pending_last_token_counts_as_the_same_token_on_the_host(pending_token):
+    """A row whose last output token is still on the device (`pending`, read from `last_tokens`)
+    samples and reports exactly what the same row with that token on the host does:
+    penalties count it, min_tokens counts it, and a bad word whose prefix it ends is banned."""
+    from detent.sampling.sampler import sample_async
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=g)
+    p = SamplingParams(temperature=0.9, seed=4, repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3,
+                       min_tokens=4, bad_words_token_ids=[[6, 7, 9], [8, 11], [12]], logprobs=5,
+                       logprobs_mode="processed")
+    before = [5, 6]
+    host = [SamplingRow(p, seed=s, position=9, prompt_token_ids=[1, 2], output_token_ids=before + [pending_token],
+                        eos_token_ids=[3]) for s in range(3)]
+    device = [SamplingRow(p, seed=s, position=9, prompt_token_ids=[1, 2], output_token_ids=before,
+                          eos_token_ids=[3], pending=1) for s in range(3)]
+    a = sample(logits, host)
+    b = sample_async(logits, device, torch.full((3,), pending_token)).resolve()
+    assert (a.token_ids, a.logprobs, a.ranks, a.topk_ids, a.topk_logprobs) == \
+        (b.token_ids, b.logprobs, b.ranks, b.topk_ids, b.topk_logprobs)
+    from detent.sampling import processors as P
+    masked = P.apply_request_masks(logits, device, torch.full((3,), pending_token))
+    # EOS (3 outputs < min_tokens 4), the one-token word, and the word the pending token's prefix completes
+    assert set(torch.nonzero(masked[0] == float("-inf")).flatten().tolist()) == {3, 12, 9 if pending_token == 7 else 11}
+    with pytest.raises(ValueError, match="no last_tokens"):
+        sample_async(logits, device)
