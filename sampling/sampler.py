@@ -14,9 +14,10 @@ integer arithmetic), drawn through the `gumbel` kernel family
 the other rows: elementwise arithmetic, comparisons, where/gather/scatter,
 stable sorts, argmax (first maximum), and the last-dim softmax/log_softmax
 kernels, integer index-adds and cumsums (exact in any order: top-p,
-sampling/nucleus.py); no float cumsum and no cross-row reduction. tests/sampling/test_row_invariance.py checks each of these, and
-the whole sampler, for a row alone against the same row at other positions
-in batches of other sizes.
+sampling/nucleus.py); no float cumsum and no cross-row reduction.
+tests/sampling/test_row_invariance.py checks each of these, and the whole
+sampler, for a row alone against the same row at other positions in batches
+of other sizes.
 
 Sampling is Gumbel-max: token = argmax(z + g) over the allowed tokens, z the
 processed logits, g = -log(-log(u)) from the keyed uniforms. Greedy rows
