@@ -117,7 +117,8 @@ def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow],
 
     `last_tokens` [R] long, on the logits' device: each row's last input token. Needed
     when a row is `pending` (its output so far ends with that token, which the host
-    does not have yet): penalties, min_tokens and bad words then count it there."""
+    does not have yet): penalties count it and bad words compare it there, and
+    min_tokens counts it from `pending` alone."""
     R, V = logits.shape
     if R != len(rows):
         raise ValueError(f"sample: {R} logits rows but {len(rows)} SamplingRows")
