@@ -90,10 +90,11 @@ def apply_request_masks(x: torch.Tensor, rows, last: torch.Tensor | None = None)
         hit = ban[:, 2] < 0
         if last is not None:
             hit = hit | (last.index_select(0, ban[:, 0]) == ban[:, 2])
-        # an integer sum per cell: a cell listed twice is banned if either entry hits, in any order
-        hits = torch.zeros(B, V, dtype=torch.int32, device=dev).index_put_((ban[:, 0], ban[:, 1]), hit.int(),
-                                                                          accumulate=True)
-        x = x.masked_fill(hits > 0, NEG_INF)
+        # an integer sum per cell (atomic adds, exact in any order): a cell listed twice is banned
+        # if either entry hits
+        hits = torch.zeros(B * V, dtype=torch.int32, device=dev).scatter_add_(0, ban[:, 0] * V + ban[:, 1],
+                                                                              hit.int())
+        x = x.masked_fill(hits.view(B, V) > 0, NEG_INF)
     return x
 
 
