@@ -10,8 +10,11 @@ hashes of the prefix cache. Preemption (by recompute) only resets
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from typing import Any, Sequence
+
+import numpy as np
 
 from detent.scheduler.block_hash import NONE_HASH, BlockHash, hash_blocks
 from detent.sampling.params import SamplingParams
@@ -95,6 +98,14 @@ class Request:
         step. (Penalties, min_tokens, bad words and golden tokens read the output
         so far, and take its pending last token from the device: SamplingRow.pending.)"""
         return self.grammar is not None or self.wants_prompt_logprobs
+
+    @functools.cached_property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as int64 numpy, made once: the sampler reads a repetition-penalised
+        row's prompt every step, and a copy from numpy costs a fraction of one from a list."""
+        a = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        a.flags.writeable = False
+        return a
 
     @property
     def golden_token(self) -> int | None:

@@ -241,11 +241,11 @@ class Scheduler:
         known = req.num_tokens  # tokens the host has; the pending one is a placeholder
         sample = None
         if end == known + req.num_pending:
-            # prompt/output ids are the request's own lists (read-only views, valid for this
-            # step): copying them every step would cost O(length) per request per step
+            # prompt/output ids are the request's own (read-only views, valid for this step):
+            # copying them every step would cost O(length) per request per step
             sample = SamplingRow(params=req.params, seed=req.seed, position=end,
                                  sample_index=req.sample_index,
-                                 prompt_token_ids=req.prompt_token_ids,
+                                 prompt_token_ids=req.prompt_array,
                                  output_token_ids=req.output_token_ids,
                                  golden_token=req.golden_token, grammar=req.grammar,
                                  eos_token_ids=tuple(req.eos_token_ids), pending=req.num_pending)
