@@ -47,6 +47,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self._outputs = np.empty(0, dtype=np.int64)  # output_token_ids' numpy mirror (output_array)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in block_ids (or is being written by a launched step)
@@ -108,6 +109,12 @@ class Request:
         return a
 
     @property
+    def output_array(self) -> np.ndarray:
+        """The outputs so far as int64 numpy (a view of a buffer `append_output_token`
+        grows; it keeps its values when later tokens are appended), for the same reason."""
+        return self._outputs[:len(self.output_token_ids)]
+
+    @property
     def golden_token(self) -> int | None:
         """The teacher-forced token for the position about to be planned, if any: the
         output's next one after those the host has and the one still pending."""
@@ -119,6 +126,10 @@ class Request:
 
     # ------------------------------------------------------------ the one mutator of tokens
     def append_output_token(self, token_id: int) -> None:
+        n = len(self.output_token_ids)
+        if n == len(self._outputs):  # a new buffer: views already handed out keep the old one
+            self._outputs = np.concatenate([self._outputs, np.empty(max(16, n), dtype=np.int64)])
+        self._outputs[n] = token_id
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.last_token_time = time.monotonic()

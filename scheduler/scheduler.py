@@ -246,7 +246,7 @@ class Scheduler:
             sample = SamplingRow(params=req.params, seed=req.seed, position=end,
                                  sample_index=req.sample_index,
                                  prompt_token_ids=req.prompt_array,
-                                 output_token_ids=req.output_token_ids,
+                                 output_token_ids=req.output_array,
                                  golden_token=req.golden_token, grammar=req.grammar,
                                  eos_token_ids=tuple(req.eos_token_ids), pending=req.num_pending)
         k, lo, targets = 0, 0, ()

@@ -315,3 +315,16 @@ def test_retract_requeues_a_failed_step_and_uncaches_its_blocks():
     assert s.num_preemptions == 0 and s.bm.num_free_blocks == s.bm.num_usable_blocks
     again = run_step(s)  # everything is planned again, a recomputing prompt + output
     assert [(q.request_id, q.start) for q in again.seqs] == [("a", 8), ("b", 0), ("c", 0)]
+
+
+def test_the_numpy_mirrors_equal_the_lists_and_a_view_keeps_its_values_as_tokens_arrive():
+    """What the sampler reads (prompt_array, output_array) equals the request's lists; a view
+    handed to a step keeps its values while later tokens are appended (and the buffer grows)."""
+    r = req("a", 3)
+    views = []
+    for t in range(40):
+        views.append(r.output_array)
+        r.append_output_token(100 + t)
+    assert r.output_array.tolist() == r.output_token_ids == list(range(100, 140))
+    assert all(v.tolist() == list(range(100, 100 + i)) for i, v in enumerate(views))
+    assert r.prompt_array.tolist() == r.prompt_token_ids and not r.prompt_array.flags.writeable
