@@ -24,9 +24,9 @@ the runner fills from step N's device tensor; its sampling row says so
 (`SamplingRow.pending`), for what reads the output so far. A request whose
 pending token must be its last (max_tokens, max_model_len) is not planned
 again; one that needs its token on the host (`Request.needs_token_feedback`)
-waits for it; a
-request that turns out finished when its token arrives is dropped from the
-step already launched for it (that row's token is discarded).
+waits for it; a request that turns out finished when its token arrives is
+dropped from the step already launched for it (that row's token is
+discarded).
 """
 from __future__ import annotations
 
