@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from detent.sampling.nucleus import top_p_keep
-from detent.sampling.rng import to_device
+from detent.sampling.rng import list_to_device, to_device
 
 NEG_INF = float("-inf")
 
@@ -39,11 +39,6 @@ def _pad_ids(lists: Sequence[Sequence[int]], fill: int, device) -> torch.Tensor:
         if len(l):
             out[i, :len(l)] = l
     return to_device(torch.from_numpy(out), device)
-
-
-def _host(vals: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list as a device tensor, without waiting for the device's queue."""
-    return to_device(torch.tensor(vals, dtype=dtype), device)
 
 
 def token_presence(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
@@ -79,7 +74,8 @@ def apply_request_masks(x: torch.Tensor, rows, last: torch.Tensor | None = None)
         banned += _bad_word_bans(i, r, V)
     dev = x.device
     if allow_rows:  # a row with allowed_token_ids keeps those alone
-        keep = torch.ones(B, V, dtype=torch.bool, device=dev).index_fill_(0, _host(allow_rows, torch.long, dev), False)
+        keep = torch.ones(B, V, dtype=torch.bool, device=dev).index_fill_(
+            0, list_to_device(allow_rows, torch.long, dev), False)
         if allowed:
             at = _cells(allowed, dev)
             keep.index_put_(at, torch.ones(len(allowed), dtype=torch.bool, device=dev))
@@ -88,9 +84,9 @@ def apply_request_masks(x: torch.Tensor, rows, last: torch.Tensor | None = None)
         x = x.clone()
     if biased:  # (row, token) pairs are unique: a dict's keys per row
         at = _cells(biased, dev)
-        x.index_put_(at, x[at] + _host(bias, x.dtype, dev))
+        x.index_put_(at, x[at] + list_to_device(bias, x.dtype, dev))
     if banned:
-        ban = _host(banned, torch.long, dev)  # [n, 3]
+        ban = list_to_device(banned, torch.long, dev)  # [n, 3]
         hit = ban[:, 2] < 0
         if last is not None:
             hit = hit | (last.index_select(0, ban[:, 0]) == ban[:, 2])
@@ -121,7 +117,7 @@ def _bad_word_bans(i: int, r, V: int) -> list[tuple[int, int, int]]:
 
 def _cells(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, tokens) index tensors on the device for a list of (row, token) pairs."""
-    both = _host(pairs, torch.long, device)  # [n, 2]
+    both = list_to_device(pairs, torch.long, device)  # [n, 2]
     return both[:, 0], both[:, 1]
 
 
@@ -142,11 +138,11 @@ def apply_penalties(x: torch.Tensor, rows, last: torch.Tensor | None = None) -> 
     use_rep, use_freq = any(v != 1.0 for v in reps), any(v != 0.0 for v in freqs + press)
     if not (use_rep or use_freq):
         return x  # decided on the host: no tensors
-    rep, freq, pres = (_host(v, x.dtype, dev)[:, None] for v in (reps, freqs, press))
+    rep, freq, pres = (list_to_device(v, x.dtype, dev)[:, None] for v in (reps, freqs, press))
     out_counts = token_presence([r.output_token_ids for r in rows], V, dev)
     pending = [r.pending for r in rows]
     if any(pending):
-        out_counts.scatter_add_(1, last[:, None], _host(pending, torch.int32, dev)[:, None])
+        out_counts.scatter_add_(1, last[:, None], list_to_device(pending, torch.int32, dev)[:, None])
     if use_rep:
         seen = (token_presence([r.prompt_token_ids for r in rows], V, dev) > 0) | (out_counts > 0)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)

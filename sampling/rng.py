@@ -20,3 +20,8 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def list_to_device(vals: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device`, through `to_device` (no wait for the device's queue)."""
+    return to_device(torch.tensor(vals, dtype=dtype), device)

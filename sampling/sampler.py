@@ -32,7 +32,7 @@ import torch
 
 from detent.sampling import processors as P
 from detent.sampling.params import SamplingParams
-from detent.sampling.rng import ROLE_SAMPLE, to_device
+from detent.sampling.rng import ROLE_SAMPLE, list_to_device, to_device
 from detent.selection import ops
 
 
@@ -150,10 +150,6 @@ def _truncates(p: SamplingParams, V: int) -> bool:
     return not p.greedy and (0 < p.top_k < V or p.top_p < 1.0 or p.min_p > 0.0)
 
 
-def _rows_to(vals: list, dtype: torch.dtype, dev) -> torch.Tensor:
-    return to_device(torch.tensor(vals, dtype=dtype), dev)
-
-
 def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], last: torch.Tensor | None) -> PendingSample:
     B, V = x_raw.shape
     dev = x_raw.device
@@ -166,7 +162,7 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], last: torch.Tens
     greedy = [r.params.greedy for r in rows]
     temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)]
     # temperature-scaled; x / 1.0 == x exactly, so rows at 1.0 need no division at all
-    temp = _rows_to(temps, x.dtype, dev)[:, None] if any(t != 1.0 for t in temps) else None
+    temp = list_to_device(temps, x.dtype, dev)[:, None] if any(t != 1.0 for t in temps) else None
     if temp is not None:
         x = x / temp
     if any(_truncates(r.params, V) for r in rows):
@@ -174,8 +170,9 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], last: torch.Tens
         k_l = [-1 if g or r.params.top_k >= V else r.params.top_k for g, r in zip(greedy, rows)]
         p_l = [1.0 if g else r.params.top_p for g, r in zip(greedy, rows)]
         m_l = [0.0 if g else r.params.min_p for g, r in zip(greedy, rows)]
-        keep = P.truncation_mask(x, _rows_to(k_l, torch.long, dev), _rows_to(p_l, torch.float64, dev),
-                                 _rows_to(m_l, torch.float64, dev), host=(k_l, p_l, m_l))
+        keep = P.truncation_mask(x, list_to_device(k_l, torch.long, dev),
+                                 list_to_device(p_l, torch.float64, dev), list_to_device(m_l, torch.float64, dev),
+                                 host=(k_l, p_l, m_l))
         z = torch.where(keep, x, P.NEG_INF)  # processed logits [B, V]
     else:
         z = x  # no row truncates: truncation_mask would keep every token
@@ -191,12 +188,12 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], last: torch.Tens
     if len(noisy) == B:
         toks = _gumbel_max(z, rows)
     elif noisy:
-        idx = _rows_to(noisy, torch.long, dev)
+        idx = list_to_device(noisy, torch.long, dev)
         toks = toks.index_copy(0, idx, _gumbel_max(z.index_select(0, idx), [rows[j] for j in noisy]))
     golden = [j for j, r in enumerate(rows) if r.golden_token is not None]
     if golden:
-        toks = toks.index_copy(0, _rows_to(golden, torch.long, dev),
-                               _rows_to([rows[j].golden_token for j in golden], torch.long, dev))
+        toks = toks.index_copy(0, list_to_device(golden, torch.long, dev),
+                               list_to_device([rows[j].golden_token for j in golden], torch.long, dev))
     if not want_lp:  # nothing to report: NaN logprobs and rank 0, never read (OutputProcessor)
         return PendingSample(toks, torch.stack([toks, torch.zeros_like(toks)], dim=1),
                              torch.full((B, 1), float("nan"), device=dev), [0] * B)
@@ -205,7 +202,7 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], last: torch.Tens
     for mode in set(modes) - {"raw"}:
         alt = {"processed": lambda: ops.log_softmax(z), "raw_logits": lambda: x_raw,
                "processed_logits": lambda: z}[mode]()
-        lp = torch.where(_rows_to([m == mode for m in modes], torch.bool, dev)[:, None], alt, lp)
+        lp = torch.where(list_to_device([m == mode for m in modes], torch.bool, dev)[:, None], alt, lp)
     chosen = lp.gather(1, toks[:, None])  # [B, 1]
     ranks = P.count(lp > chosen).to(torch.long) + 1  # [B, 1]
     ks = [r.params.logprobs or 0 for r in rows]
@@ -222,7 +219,7 @@ def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:
     allowed = torch.ones(len(rows), V, dtype=torch.bool, device=dev)
     js = [j for j, r in enumerate(rows) if r.grammar is not None]
     masks = to_device(torch.stack([rows[j].grammar.bitmask() for j in js]), dev)  # [G, W] int32
-    return allowed.index_copy_(0, _rows_to(js, torch.long, dev), P.bitmask_to_bool(masks, V))
+    return allowed.index_copy_(0, list_to_device(js, torch.long, dev), P.bitmask_to_bool(masks, V))
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> SamplerOutput:
