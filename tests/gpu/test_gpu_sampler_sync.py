@@ -3,6 +3,8 @@ device (torch.cuda's sync debug mode set to "error": no device read and no
 host-to-device copy that waits), top-p's nucleus is the exact one for the
 GPU's own probabilities, and a row keeps the same tokens alone and among 255
 others at Llama-3's vocabulary. Prints top-p's time per batch size."""
+import os
+import sys
 import time
 
 import pytest
@@ -12,6 +14,9 @@ from detent.sampling.nucleus import top_p_keep
 from detent.sampling.params import SamplingParams
 from detent.sampling.sampler import SamplingRow, sample_async
 from detent.selection import make_dispatcher, use_dispatcher
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sampling"))
+from reference import exact_nucleus  # noqa: E402  (the CPU tests' exact oracle)
 
 pytestmark = pytest.mark.gpu
 V = 128256
@@ -41,18 +46,6 @@ def test_launching_sampling_never_waits_for_the_device():
         assert pending.resolve().token_ids == sample_async(x, rows, last).resolve().token_ids
 
 
-def _exact(probs_row: list[float], top_p: float) -> list[int]:
-    from fractions import Fraction
-    order = sorted(range(len(probs_row)), key=lambda t: (-probs_row[t], t))
-    kept, before, limit = [], Fraction(0), Fraction(top_p)
-    for t in order:
-        if before >= limit:
-            break
-        kept.append(t)
-        before += Fraction(probs_row[t])
-    return sorted(kept)
-
-
 def test_top_p_is_exact_and_the_same_for_a_row_alone_and_in_a_batch():
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, V, device="cuda", generator=g) * torch.linspace(0.05, 8, 256, device="cuda")[:, None]
@@ -61,7 +54,7 @@ def test_top_p_is_exact_and_the_same_for_a_row_alone_and_in_a_batch():
     for i in (0, 17, 128, 255):
         assert torch.equal(top_p_keep(x[i:i + 1].clone(), top_p[i:i + 1]), keep[i:i + 1]), i
         probs = torch.softmax(x[i], dim=-1).tolist()
-        assert keep[i].nonzero().flatten().tolist() == _exact(probs, float(top_p[i])), i
+        assert keep[i].nonzero().flatten().tolist() == exact_nucleus(probs, float(top_p[i])), i
     for b in (1, 8, 64, 256):
         top_p_keep(x[:b], top_p[:b])
         torch.cuda.synchronize()

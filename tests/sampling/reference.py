@@ -9,6 +9,8 @@ vLLM's semantics), not by calling Detent's processors:
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 
 
@@ -47,3 +49,18 @@ def reference_probs(logits, *, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0,
         keep &= np.asarray(allowed, dtype=bool)
     q = np.exp(x - x[keep].max()) * keep
     return q / q.sum()
+
+
+def exact_nucleus(probs: list[float], top_p: float) -> list[int]:
+    """The ids top-p keeps from one row's probabilities (as the sampler computed them, float32),
+    ascending: a token is kept when the mass strictly before it, in the order probability
+    descending / ties to the lower id, is < top_p, summed exactly (fractions); top_p 1 keeps all."""
+    if top_p >= 1.0:
+        return list(range(len(probs)))
+    kept, before, limit = [], Fraction(0), Fraction(top_p)
+    for t in sorted(range(len(probs)), key=lambda t: (-probs[t], t)):
+        if before >= limit:
+            break
+        kept.append(t)
+        before += Fraction(probs[t])
+    return sorted(kept)

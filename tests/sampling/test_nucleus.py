@@ -1,31 +1,21 @@
 """Top-p (sampling/nucleus.py) against an exact oracle written from the contract:
 a token is kept when the mass of the float32 probabilities strictly before it,
 in the order probability descending / ties to the lower id, is < top_p (top_p
-1 keeps every token); the sums are Python fractions, exact. Comparator:
-torch.equal on the keep mask."""
-from fractions import Fraction
-
+1 keeps every token); the sums are Python fractions, exact
+(reference.exact_nucleus). Comparator: torch.equal on the keep mask."""
 import pytest
 import torch
 
 from detent.sampling.nucleus import top_p_keep
 
+from .reference import exact_nucleus
 
-def exact_nucleus(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+
+def exact_keep(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(xk, dim=-1)  # the probabilities the contract is stated on
     keep = torch.zeros_like(xk, dtype=torch.bool)
     for i in range(xk.shape[0]):
-        if top_p[i] >= 1.0:
-            keep[i] = True
-            continue
-        p = probs[i].tolist()
-        order = sorted(range(len(p)), key=lambda t: (-p[t], t))
-        limit, before = Fraction(float(top_p[i])), Fraction(0)
-        for t in order:
-            if before >= limit:
-                break
-            keep[i, t] = True
-            before += Fraction(p[t])
+        keep[i, exact_nucleus(probs[i].tolist(), float(top_p[i]))] = True
     return keep
 
 
@@ -47,7 +37,7 @@ def test_the_nucleus_is_the_exact_one(kind, V):
     g = torch.Generator().manual_seed(V)
     x = _logits(kind, 6, V, g)
     top_p = torch.tensor([0.05, 0.5, 0.9, 0.95, 0.999, 1.0], dtype=torch.float64)
-    assert torch.equal(top_p_keep(x, top_p), exact_nucleus(x, top_p))
+    assert torch.equal(top_p_keep(x, top_p), exact_keep(x, top_p))
 
 
 def test_a_tie_at_the_boundary_is_kept_in_id_order_while_the_mass_before_is_below_top_p():
