@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from detent.sampling import processors as P
 from detent.sampling.params import SamplingParams, StructuredOutputs
-from detent.sampling.sampler import SamplingRow, sample
+from detent.sampling.sampler import SamplingRow, sample, sample_async
 
 from .reference import reference_probs
 from .test_distribution import fixed_logits
@@ -161,7 +162,6 @@ def test_a_pending_last_token_counts_as_the_same_token_on_the_host(pending_token
     """A row whose last output token is still on the device (`pending`, read from `last_tokens`)
     samples and reports exactly what the same row with that token on the host does:
     penalties count it, min_tokens counts it, and a bad word whose prefix it ends is banned."""
-    from detent.sampling.sampler import sample_async
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 40, generator=g)
     p = SamplingParams(temperature=0.9, seed=4, repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3,
@@ -176,7 +176,6 @@ def test_a_pending_last_token_counts_as_the_same_token_on_the_host(pending_token
     b = sample_async(logits, device, torch.full((3,), pending_token)).resolve()
     assert (a.token_ids, a.logprobs, a.ranks, a.topk_ids, a.topk_logprobs) == \
         (b.token_ids, b.logprobs, b.ranks, b.topk_ids, b.topk_logprobs)
-    from detent.sampling import processors as P
     masked = P.apply_request_masks(logits, device, torch.full((3,), pending_token))
     # EOS (3 outputs < min_tokens 4), the one-token word, and the word the pending token's prefix completes
     assert set(torch.nonzero(masked[0] == float("-inf")).flatten().tolist()) == {3, 12, 9 if pending_token == 7 else 11}
