@@ -1,4 +1,4 @@
-"""benchmarks/serve_load.py's bookkeeping (the runs themselves need a GPU and vLLM)."""
+"""benchmarks/serve_load.py's bookkeeping and its report (serve_load_report.py); the runs themselves need a GPU and vLLM."""
 import os
 import sys
 import tarfile
@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import serve_load  # noqa: E402
+import serve_load_report  # noqa: E402
 
 
 def test_a_load_keeps_its_seed_in_any_subset():
@@ -93,7 +94,7 @@ def test_the_report_has_the_ratios_and_detents_steps_by_kind(tmp_path, capsys):
                         "launch_ms_per_step": 1.2}}
     (tmp_path / "summary-detent.json").write_text(json.dumps(
         {"loads": {"s10": {**load, "median_tpot_ms": 7.2, "steps": steps}}}))
-    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    serve_load_report.report(type("A", (), {"dir": str(tmp_path)}))
     text = (tmp_path / "serve_load.md").read_text()
     assert "| s10 | TPOT p50 | 6.00 | 7.20 | 1.20 |" in text
     assert "| s10 | decode | 100 | 6.40 | 17.4 | 3.00 | 1.20 |  |  |  |" in text  # no split, graphs or device
@@ -102,7 +103,7 @@ def test_the_report_has_the_ratios_and_detents_steps_by_kind(tmp_path, capsys):
                       "device_seconds": 0.07, "device_ms_per_step": 17.5, "device_idle_ms_per_step": 1.25}
     (tmp_path / "summary-detent.json").write_text(json.dumps(
         {"loads": {"s10": {**load, "median_tpot_ms": 7.2, "steps": steps}}}))
-    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    serve_load_report.report(type("A", (), {"dir": str(tmp_path)}))
     text = (tmp_path / "serve_load.md").read_text()
     assert "| s10 | mixed | 4 | 20.00 | 900.0 | 0.00 | 0.00 | 0.90 / 8.10 | 0 / 4 | 17.50 / 1.25 |" in text
 
@@ -116,7 +117,7 @@ def test_the_report_has_a_row_block_for_each_tagged_detent_run(tmp_path):
     steps = {"mixed": {"steps": 5, "ms_per_step": 15.0, "tokens_per_step": 455.0}}
     (tmp_path / "summary-detent-graphs.json").write_text(json.dumps(
         {"loads": {"r20": {**load, "median_tpot_ms": 6.3, "steps": steps}}}))
-    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    serve_load_report.report(type("A", (), {"dir": str(tmp_path)}))
     text = (tmp_path / "serve_load.md").read_text()
     assert "| r20 | TPOT p50 | 6.00 | 6.60 | 1.10 |" in text
     assert "| r20 (graphs) | TPOT p50 | 6.00 | 6.30 | 1.05 |" in text
@@ -133,7 +134,7 @@ def test_a_tagged_detent_run_is_set_against_vllms_run_of_the_same_tag(tmp_path):
     (tmp_path / "summary-detent.json").write_text(json.dumps({"loads": {"r20": {**load, "median_tpot_ms": 6.6}}}))
     (tmp_path / "summary-detentrep.json").write_text(json.dumps({"loads": {"r20": {**load, "median_tpot_ms": 7.2}}}))
     (tmp_path / "summary-detent-arm.json").write_text(json.dumps({"loads": {"r20": {**load, "median_tpot_ms": 6.3}}}))
-    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    serve_load_report.report(type("A", (), {"dir": str(tmp_path)}))
     text = (tmp_path / "serve_load.md").read_text()
     assert "| r20 | TPOT p50 | 6.00 | 6.60 | 1.10 |" in text
     assert "| r20 (rep) | TPOT p50 | 8.00 | 7.20 | 0.90 |" in text  # the repeat against vLLM's repeat
@@ -222,7 +223,7 @@ def test_the_step_loops_host_time_is_read_by_part_and_reported_per_step(tmp_path
             "p99_ttft_ms": 40.0}
     (tmp_path / "summary-vllm.json").write_text(json.dumps({"loads": {"r20": load}}))
     (tmp_path / "summary-detent.json").write_text(json.dumps({"loads": {"r20": {**load, "host_ms_per_step": h}}}))
-    serve_load.report(type("A", (), {"dir": str(tmp_path)}))
+    serve_load_report.report(type("A", (), {"dir": str(tmp_path)}))
     text = (tmp_path / "serve_load.md").read_text()
     assert "| load | host ms/step: inbox | schedule | launch | wait | update | outputs | ipc_in | ipc_out |" in text
     assert "| r20 | 0.00 | 1.00 | 0.00 | 1.50 | 0.00 | 0.00 | 0.00 | 0.20 |" in text
