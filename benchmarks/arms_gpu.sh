@@ -40,7 +40,13 @@ for PART in "$@"; do
             [ "$ARMS" = /tmp/arms ] || cp -n /tmp/arms/tuple-*.json "$ARMS/" 2> /dev/null
             T=$ARMS/tuple-${PART#tuned-}.json
             if [ -f "$T" ]; then
-                timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART"
+                # the tuple names the FA4 version it was tuned with ("" for none), a deployment fact: a
+                # tuple tuned without FA4 (W-A's, lease 22) is served with FA4 off the path (the default's
+                # attention is the Triton kernel either way, so the arms' kernels compare like for like)
+                P=$PYTHONPATH
+                python3 -c "import json,sys; sys.exit(json.load(open('$T'))['deployment']['facts']['fa4'] != '')" \
+                    && P=$(echo "$P" | tr ':' '\n' | grep -v fa4site | paste -sd:)
+                PYTHONPATH=$P timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART"
             else
                 echo "$PART: no $T; run tune-${PART#tuned-} first"
             fi ;;
