@@ -265,9 +265,10 @@ def run_step(runner, shape: StepShape, logit_rows: int = 0) -> None:
     ctx = ForwardContext(attn=meta, kv_caches=runner.kv_caches, dispatcher=runner.dispatcher)
     with forward_context(ctx):
         hidden = runner.model(ids, positions)
-        if logit_rows:  # what a sampling step runs on them: log-softmax and the keyed draw
+        if logit_rows:  # what a sampling step runs on them: log-softmax, top-p's mask and the keyed draw
             logits = runner.model.compute_logits(hidden[:logit_rows])
             ops.log_softmax(logits)
+            ops.top_p_keep(logits.float(), torch.full((logit_rows,), 0.9, dtype=torch.float64, device=logits.device))
             zeros = [0] * logit_rows
             ops.gumbel_argmax(logits, zeros, zeros, zeros, 0)
 

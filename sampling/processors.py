@@ -13,7 +13,7 @@ temperature-scaled distribution) is used instead, so a constrained request
 never stalls.
 
 No float cumsum (its addition order is not the same for every batch on GPU):
-top-p (sampling/nucleus.py) sums probabilities as integers, exact in any
+top-p (kernels/nucleus.py, the `top_p` family) sums probabilities as integers, exact in any
 order, and finds its boundary without a sort or a device read.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from detent.sampling.nucleus import top_p_keep
 from detent.sampling.rng import list_to_device, to_device
+from detent.selection import ops
 
 NEG_INF = float("-inf")
 
@@ -198,7 +198,7 @@ def truncation_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         kvals, _ = ordered_topk(x, max((V if (v <= 0 or v > V) else v) for v in hk))
         keep = x >= kvals.gather(1, (k.clamp(max=kvals.shape[1]) - 1)[:, None])
     if any(v < 1.0 for v in hp):  # rows with top_p >= 1 keep everything either way
-        keep = keep & top_p_keep(torch.where(keep, x, NEG_INF), top_p)
+        keep = keep & ops.top_p_keep(torch.where(keep, x, NEG_INF), top_p)
     # min-p relative to the most likely token (always kept above):
     # p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p), exact elementwise ops only
     if any(v > 0 for v in hm):

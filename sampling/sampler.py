@@ -14,7 +14,7 @@ integer arithmetic), drawn through the `gumbel` kernel family
 the other rows: elementwise arithmetic, comparisons, where/gather/scatter,
 stable sorts, argmax (first maximum), and the last-dim softmax/log_softmax
 kernels, integer index-adds and cumsums (exact in any order: top-p,
-sampling/nucleus.py); no float cumsum and no cross-row reduction.
+kernels/nucleus.py); no float cumsum and no cross-row reduction.
 tests/sampling/test_row_invariance.py checks each of these, and the whole
 sampler, for a row alone against the same row at other positions in batches
 of other sizes.
@@ -111,7 +111,7 @@ def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow],
     """`sample` without waiting for the device: every choice of which work runs is
     made from host values (the rows' parameters and tokens), and what the device
     needs from the host goes through pinned memory (`to_device`). Top-p
-    (sampling/nucleus.py) does the same work whatever the logits. The keyed draw
+    (kernels/nucleus.py, the `top_p` family) does the same work whatever the logits. The keyed draw
     reads the device only in the torch reference's sparse path (kernels/gumbel.py),
     which the GPU's fused kernel does not take.
 

@@ -101,6 +101,14 @@ def gumbel_argmax(z: torch.Tensor, seeds, positions, sample_indices, role: int,
     return fn(z, seeds, positions, sample_indices, role, ids, **kw)
 
 
+def top_p_keep(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """keep[B, V] bool: top-p's nucleus per row of float32 logits xk [B, V] (-inf: excluded
+    already), top_p [B] float64; exact and row by row (kernels/nucleus.py)."""
+    site = (("vocab", xk.shape[-1]), ("dtype", _dt(xk)))
+    fn, kw = _resolve("top_p", site, xk.shape[0])
+    return fn(xk, top_p, **kw)
+
+
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         top_k: int, renormalize: bool) -> torch.Tensor:
     """Mixture of experts with softmax top-k routing.

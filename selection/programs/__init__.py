@@ -9,14 +9,15 @@ import os
 from detent.selection.compiler.lang import Program, load_program
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAMILIES = ("gemm", "attention", "moe", "allreduce", "norm", "rope", "act", "embedding", "logsoftmax", "gumbel")
+FAMILIES = ("gemm", "attention", "moe", "allreduce", "norm", "rope", "act", "embedding", "logsoftmax", "gumbel",
+            "top_p")
 
 
 # families whose programs are the same text share one file (rowwise.py's docstring
 # names four; gumbel, the sampler's draw, shares it too: its text is kept as it was so that
-# the program's digest, and so every tuple's, stay the same)
+# the program's digest, and so every tuple's, stay the same; so does top_p, the nucleus's mask)
 SOURCES = {"norm": "rowwise", "rope": "rowwise", "act": "rowwise", "logsoftmax": "rowwise", "gumbel": "rowwise",
-           "embedding": "rowwise_torch"}
+           "top_p": "rowwise", "embedding": "rowwise_torch"}
 
 
 def path(family: str) -> str:

@@ -1,8 +1,9 @@
 """The sampler on the GPU: launching a step's sampling never waits for the
 device (torch.cuda's sync debug mode set to "error": no device read and no
 host-to-device copy that waits), top-p's nucleus is the exact one for the
-GPU's own probabilities, and a row keeps the same tokens alone and among 255
-others at Llama-3's vocabulary. Prints top-p's time per batch size."""
+GPU's own probabilities (both candidates, the kernel equal to the reference),
+and a row keeps the same tokens alone and among 255 others at Llama-3's
+vocabulary. Prints each candidate's time per batch size."""
 import os
 import sys
 import time
@@ -10,7 +11,8 @@ import time
 import pytest
 import torch
 
-from detent.sampling.nucleus import top_p_keep
+from detent.kernels.nucleus import top_p_keep
+from detent.kernels.nucleus_triton import top_p_keep_triton
 from detent.sampling.params import SamplingParams
 from detent.sampling.sampler import SamplingRow, sample_async
 from detent.selection import make_dispatcher, use_dispatcher
@@ -47,19 +49,25 @@ def test_launching_sampling_never_waits_for_the_device():
 
 
 def test_top_p_is_exact_and_the_same_for_a_row_alone_and_in_a_batch():
+    """Both candidates of the `top_p` family on the GPU: the kernel's mask equals the torch
+    reference's (the same softmax, the same integer masses), each is the exact nucleus, and a row
+    keeps the same mask alone and among 255 others. Prints each one's time per batch size."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, V, device="cuda", generator=g) * torch.linspace(0.05, 8, 256, device="cuda")[:, None]
     top_p = torch.linspace(0.5, 0.99, 256, device="cuda", dtype=torch.float64)
     keep = top_p_keep(x, top_p)
+    assert torch.equal(top_p_keep_triton(x, top_p), keep)
     for i in (0, 17, 128, 255):
-        assert torch.equal(top_p_keep(x[i:i + 1].clone(), top_p[i:i + 1]), keep[i:i + 1]), i
+        for fn in (top_p_keep, top_p_keep_triton):
+            assert torch.equal(fn(x[i:i + 1].clone(), top_p[i:i + 1]), keep[i:i + 1]), (fn.__name__, i)
         probs = torch.softmax(x[i], dim=-1).tolist()
         assert keep[i].nonzero().flatten().tolist() == exact_nucleus(probs, float(top_p[i])), i
-    for b in (1, 8, 64, 256):
-        top_p_keep(x[:b], top_p[:b])
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(20):
-            top_p_keep(x[:b], top_p[:b])
-        torch.cuda.synchronize()
-        print(f"top-p at batch {b}: {(time.perf_counter() - t) / 20 * 1e6:.0f} us")
+    for fn in (top_p_keep, top_p_keep_triton):
+        for b in (1, 8, 64, 256):
+            fn(x[:b], top_p[:b])
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                fn(x[:b], top_p[:b])
+            torch.cuda.synchronize()
+            print(f"top-p {fn.__name__} at batch {b}: {(time.perf_counter() - t) / 20 * 1e6:.0f} us")

@@ -1,5 +1,5 @@
 """Kernels changed since the last device run (the MoE glue of fuse_glue, the
-RMSNorm that reads heads in place, the fused Gumbel-max sampler, the paged
+RMSNorm that reads heads in place, the fused Gumbel-max sampler, top-p's mask, the paged
 attention's short launch, its split form and its combine's skip and row slots) compiled for the H200 (sm_90) on this CPU
 machine: Triton lowers them to PTX and ptxas assembles a cubin, no GPU
 needed. Catches what the interpreter cannot (a construct the compiler
@@ -71,6 +71,13 @@ out["gumbel"] = compile_(gt._gumbel_argmax_kernel, {"z_ptr": "*fp32", "key_ptr":
                          {"CHUNK": 4096, "BLOCK": 1024}, num_warps=8, enable_fp_fusion=False)
 out["gumbel_first_max"] = compile_(gt._first_max_kernel, {"val_ptr": "*fp64", "idx_ptr": "*i64", "out_ptr": "*i64",
                                                           "NCH": "i32"}, {"NCH_PAD": 32}, num_warps=1)
+from detent.kernels import nucleus_triton as nt
+for final in (False, True):
+    out["top_p_final" if final else "top_p_level"] = compile_(
+        nt._top_p_kernel, {"p_ptr": "*fp32", "top_p_ptr": "*fp64", "limit_ptr": "*i64", "part_ptr": "*i64",
+                           "state_ptr": "*i64", "cnt_ptr": "*i32", "keep_ptr": "*u8", "V": "i32", "B": "i32",
+                           "NCH": "i32", "level": "i32", "sp": "i32", "sk": "i32"},
+        {"D": 3, "LEVELS": 10, "NCH_PAD": 32, "CHUNK": 4096, "BLOCK": 1024, "FINAL": final}, num_warps=8)
 for dt in ("bf16", "fp32"):
     sig = {"y_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt, "H": "i32"}
     out["combine_" + dt] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=False)
@@ -131,7 +138,8 @@ def compiled():
 
 
 @pytest.mark.parametrize("name", ["align", "align_prefill", "align_count", "route", "combine_bf16", "combine_fp32",
-                                  "rms_norm", "rms_norm_rows", "gumbel", "gumbel_first_max", "attention_long_skip",
+                                  "rms_norm", "rms_norm_rows", "gumbel", "gumbel_first_max", "top_p_level", "top_p_final",
+                                  "attention_long_skip",
                                   "attention_short",
                                   "attention_combine_skip", "attention_exp2_long", "attention_exp2_decode_parallel",
                                   "attention_combine_exp2", "attention_long_prefetch_st3", "attention_short_parallel",

@@ -32,5 +32,5 @@ def test_warm_steps_run_through_the_triton_candidates():
     assert plan.uncovered == []
     ran = {(fam, d._selectors[(fam, site)](**dict(rt))["impl"]) for fam, site, rt in d.calls}
     assert {("gemm", "triton_persistent"), ("attention", "triton_paged"), ("gumbel", "triton_rowwise"),
-            ("norm", "triton_rowwise"), ("logsoftmax", "triton_rowwise")} <= ran
+            ("norm", "triton_rowwise"), ("logsoftmax", "triton_rowwise"), ("top_p", "triton_rowwise")} <= ran
     assert any(len(s.query_lens) > 1 and max(s.kv_lens) > max(s.query_lens) for s in plan.shapes)  # mixed, paged

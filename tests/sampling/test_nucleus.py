@@ -1,4 +1,4 @@
-"""Top-p (sampling/nucleus.py) against an exact oracle written from the contract:
+"""Top-p (kernels/nucleus.py, the torch candidate) against an exact oracle written from the contract:
 a token is kept when the mass of the float32 probabilities strictly before it,
 in the order probability descending / ties to the lower id, is < top_p (top_p
 1 keeps every token); the sums are Python fractions, exact
@@ -6,7 +6,7 @@ in the order probability descending / ties to the lower id, is < top_p (top_p
 import pytest
 import torch
 
-from detent.sampling.nucleus import top_p_keep
+from detent.kernels.nucleus import top_p_keep
 
 from .reference import exact_nucleus
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from detent.sampling import processors as P
-from detent.sampling.nucleus import top_p_keep
+from detent.kernels.nucleus import top_p_keep
 from detent.sampling.params import SamplingParams, StructuredOutputs
 from detent.sampling.sampler import SamplingRow, sample
 

@@ -1,4 +1,8 @@
-"""Top-p (the nucleus), exact, row by row, without reading the device.
+"""Top-p (the nucleus), exact, row by row, without reading the device: the
+`top_p` family's torch candidate (the reference; kernels/nucleus_triton.py is
+the GPU's).
+
+    fn(xk[B, V] float32, top_p[B] float64) -> keep[B, V] bool
 
 A row keeps a token when the probability mass strictly before it, in the order
 probability descending / ties to the lower id, is < top_p (the smallest
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from detent.kernels.registry import register
+
 SCALE = 2.0 ** 60  # a probability's mass unit: 2**-60
 _BITS = 30  # every probability in [0, 1] as float32 bits is below 2**30
 
@@ -36,6 +42,7 @@ def _digit_bits(V: int) -> int:
     return 15 if V > 4096 else 10
 
 
+@register("top_p", "torch_rowwise")
 def top_p_keep(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """keep[B, V] for logits xk [B, V] float32 (already top-k filtered: -inf
     drops a token) and top_p [B] float64 in (0, 1]; rows at 1.0 keep everything."""

@@ -1,0 +1,142 @@
+"""Top-p's keep mask in Triton (the `top_p` family's GPU candidate).
+
+Same contract and the same answer, bit for bit, as the torch reference
+(kernels/nucleus.py): the probabilities are torch's softmax of the row, each
+weighs the integer floor(p * 2**60), and the nucleus's last probability v is
+found by a radix select over the probabilities' float32 bits; ties at v are
+kept in id order. What changes is how the work is spread. The reference's
+histograms are integer index-adds into 32,768 bins per row, and most of a
+row's tokens share a few bins (similar small probabilities), so the adds
+contend: 0.9 ms at batch 1 and 2.1 ms at batch 64 on an H100 at a 128k
+vocabulary (docs/performance.md, lease 24).
+
+Here each (row, chunk of the vocabulary) is one program, and a digit of
+DIGIT_BITS bits is one launch: a program sums its chunk's masses into the
+digit's few bins (a one-hot sum in registers: no atomics) and writes them.
+The next launch's programs each add up their row's chunks (integer sums:
+exact, so every program of the row decides the same digit), and the row's
+first chunk records the decision. The last launch decides the last digit and
+writes the mask; the tie rank of a token at v is the count of v's tokens in
+the chunks before its own (recorded by the last digit's launch) plus its
+rank in its chunk. 30 / DIGIT_BITS + 1 launches, whatever the batch; a row's
+answer is an exact function of its own probabilities, so it is the same
+alone and in any batch, for any DIGIT_BITS and any chunking.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from detent.kernels.common_triton import check_device, lazy_jit
+from detent.kernels.nucleus import SCALE, _BITS
+from detent.kernels.registry import register
+
+DIGIT_BITS = 3  # bits per launch (divides 30): 8 bins, 10 launches and one for the mask
+BLOCK = 1024
+CHUNK_BLOCKS = 4  # blocks per (row, chunk) program: 32 chunks for a 128k vocabulary
+_PROB_BITS = tl.constexpr(_BITS)  # a probability's float32 bits are below 2**30
+
+
+@triton.jit
+def _decide(hist, before_all, limit, bins, NB: tl.constexpr):
+    """One digit's choice from its bins' masses: the lowest bin present whose mass strictly above
+    is < limit (the top present bin always is); returns (digit, mass above that bin)."""
+    higher = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # mass of the bins above each bin
+    before = before_all + higher
+    d = tl.min(tl.where((hist > 0) & (before < limit), bins, NB - 1), axis=0)
+    return d, tl.sum(tl.where(bins == d, before, 0), axis=0)
+
+
+@lazy_jit(do_not_specialize=["B", "NCH", "level"])  # one compiled kernel per vocabulary, FINAL or not
+def _top_p_kernel(p_ptr, top_p_ptr, limit_ptr, part_ptr, state_ptr, cnt_ptr, keep_ptr, V, B, NCH, level,
+                  sp, sk, D: tl.constexpr, LEVELS: tl.constexpr, NCH_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr, FINAL: tl.constexpr):
+    NB: tl.constexpr = 1 << D
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    bins = tl.arange(0, NB)
+    chunks = tl.arange(0, NCH_PAD)
+    limit = tl.load(limit_ptr + row)
+    # the state after digit level - 2 (recorded by the previous launch's first chunk), then
+    # digit level - 1 decided here from every chunk's bins of the previous launch
+    two = tl.arange(0, 2)  # a state slot: (prefix, mass above the prefix's range)
+    # (masks on the scalars `level` and `c` are written as vectors: `x * 0 + level`)
+    l2 = tl.maximum(level - 2, 0)
+    st = tl.load(state_ptr + (l2 * B + row) * 2 + two, mask=two * 0 + level >= 2, other=0)
+    prefix = tl.sum(tl.where(two == 0, st, 0), axis=0)
+    above = tl.sum(tl.where(two == 1, st, 0), axis=0)
+    l1 = tl.maximum(level - 1, 0)
+    hp = part_ptr + ((l1 * B + row) * NCH + chunks[:, None]) * NB + bins[None, :]
+    hist = tl.sum(tl.load(hp, mask=(chunks[:, None] < NCH) & (chunks[:, None] * 0 + level >= 1), other=0), axis=0)
+    d, above_d = _decide(hist, above, limit, bins, NB)
+    prefix = tl.where(level >= 1, (prefix << D) | d, prefix)
+    above = tl.where(level >= 1, above_d, above)
+    tl.store(state_ptr + (l1 * B + row) * 2 + two, tl.where(two == 0, prefix, above),
+             mask=(two * 0 + c == 0) & (two * 0 + level >= 1))
+    cols = tl.arange(0, BLOCK)
+    start = c * CHUNK
+    if FINAL:  # prefix is v's bits: write the mask
+        v_bits = prefix.to(tl.int32)
+        one = (v_bits.to(tl.float32, bitcast=True) * 1152921504606846976.0).to(tl.int64)  # v's mass
+        room = tl.where(one > 0, (limit - above + one - 1) // tl.maximum(one, 1), V)  # ties that fit
+        keep_all = cols * 0 + (tl.load(top_p_ptr + row) >= 1.0).to(tl.int32) != 0  # top_p 1 keeps every token
+        # v's tokens in the chunks before this one (its last digit's counts, per chunk)
+        cp = cnt_ptr + (row * NCH + chunks) * NB + (prefix & (NB - 1))
+        rank0 = tl.sum(tl.load(cp, mask=chunks < c, other=0), axis=0)
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + cols
+            m = offs < V
+            bits = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
+            tie = ((bits == v_bits) & m).to(tl.int32)
+            rank = rank0 + tl.cumsum(tie, axis=0) - tie
+            keep = (bits > v_bits) | ((tie != 0) & (rank < room)) | keep_all
+            tl.store(keep_ptr + row * sk + offs, keep.to(tl.uint8), mask=m)
+            rank0 += tl.sum(tie, axis=0)
+    else:  # this digit's bins over the chunk's tokens under the prefix
+        shift = _PROB_BITS - D * (level + 1)
+        hist = tl.zeros([NB], dtype=tl.int64)
+        cnt = tl.zeros([NB], dtype=tl.int32)
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + cols
+            m = offs < V
+            p = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0)
+            bits = p.to(tl.int32, bitcast=True)
+            mass = (p * 1152921504606846976.0).to(tl.int64)  # floor(p * 2**60): p >= 0, exact scaling
+            own = ((bits >> (shift + D)) == prefix) & m  # NaN's bits (>= 2**30) are never under it
+            hit = own[:, None] & (((bits >> shift) & (NB - 1))[:, None] == bins[None, :])
+            hist += tl.sum(tl.where(hit, mass[:, None], 0), axis=0)
+            cnt += tl.sum(hit.to(tl.int32), axis=0)
+        tl.store(part_ptr + ((level * B + row) * NCH + c) * NB + bins, hist)
+        tl.store(cnt_ptr + (row * NCH + c) * NB + bins, cnt, mask=bins * 0 + level == LEVELS - 1)
+
+
+@register("top_p", "triton_rowwise", devices=("cuda",))
+def top_p_keep_triton(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    name = "top_p/triton_rowwise"
+    check_device(name, xk, top_p)
+    if xk.dim() != 2 or xk.dtype != torch.float32:
+        raise ValueError(f"{name}: xk must be float32 [B, V], got {xk.dtype} {tuple(xk.shape)}")
+    if _BITS % DIGIT_BITS:
+        raise ValueError(f"{name}: DIGIT_BITS={DIGIT_BITS} does not divide {_BITS}")
+    probs = torch.softmax(xk, dim=-1).contiguous()  # the reference's probabilities, the same bits
+    B, V = probs.shape
+    keep = torch.empty(B, V, dtype=torch.bool, device=xk.device)
+    if B == 0 or V == 0:
+        return keep
+    limit = torch.ceil(top_p.double() * SCALE).long().contiguous()
+    levels, nb = _BITS // DIGIT_BITS, 1 << DIGIT_BITS
+    block = min(BLOCK, triton.next_power_of_2(V))
+    chunk = block * CHUNK_BLOCKS
+    nch = triton.cdiv(V, chunk)
+    dev = xk.device
+    part = torch.empty(levels, B, nch, nb, dtype=torch.int64, device=dev)
+    state = torch.empty(levels, B, 2, dtype=torch.int64, device=dev)
+    cnt = torch.empty(B, nch, nb, dtype=torch.int32, device=dev)
+    tp = top_p.double().contiguous()
+    out = keep.view(torch.uint8)
+    for level in range(levels + 1):
+        _top_p_kernel[(B, nch)](probs, tp, limit, part, state, cnt, out, V, B, nch, level, probs.stride(0),
+                                out.stride(0), D=DIGIT_BITS, LEVELS=levels, NCH_PAD=triton.next_power_of_2(nch),
+                                CHUNK=chunk, BLOCK=block, FINAL=level == levels, num_warps=8)
+    return keep
