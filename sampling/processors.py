@@ -195,7 +195,9 @@ def truncation_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     keep = torch.ones_like(x, dtype=torch.bool)
     k = torch.where((top_k <= 0) | (top_k > V), torch.full_like(top_k, V), top_k)
     if any(0 < v < V for v in hk):  # k.max() from the host values (disabled rows count as V)
-        kvals, _ = ordered_topk(x, max((V if (v <= 0 or v > V) else v) for v in hk))
+        # only values: the k-th largest value is the same whichever of its tied ids topk picks, so
+        # float32 topk will do (ordered_topk's int64 keys order the ids, which logprobs need)
+        kvals = torch.topk(x, max((V if (v <= 0 or v > V) else v) for v in hk), dim=-1).values
         keep = x >= kvals.gather(1, (k.clamp(max=kvals.shape[1]) - 1)[:, None])
     if any(v < 1.0 for v in hp):  # rows with top_p >= 1 keep everything either way
         keep = keep & ops.top_p_keep(torch.where(keep, x, NEG_INF), top_p)
