@@ -115,7 +115,7 @@ def test_shared_stream_sampler_fails_the_same_check():
 
 @pytest.mark.parametrize("V", [61, 64, 5003, 49152])
 def test_torch_ops_used_by_the_sampler_are_row_invariant(V):
-    """The elementwise/transcendental, softmax, sort, argmax and top-p ops, row alone vs in a batch."""
+    """The elementwise/transcendental, softmax, sort, top-k, argmax and top-p ops, row alone vs in a batch."""
     g = torch.Generator().manual_seed(V)
     x = torch.randn(64, V, generator=g) * 3
     u = torch.rand(64, V, generator=g, dtype=torch.float64) * 0.999 + 1e-4
@@ -125,6 +125,7 @@ def test_torch_ops_used_by_the_sampler_are_row_invariant(V):
         "log_softmax": lambda t: torch.log_softmax(t, -1),
         "sort": lambda t: torch.sort(t, dim=-1, descending=True, stable=True)[1],
         "ordered_topk": lambda t: P.ordered_topk(t, 40)[1],
+        "topk_values": lambda t: torch.topk(t, 40, dim=-1).values,  # top-k's threshold (truncation_mask)
         "top_p": lambda t: top_p_keep(t, torch.full((t.shape[0],), 0.99, dtype=torch.float64)),
         "argmax": lambda t: torch.argmax(t, -1),
         "truncation": lambda t: P.truncation_mask(t, torch.full((t.shape[0],), 20), torch.full((t.shape[0],), 0.7,
