@@ -7,8 +7,8 @@ found by a radix select over the probabilities' float32 bits; ties at v are
 kept in id order. What changes is how the work is spread. The reference's
 histograms are integer index-adds into 32,768 bins per row, and most of a
 row's tokens share a few bins (similar small probabilities), so the adds
-contend: 0.9 ms at batch 1 and 2.1 ms at batch 64 on an H100 at a 128k
-vocabulary (docs/performance.md, lease 24).
+likely contend (not profiled): 0.9 ms at batch 1 and 2.1 ms at batch 64 on an
+H100 at a 128k vocabulary (docs/performance.md, lease 24).
 
 Here each (row, chunk of the vocabulary) is one program, and a digit of
 DIGIT_BITS bits is one launch: a program sums its chunk's masses into the
