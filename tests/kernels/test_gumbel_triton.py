@@ -101,10 +101,8 @@ def test_the_sampler_draws_the_same_tokens_through_the_fused_kernel():
     """The whole sampler (greedy, temperature, top-k, top-p, min-p, masks) with the
     `gumbel` family forced to the fused kernel gives the torch reference's tokens."""
     from detent.sampling.params import SamplingParams
-    from detent.sampling.sampler import SamplingRow, sample
-    from detent.selection import make_dispatcher, use_dispatcher
-    from detent.selection.dispatch import Dispatcher
-    from detent.selection.provider import FamilyOverride
+    from detent.sampling.sampler import SamplingRow
+    from sampler_override import reference_and_kernel_outputs
 
     V = 1500
     g = torch.Generator().manual_seed(9)
@@ -115,11 +113,5 @@ def test_the_sampler_draws_the_same_tokens_through_the_fused_kernel():
               SamplingParams(temperature=1.3, top_k=50, top_p=0.9), SamplingParams(temperature=1.0, logprobs=3),
               SamplingParams(temperature=1.0, allowed_token_ids=[3, 700, 1499])]
     rows = [SamplingRow(p, seed=1000 + i, position=17 + i) for i, p in enumerate(params)]
-    base = make_dispatcher({"device": "cpu"}, "pinned")
-    fused = Dispatcher(FamilyOverride(base.provider, "gumbel", {"impl": "triton_rowwise"}))
-    outs = []
-    for d in (base, fused):
-        with use_dispatcher(d):
-            o = sample(logits.clone(), rows)
-        outs.append((o.token_ids, o.logprobs, o.ranks, o.topk_ids, o.topk_logprobs))
+    outs = reference_and_kernel_outputs(logits, rows, "gumbel")
     assert outs[0] == outs[1]

@@ -91,10 +91,8 @@ def test_the_sampler_reaches_it_through_the_dispatcher(monkeypatch):
     kernel, the kernel launches and every output (tokens, logprobs, ranks, top-k) equals the
     torch candidate's."""
     from detent.sampling.params import SamplingParams
-    from detent.sampling.sampler import SamplingRow, sample
-    from detent.selection import make_dispatcher, use_dispatcher
-    from detent.selection.dispatch import Dispatcher
-    from detent.selection.provider import FamilyOverride
+    from detent.sampling.sampler import SamplingRow
+    from sampler_override import reference_and_kernel_outputs
 
     launches = []
     real = nt._top_p_kernel
@@ -108,12 +106,6 @@ def test_the_sampler_reaches_it_through_the_dispatcher(monkeypatch):
     params = [SamplingParams(temperature=0.6, top_p=0.9, logprobs=3), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.0, top_k=20, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.3)]
     rows = [SamplingRow(p, seed=50 + i, position=9) for i, p in enumerate(params)]
-    base = make_dispatcher({"device": "cpu"}, "pinned")
-    fused = Dispatcher(FamilyOverride(base.provider, "top_p", {"impl": "triton_rowwise"}))
-    outs = []
-    for d in (base, fused):
-        with use_dispatcher(d):
-            o = sample(x.clone(), rows)
-        outs.append((o.token_ids, o.logprobs, o.ranks, o.topk_ids, o.topk_logprobs))
+    outs = reference_and_kernel_outputs(x, rows, "top_p")
     assert outs[0] == outs[1]
     assert len(launches) == 30 // nt.DIGIT_BITS + 1
