@@ -52,7 +52,7 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  dispatcher: Dispatcher, device: torch.device, *, max_model_len: int,
-                 capture_sizes: list[int], pool=None):
+                 capture_sizes: list[int]):
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
@@ -71,7 +71,7 @@ class CudaGraphRunner:
         self.slots = torch.zeros(n, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = pool  # a memory pool shared with the runner's other graph sets (engine/graphs.py)
+        self.pool = None
         self.disabled: str | None = None
 
     # ------------------------------------------------------------ capture
@@ -162,7 +162,7 @@ def _check_graph_safe(ctx: ForwardContext) -> None:
 
 
 def enable_cuda_graphs(runner, *, max_num_seqs: int, max_model_len: int,
-                       capture_sizes: list[int] | None = None, pool=None) -> CudaGraphRunner:
+                       capture_sizes: list[int] | None = None) -> CudaGraphRunner:
     """Capture decode graphs for a `ModelRunner` (with its current dispatcher)
     and hook them into its `_forward`: decode-only steps replay, the rest run
     eagerly. Calling it again (e.g. after swapping the dispatcher) recaptures."""
@@ -171,7 +171,7 @@ def enable_cuda_graphs(runner, *, max_num_seqs: int, max_model_len: int,
     runner._forward = eager
     g = CudaGraphRunner(runner.model, runner.kv_caches, runner.block_size, runner.dispatcher, runner.device,
                         max_model_len=max_model_len,
-                        capture_sizes=capture_sizes or default_capture_sizes(max_num_seqs), pool=pool).capture()
+                        capture_sizes=capture_sizes or default_capture_sizes(max_num_seqs)).capture()
     if g.disabled is None:
         def forward(input_ids, positions, ctx):
             out = g.run(input_ids, positions, ctx.attn)

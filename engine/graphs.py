@@ -57,38 +57,15 @@ def release_graphs(runner) -> None:
 
 
 def _enable(runner, config, max_model_len: int) -> None:
-    """Capture the graph sets into one memory pool. At most one set replays a step, and every
-    step's outputs are read (sampled, in stream order) before the next step replays, so the
-    sets can share memory as each set's sizes already do: the graphs then take about the
-    largest set's memory, not the sum of the three (on an 80 GB card the sum did not fit
-    beside the KV cache: docs/performance.md, "Lease 24")."""
-    pool = torch.cuda.graph_pool_handle()
-    took: dict[str, float] = {}
-
-    def measured(name, capture) -> None:
-        free = torch.cuda.mem_get_info(runner.device)[0]
-        capture()
-        took[name] = (free - torch.cuda.mem_get_info(runner.device)[0]) / 2**30
-
     # a decode-only step has one token per sequence, so it never has more rows than the step
     # budget: graphs past it would fail the capture (the GEMM program's domain) and turn every
     # decode graph off (a battery engine: 64 sequences, 32-token budget)
-    measured("decode", lambda: enable_cuda_graphs(
-        runner, max_num_seqs=min(config.max_num_seqs, config.max_num_batched_tokens),
-        max_model_len=max_model_len, pool=pool))
-    try:
-        _enable_prefill_graphs(runner, config, max_model_len, pool, measured)
-    finally:
-        free = torch.cuda.mem_get_info(runner.device)[0] / 2**30
-        log.info("CUDA graphs (one pool) took %s of device memory; %.2f GiB free",
-                 ", ".join(f"{k} {v:.2f} GiB" for k, v in took.items()), free)
-
-
-def _enable_prefill_graphs(runner, config, max_model_len: int, pool, measured) -> None:
+    enable_cuda_graphs(runner, max_num_seqs=min(config.max_num_seqs, config.max_num_batched_tokens),
+                       max_model_len=max_model_len)
     limit = min(config.piecewise_max_tokens, config.max_num_batched_tokens)
     if config.tensor_parallel_size == 1 and limit >= 16:
         from detent.engine.piecewise_graph import enable_piecewise_graphs
-        measured("piecewise", lambda: enable_piecewise_graphs(runner, max_tokens=limit, pool=pool))
+        enable_piecewise_graphs(runner, max_tokens=limit)
     if config.tensor_parallel_size == 1 and config.mixed_graph_max_tokens >= MIXED_GRAPH_MIN_TOKENS:
         sites = [site for fam, site in runner.dispatcher.built() if fam == "attention"]
         if len(sites) != 1:  # the captures above ran every layer: one attention shape is ours
@@ -99,7 +76,6 @@ def _enable_prefill_graphs(runner, config, max_model_len: int, pool, measured) -
         if why:
             log.info("mixed-step graphs off (those steps replay the piecewise graphs): %s", why)
             return
-        measured("mixed", lambda: enable_mixed_graphs(
-            runner, max_tokens=config.mixed_graph_max_tokens, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-            attention_site=sites[0], pool=pool))
+        enable_mixed_graphs(runner, max_tokens=config.mixed_graph_max_tokens, max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                            attention_site=sites[0])

@@ -120,7 +120,7 @@ def _pad_seqs(pad: int, cap: int | None) -> int:
 class MixedGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  dispatcher: Dispatcher, device: torch.device, *, max_model_len: int,
-                 pairs: list[tuple[int, int]], attention_site: tuple, pool=None):
+                 pairs: list[tuple[int, int]], attention_site: tuple):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.dispatcher, self.device = dispatcher, device
         self.max_model_len, self.site = max_model_len, attention_site
@@ -142,7 +142,7 @@ class MixedGraphRunner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         self._keys: dict[tuple[int, int, int], tuple] = {}
-        self.pool = pool  # a memory pool shared with the runner's other graph sets (engine/graphs.py)
+        self.pool = None
         self.disabled: str | None = None
 
     # ------------------------------------------------------------ selection at the padded shape
@@ -314,13 +314,13 @@ class MixedGraphRunner:
 
 
 def enable_mixed_graphs(runner, *, max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int,
-                        max_model_len: int, attention_site: tuple, pool=None) -> MixedGraphRunner:
+                        max_model_len: int, attention_site: tuple) -> MixedGraphRunner:
     """Capture whole-step graphs for small steps with prompt tokens and put them in front of
     the runner's `_forward` (decode graphs and piecewise graphs behind them)."""
     inner = runner._forward
     g = MixedGraphRunner(runner.model, runner.kv_caches, runner.block_size, runner.dispatcher, runner.device,
                          max_model_len=max_model_len, attention_site=attention_site,
-                         pairs=graph_pairs(max_tokens, max_num_seqs, max_num_batched_tokens), pool=pool).capture()
+                         pairs=graph_pairs(max_tokens, max_num_seqs, max_num_batched_tokens)).capture()
     if g.disabled is None:
         def forward(input_ids, positions, ctx):
             out = g.run(input_ids, positions, ctx)

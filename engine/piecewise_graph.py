@@ -89,7 +89,7 @@ class _Staging:
 
 class PiecewiseGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 dispatcher: Dispatcher, device: torch.device, *, buckets: list[int], pool=None):
+                 dispatcher: Dispatcher, device: torch.device, *, buckets: list[int]):
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
@@ -102,8 +102,7 @@ class PiecewiseGraphRunner:
         self.splits: dict[int, list[_Split]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.staging: _Staging | None = None
-        # a memory pool shared with the runner's other graph sets (engine/graphs.py), or its own
-        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        self.pool = torch.cuda.graph_pool_handle()
         self.disabled: str | None = None
 
     # ------------------------------------------------------------ capture
@@ -208,14 +207,13 @@ class PiecewiseGraphRunner:
         return self.outputs[b][:t]
 
 
-def enable_piecewise_graphs(runner, *, max_tokens: int, buckets: list[int] | None = None,
-                            pool=None) -> PiecewiseGraphRunner:
+def enable_piecewise_graphs(runner, *, max_tokens: int, buckets: list[int] | None = None) -> PiecewiseGraphRunner:
     """Capture piecewise graphs for a `ModelRunner` and hook them into its
     `_forward` behind the decode graphs: steps a decode graph does not take and
     that fit a bucket replay the pieces; larger steps run eagerly."""
     inner = runner._forward
     g = PiecewiseGraphRunner(runner.model, runner.kv_caches, runner.block_size, runner.dispatcher, runner.device,
-                             buckets=buckets or default_token_buckets(max_tokens), pool=pool).capture()
+                             buckets=buckets or default_token_buckets(max_tokens)).capture()
     if g.disabled is None:
         decode = getattr(runner, "cuda_graphs", None)
 
