@@ -154,6 +154,11 @@ class PiecewiseGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> "PiecewiseGraphRunner":
+        # one capture stream for every bucket: the caching allocator hands a freed block only to
+        # an allocation on the stream it was made on, so a stream per bucket kept every bucket's
+        # activations apart in the pool (about 9 GiB at buckets up to 8,192 tokens for
+        # Llama-3.1-8B shapes, which on an 80 GB card did not fit: docs/performance.md, lease 25)
+        stream = torch.cuda.Stream(self.device)
         try:
             for t in reversed(self.buckets):  # largest first: smaller buckets reuse its pool
                 ctx = ForwardContext(attn=self._meta(t), kv_caches=self.kv_caches, dispatcher=self.dispatcher,
@@ -162,7 +167,6 @@ class PiecewiseGraphRunner:
                     for _ in range(2):  # Triton compiles, cuBLAS workspaces, selections
                         self.model(self.input_ids[:t], self.positions[:t])
                 torch.cuda.synchronize(self.device)
-                stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 self._capture_bucket(t, stream)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
