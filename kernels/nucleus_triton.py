@@ -32,7 +32,10 @@ from detent.kernels.common_triton import check_device, lazy_jit
 from detent.kernels.nucleus import SCALE, _BITS
 from detent.kernels.registry import register
 
-DIGIT_BITS = 3  # bits per launch (divides 30): 8 bins, 10 launches and one for the mask
+# bits per launch (divides 30): 4 bins, 15 launches and one for the mask. The fastest of 2, 3 and 5
+# bits on an H100 at batch 64 and above; 3 bits was 0.15-0.2 ms faster at batch 8-32, 2 bits 0.46 ms
+# faster at 64 and 2.2 ms at 256 (benchmarks/top_p_sweep.py; docs/performance.md, lease 25)
+DIGIT_BITS = 2
 BLOCK = 1024
 CHUNK_BLOCKS = 4  # blocks per (row, chunk) program: 32 chunks for a 128k vocabulary
 _PROB_BITS = tl.constexpr(_BITS)  # a probability's float32 bits are below 2**30
