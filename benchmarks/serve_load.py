@@ -200,6 +200,45 @@ def step_kinds(url: str) -> dict:
     return out
 
 
+# per-request latencies both servers export (vLLM's names, under "vllm:" or "detent:"): TTFT and
+# end-to-end run on the API process's clock, when it handles the output; queue, prefill, decode and
+# time per output token are differences of the engine's own timestamps (server/request_stats.py)
+LATENCY_SERIES = ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                  "request_time_per_output_token_seconds", "request_decode_time_seconds",
+                  "request_prefill_time_seconds", "request_queue_time_seconds")
+
+
+def request_latency(url: str) -> dict:
+    """{series: (sum, count)} of the per-request latency histograms in /metrics so far."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except Exception:  # noqa: BLE001
+        return {}
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        stem = fam.name.split(":", 1)[-1]
+        if stem in LATENCY_SERIES:
+            sums = {smp.name.rsplit("_", 1)[-1]: smp.value for smp in fam.samples
+                    if smp.name.endswith(("_sum", "_count"))}
+            if "sum" in sums and "count" in sums:
+                s, c = out.get(stem, (0.0, 0.0))
+                out[stem] = (s + sums["sum"], c + sums["count"])  # one model: one labelled series
+    return out
+
+
+def latency_means(before: dict, after: dict) -> dict:
+    """The mean of each per-request latency (ms) over the requests one load finished: what the
+    server saw, to set beside what the client saw (a gap between the two is delivery)."""
+    out = {}
+    for stem, (s, c) in after.items():
+        s0, c0 = before.get(stem, (0.0, 0.0))
+        if c > c0:
+            out[stem.removesuffix("_seconds")] = 1e3 * (s - s0) / (c - c0)
+    return out
+
+
 def host_delta(before: dict, after: dict, steps: dict) -> dict:
     """The step loop's host milliseconds per step (all kinds) that one load added, by part."""
     n = sum(d["steps"] for d in steps.values())
@@ -301,13 +340,17 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
             if name == "r20":
                 th = threading.Thread(target=probe_under_load, args=(url, stop, probes), daemon=True)
                 th.start()
-            before = step_kinds(url)
+            before, lat_before = step_kinds(url), request_latency(url)
             label = name + ("-profiled" if profiled else "")
             r = bench(port, a.model_dir, args, n, ds, seed_for(name, profiled), a.out, f"{a.server}-{label}{tag}",
                       sharegpt, a.vllm_path, worker, a.sampling.split())
             stop.set()
             time.sleep(1.0)  # the idle core's stats snapshot
             after = step_kinds(url)
+            lat = latency_means(lat_before, request_latency(url))
+            if lat:
+                r["server_mean_ms"] = lat
+                print(name, "server means (ms):", json.dumps({k: round(v, 2) for k, v in lat.items()}), flush=True)
             steps = kinds_delta(before, after)
             if steps:
                 r["steps"] = steps

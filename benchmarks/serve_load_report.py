@@ -32,6 +32,32 @@ METRICS = [("output_throughput", "output tok/s"), ("median_tpot_ms", "TPOT p50")
            ("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99")]
 
 
+# (client's mean, server's mean) per row of the delivery table: the client's from `vllm bench
+# serve`, the server's from its /metrics (serve_load.latency_means; time per output token by the
+# engine's token timestamps, TTFT and end-to-end by the API process's clock)
+DELIVERY = [("TTFT", "mean_ttft_ms", "time_to_first_token"),
+            ("TPOT", "mean_tpot_ms", "request_time_per_output_token"),
+            ("end to end", "mean_e2el_ms", "e2e_request_latency")]
+
+
+def delivery_table(s: dict, names: list[str]) -> list[str]:
+    """Mean latencies as the client saw them and as the server did, per server and load: where
+    the client's exceed the server's, tokens reached the client later than the server had them."""
+    rows = []
+    for k, v in s.items():
+        for n in names:
+            r = v.get("loads", {}).get(n, {})
+            srv = r.get("server_mean_ms")
+            if not srv:
+                continue
+            cells = [f"{r[c]:.2f} / {srv[m]:.2f}" if c in r and m in srv else "" for _, c, m in DELIVERY]
+            rows.append(f"| {n} | {k} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", "| load | server | " + " | ".join(f"{h} mean ms: client / server" for h, _, _ in DELIVERY) + " |",
+            "|---|---|" + "---:|" * len(DELIVERY), *rows]
+
+
 def report(a) -> None:
     """Tables (markdown, also serve_load.md) and serve_load.png from a folder's summaries:
     vLLM's, Detent's, and each other Detent configuration's (`summary-detent<tag>.json`,
@@ -76,6 +102,7 @@ def report(a) -> None:
         from detent.engine import HOST_PARTS as parts
         lines += ["", "| load | host ms/step: " + " | ".join(parts) + " |", "|---|" + "---:|" * len(parts)]
         lines += [f"| {n} | " + " | ".join(f"{h.get(p, 0.0):.2f}" for p in parts) + " |" for n, h in host]
+    lines += delivery_table(s, names)
     for k, v in s.items():
         if "probe" in v:
             lines.append(f"\n{k} probe under r20 load: {v['probe']}")

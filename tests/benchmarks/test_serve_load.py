@@ -399,3 +399,39 @@ def test_the_profiled_load_runs_last_on_prompts_no_load_sent(tmp_path, monkeypat
     import json
     s = json.loads((tmp_path / "summary-detent.json").read_text())
     assert set(s["loads"]) == {"c1", "c16", "c1-profiled"}
+
+
+def test_the_servers_per_request_means_are_differenced_per_load(monkeypatch):
+    # what the server saw of one load's requests, from either server's /metrics: Detent's page,
+    # and the same page under vLLM's prefix
+    from prometheus_client import generate_latest
+
+    from detent.server.metrics import Metrics
+    m = Metrics("m", 512)
+    m.h["request_time_per_output_token_seconds"].observe(0.010)
+    m.h["e2e_request_latency_seconds"].observe(2.0)
+    first = generate_latest(m.registry)
+    for tpot, e2e in ((0.020, 3.0), (0.030, 4.0)):
+        m.h["request_time_per_output_token_seconds"].observe(tpot)
+        m.h["e2e_request_latency_seconds"].observe(e2e)
+    second = generate_latest(m.registry)
+    for pages in ([first, second], [p.replace(b"detent:", b"vllm:") for p in (first, second)]):
+        _serve_pages(monkeypatch, pages)
+        before, after = serve_load.request_latency("http://x"), serve_load.request_latency("http://x")
+        means = serve_load.latency_means(before, after)
+        assert abs(means["request_time_per_output_token"] - 25.0) < 1e-9
+        assert abs(means["e2e_request_latency"] - 3500.0) < 1e-9
+        assert "time_to_first_token" not in means  # no request of the load observed it
+
+
+def test_the_report_sets_the_clients_means_beside_the_servers(tmp_path):
+    import json
+    load = {"output_throughput": 100.0, "median_tpot_ms": 6.0, "p99_tpot_ms": 7.0, "median_ttft_ms": 30.0,
+            "p99_ttft_ms": 40.0, "mean_ttft_ms": 31.0, "mean_tpot_ms": 20.5, "mean_e2el_ms": 2700.0}
+    server = {"time_to_first_token": 30.0, "request_time_per_output_token": 14.7, "e2e_request_latency": 1950.0}
+    (tmp_path / "summary-vllm.json").write_text(json.dumps({"loads": {"r20": load}}))
+    (tmp_path / "summary-detent.json").write_text(json.dumps({"loads": {"r20": {**load, "server_mean_ms": server}}}))
+    serve_load_report.report(type("A", (), {"dir": str(tmp_path)}))
+    text = (tmp_path / "serve_load.md").read_text()
+    assert "| r20 | detent | 31.00 / 30.00 | 20.50 / 14.70 | 2700.00 / 1950.00 |" in text
+    assert "| r20 | vllm |" not in text  # a run without the server's means has no row
