@@ -11,8 +11,16 @@ CPU per token counts the fake engine's work too, so it is an upper bound.
 
     python benchmarks/api_path.py --streams 50 --tokens 128 --step-ms 15
 
-Not covered: the engine core in its own process (`AsyncCoreEngine`: pickled
-deltas through a pipe, rebuilt in a reader thread), and prompt tokenization.
+Not covered there: the engine core in its own process (`AsyncCoreEngine`:
+pickled deltas through a pipe, rebuilt in a reader thread), and prompt
+tokenization. `--url` covers them: it drives a running server (any model
+whose tokenizer reads words "t<i>", e.g. benchmarks/wordlevel_model.py's) with
+Poisson arrivals of `--prompt-words`-word prompts and prints the client's
+mean TTFT, TPOT and end to end beside the server's own (/metrics, as
+serve_load.py reads them). Equal means: the server delivered each token when
+it had it.
+
+    python benchmarks/api_path.py --url http://127.0.0.1:8000 --requests 300 --rate 50 --tokens 128
 """
 from __future__ import annotations
 
@@ -87,16 +95,67 @@ async def drive(port: int, streams: int, tokens: int) -> dict:
             "server_cpu_us_per_token": 1e6 * (b["cpu"] - a["cpu"]) / events}
 
 
+async def drive_url(url: str, requests: int, rate: float, tokens: int, prompt_words: int, vocab: int,
+                    model: str) -> dict:
+    import random
+
+    import httpx
+
+    sys.path.insert(0, HERE)
+    from serve_load import latency_means, request_latency
+
+    rng = random.Random(0)
+    starts, t = [], 0.0
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        starts.append(t)
+    prompts = [" ".join(f"t{rng.randrange(3, vocab)}" for _ in range(prompt_words)) for _ in range(requests)]
+
+    async def one(c, delay: float, prompt: str) -> tuple[float, list[float]]:
+        await asyncio.sleep(delay)
+        body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
+                "temperature": 1.0}
+        t0, times = time.perf_counter(), []
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and "[DONE]" not in line:
+                    times.append(time.perf_counter())
+        return t0, times
+
+    before = request_latency(url)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=requests + 8)) as c:
+        res = await asyncio.gather(*[one(c, d, p) for d, p in zip(starts, prompts)])
+    await asyncio.sleep(1.0)
+    server = latency_means(before, request_latency(url))
+    done = [(t0, ts) for t0, ts in res if len(ts) > 1]
+    return {"requests": requests, "rate": rate, "tokens": tokens, "prompt_words": prompt_words,
+            "client_mean_ms": {"time_to_first_token": 1e3 * statistics.mean(ts[0] - t0 for t0, ts in done),
+                               "request_time_per_output_token": 1e3 * statistics.mean(
+                                   (ts[-1] - ts[0]) / (len(ts) - 1) for _, ts in done),
+                               "e2e_request_latency": 1e3 * statistics.mean(ts[-1] - t0 for t0, ts in done)},
+            "server_mean_ms": server}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser("api_path")
     ap.add_argument("--streams", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=15.0)
     ap.add_argument("--port", type=int, default=8751)
+    ap.add_argument("--url", default="", help="drive this running server instead (Poisson arrivals)")
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rate", type=float, default=20.0)
+    ap.add_argument("--prompt-words", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=2000, help="prompt words are t3 .. t<vocab - 1>")
+    ap.add_argument("--model", default="m")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
         return serve(a.port, a.step_ms / 1e3)
+    if a.url:
+        r = asyncio.run(drive_url(a.url.rstrip("/"), a.requests, a.rate, a.tokens, a.prompt_words, a.vocab, a.model))
+        print(json.dumps(r))
+        return
     proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(a.port), "--step-ms", str(a.step_ms)])
     try:
         import urllib.request
