@@ -63,11 +63,12 @@ def simulate(*, rate: float, requests: int, prompt_len: int, output_len: int, ca
     def timed_launch(plan, prev):
         nonlocal device_free
         handle = launch(plan, prev)
-        rows = sum(1 for s in plan.seqs if len(s.token_ids) == 1)
+        rows = sum(1 for s in plan.seqs if len(s.token_ids) == 1)  # decode rows (a 1-token prompt chunk too)
         start = max(device_free, host_now)
         device_free = start + (base_ms + per_token_us * plan.num_batched_tokens / 1e3) / 1e3
         ends[id(handle)] = device_free
         steps.append({"tokens": plan.num_batched_tokens, "decode_rows": rows, "start": start, "end": device_free,
+                      # past their prompt once planned: so a prompt's last chunk counts here, not as a row
                       "running": sum(1 for r in eng.scheduler.running if not r.is_prefill)})
         return handle
 
