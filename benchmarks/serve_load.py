@@ -170,15 +170,19 @@ STEP_SERIES = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds"
                "detent:engine_step_whole_graph_steps": "whole_graph_steps",
                "detent:engine_step_piecewise_steps": "piecewise_steps",
                "detent:engine_step_device_seconds": "device_seconds",
-               "detent:engine_step_device_idle_seconds": "device_idle_seconds"}
+               "detent:engine_step_device_idle_seconds": "device_idle_seconds",
+               "detent:engine_step_decode_rows": "decode_rows",
+               "detent:engine_step_decode_row_seconds": "decode_row_seconds"}
 
 
 def step_kinds(url: str) -> dict:
     """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
     "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds", "whole_graph_steps",
-    "piecewise_steps", "device_seconds", "device_idle_seconds"}} (prepare and forward: the launch's
-    input preparation and model call; then how many steps replayed one CUDA graph and how many the
-    piecewise graphs; then the device's span of the steps and its idle time before them), and
+    "piecewise_steps", "device_seconds", "device_idle_seconds", "decode_rows", "decode_row_seconds"}}
+    (prepare and forward: the launch's input preparation and model call; then how many steps
+    replayed one CUDA graph and how many the piecewise graphs; then the device's span of the steps
+    and its idle time before them; then the steps' decode rows, and those rows times their step's
+    seconds), and
     under "host" the step loop's host seconds by part (detent:engine_host_seconds_total); empty
     for a server without those series, e.g. vLLM."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -257,6 +261,9 @@ def kinds_delta(before: dict, after: dict) -> dict:
             d["tokens_per_step"] = d["tokens"] / d["steps"]
             for k in ("wait", "launch", "prepare", "forward", "device", "device_idle"):
                 d[f"{k}_ms_per_step"] = 1e3 * d[f"{k}_seconds"] / d["steps"]
+            d["decode_rows_per_step"] = d["decode_rows"] / d["steps"]
+            if d["decode_rows"] > 0:  # the step time a generated token of this kind of step waited for
+                d["row_weighted_ms"] = 1e3 * d["decode_row_seconds"] / d["decode_rows"]
             out[kind] = d
     return out
 

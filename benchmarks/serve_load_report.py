@@ -25,7 +25,16 @@ STEP_COLUMNS = [
     ("of the steps, one graph / pieces", lambda d: _pair(d, "whole_graph_steps", "piecewise_steps", ".0f")),
     ("device ms/step: span / idle before",
      lambda d: _pair(d, "device_ms_per_step", "device_idle_ms_per_step", ".2f") if d.get("device_seconds") else ""),
+    ("decode rows/step", lambda d: f"{d['decode_rows_per_step']:.1f}" if "decode_rows_per_step" in d else ""),
+    ("row-weighted ms", lambda d: f"{d['row_weighted_ms']:.2f}" if "row_weighted_ms" in d else ""),
 ]
+
+
+def row_weighted_ms(steps: dict) -> float | None:
+    """The step time a generated token waited for, over all kinds of step: a request's TPOT is
+    the mean of its steps' times, so this is the engine's side of the mean TPOT."""
+    rows = sum(d.get("decode_rows", 0) for d in steps.values())
+    return 1e3 * sum(d.get("decode_row_seconds", 0.0) for d in steps.values()) / rows if rows else None
 
 
 METRICS = [("output_throughput", "output tok/s"), ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"),
@@ -51,11 +60,13 @@ def delivery_table(s: dict, names: list[str]) -> list[str]:
             if not srv:
                 continue
             cells = [f"{r[c]:.2f} / {srv[m]:.2f}" if c in r and m in srv else "" for _, c, m in DELIVERY]
+            w = row_weighted_ms(r.get("steps", {}))
+            cells.append("" if w is None else f"{w:.2f}")
             rows.append(f"| {n} | {k} | " + " | ".join(cells) + " |")
     if not rows:
         return []
-    return ["", "| load | server | " + " | ".join(f"{h} mean ms: client / server" for h, _, _ in DELIVERY) + " |",
-            "|---|---|" + "---:|" * len(DELIVERY), *rows]
+    heads = [f"{h} mean ms: client / server" for h, _, _ in DELIVERY] + ["steps' row-weighted ms"]
+    return ["", "| load | server | " + " | ".join(heads) + " |", "|---|---|" + "---:|" * len(heads), *rows]
 
 
 def report(a) -> None:

@@ -118,8 +118,11 @@ class LLMEngine:
         # then how many of the steps replayed one whole graph (a decode graph or a whole-step
         # graph) and how many the piecewise graphs (the rest ran eagerly); on CUDA, the
         # device's span of the steps (their first to last kernel, CUDA events) and the device's
-        # idle time before each (from the previous step's end)
-        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0]
+        # idle time before each (from the previous step's end); last, the steps' decode rows (one-
+        # token rows that sample) and those rows times their step's seconds: a request's time per
+        # output token is the mean of its steps' seconds, so the mean over requests weighs each
+        # step by its decode rows (benchmarks/serve_load.py reads the ratio of the two)
+        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0, 0.0]
                                              for k in STEP_KINDS}
         # (kind's counters, start event, end event, work left after it) of collected steps
         self._device_pending: deque = deque()
@@ -373,10 +376,13 @@ class LLMEngine:
         start = max(self._launched_at.pop(id(handle), done), self._last_done)
         self._last_done = done
         c = self._step_kinds[step_kind(handle.plan)]
+        rows = sum(1 for s in handle.plan.seqs if s.num_tokens == 1 and s.sample is not None)
         c[0] += 1
         c[1] += done - start
         c[2] += handle.plan.num_batched_tokens
         c[3] += waited
+        c[11] += rows
+        c[12] += rows * (done - start)
         events = getattr(handle, "events", None)
         if events is not None:
             busy = bool(self.scheduler.running or self.scheduler.waiting)

@@ -122,7 +122,10 @@ STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, pre
                       ("engine_step_device_seconds", "CUDA: the device's span of the steps (from the stream "
                        "reaching a step's first work to its last, CUDA events), by kind."),
                       ("engine_step_device_idle_seconds", "CUDA: the device's idle time before the steps (from "
-                       "the previous step's end to the step's start), by kind."))
+                       "the previous step's end to the step's start), by kind."),
+                      ("engine_step_decode_rows", "One-token rows that sampled (decode rows) in steps, by kind."),
+                      ("engine_step_decode_row_seconds", "Decode rows times their step's time, by kind: over "
+                       "engine_step_decode_rows, the step time a generated token waited for on average."))
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 

@@ -64,8 +64,10 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     from detent.server.metrics import Metrics
     m = Metrics("m", 512)
     pages = []
-    for stats in ({"decode": (10, 0.05, 40, 0.01, 0.02, 0.005, 0.01), "mixed": (2, 0.06, 2048, 0.04, 0.02, 0.0, 0.0)},
-                  {"decode": (30, 0.17, 160, 0.03, 0.06, 0.015, 0.03), "mixed": (5, 0.15, 5200, 0.1, 0.05, 0.0, 0.0),
+    for stats in ({"decode": (10, 0.05, 40, 0.01, 0.02, 0.005, 0.01, 0, 0, 0.0, 0.0, 40, 0.2),
+                   "mixed": (2, 0.06, 2048, 0.04, 0.02, 0.0, 0.0)},
+                  {"decode": (30, 0.17, 160, 0.03, 0.06, 0.015, 0.03, 0, 0, 0.0, 0.0, 160, 0.83),
+                   "mixed": (5, 0.15, 5200, 0.1, 0.05, 0.0, 0.0),
                    "prefill": (1, 0.03, 1024, 0.02, 0.01, 0.004, 0.005, 0, 1, 0.025, 0.002)}):
         m.engine_stats({"steps_by_kind": stats})
         pages.append(generate_latest(m.registry))
@@ -77,12 +79,15 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     assert abs(d["decode"]["ms_per_step"] - 6.0) < 1e-9 and abs(d["decode"]["wait_ms_per_step"] - 1.0) < 1e-9
     assert d["mixed"]["steps"] == 3 and abs(d["mixed"]["ms_per_step"] - 30.0) < 1e-9
     assert abs(d["decode"]["launch_ms_per_step"] - 2.0) < 1e-9
+    # 120 decode rows that waited 0.63 s of steps in all: 5.25 ms a token
+    assert d["decode"]["decode_rows_per_step"] == 6.0 and abs(d["decode"]["row_weighted_ms"] - 5.25) < 1e-9
     assert abs(d["decode"]["prepare_ms_per_step"] - 0.5) < 1e-9 and abs(d["decode"]["forward_ms_per_step"] - 1.0) < 1e-9
     assert d["prefill"] == {"steps": 1, "seconds": 0.03, "tokens": 1024, "wait_seconds": 0.02, "launch_seconds": 0.01,
                             "prepare_seconds": 0.004, "forward_seconds": 0.005, "whole_graph_steps": 0,
                             "piecewise_steps": 1, "device_seconds": 0.025, "device_idle_seconds": 0.002, "ms_per_step": 30.0, "tokens_per_step": 1024.0, "wait_ms_per_step": 20.0,
                             "launch_ms_per_step": 10.0, "prepare_ms_per_step": 4.0, "forward_ms_per_step": 5.0,
-                            "device_ms_per_step": 25.0, "device_idle_ms_per_step": 2.0}
+                            "device_ms_per_step": 25.0, "device_idle_ms_per_step": 2.0, "decode_rows": 0,
+                            "decode_row_seconds": 0, "decode_rows_per_step": 0.0}  # no row: no weighted time
 
 
 def test_the_report_has_the_ratios_and_detents_steps_by_kind(tmp_path, capsys):
@@ -430,8 +435,13 @@ def test_the_report_sets_the_clients_means_beside_the_servers(tmp_path):
             "p99_ttft_ms": 40.0, "mean_ttft_ms": 31.0, "mean_tpot_ms": 20.5, "mean_e2el_ms": 2700.0}
     server = {"time_to_first_token": 30.0, "request_time_per_output_token": 14.7, "e2e_request_latency": 1950.0}
     (tmp_path / "summary-vllm.json").write_text(json.dumps({"loads": {"r20": load}}))
-    (tmp_path / "summary-detent.json").write_text(json.dumps({"loads": {"r20": {**load, "server_mean_ms": server}}}))
+    # the steps' side: 30 decode rows of 9 ms steps and 30 of 26 ms steps wait 17.5 ms a token
+    kind = {"steps": 1, "ms_per_step": 1.0, "tokens_per_step": 1.0}
+    steps = {"decode": {**kind, "decode_rows": 30, "decode_row_seconds": 0.27},
+             "mixed": {**kind, "decode_rows": 30, "decode_row_seconds": 0.78}}
+    (tmp_path / "summary-detent.json").write_text(json.dumps(
+        {"loads": {"r20": {**load, "server_mean_ms": server, "steps": steps}}}))
     serve_load_report.report(type("A", (), {"dir": str(tmp_path)}))
     text = (tmp_path / "serve_load.md").read_text()
-    assert "| r20 | detent | 31.00 / 30.00 | 20.50 / 14.70 | 2700.00 / 1950.00 |" in text
+    assert "| r20 | detent | 31.00 / 30.00 | 20.50 / 14.70 | 2700.00 / 1950.00 | 17.50 |" in text
     assert "| r20 | vllm |" not in text  # a run without the server's means has no row

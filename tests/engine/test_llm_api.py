@@ -191,6 +191,11 @@ def test_steps_are_counted_by_kind_with_their_tokens():
     # on the CPU no step replays a graph and none has CUDA events (tests/gpu/test_gpu_mixed_graph.py
     # counts the GPU's)
     assert all(k[7] == 0 and k[8] == 0 and k[9] == 0.0 and k[10] == 0.0 for k in kinds.values())
+    # decode rows: a's tokens 2-4 (one of them in b's mixed step) and b's token 2; each row
+    # carries its step's seconds
+    assert (sum(k[11] for k in kinds.values()), kinds["mixed"][11], kinds["prefill"][11]) == (4, 1, 0)
+    assert abs(kinds["mixed"][12] - kinds["mixed"][1]) < 1e-12  # one row in the one mixed step
+    assert 0 < kinds["decode"][12] <= kinds["decode"][11] * kinds["decode"][1]
     # the step loop's host time by part: planning, launching and advancing took time; no pipe here
     host = eng.stats()["host_seconds"]
     assert set(host) == {"inbox", "schedule", "launch", "wait", "update", "outputs", "ipc_in", "ipc_out"}
@@ -219,7 +224,7 @@ def test_device_spans_and_idle_gaps_are_counted_in_order_once_their_events_compl
     b = bundle("llama")
     eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64),
                     model=b.model, model_config=b.config)
-    one = SimpleNamespace(seqs=(SimpleNamespace(num_tokens=1),), num_batched_tokens=1)  # a decode step's plan
+    one = SimpleNamespace(seqs=(SimpleNamespace(num_tokens=1, sample=object()),), num_batched_tokens=1)  # a decode
     kinds = eng._step_kinds["decode"]
 
     def count(t0, t1, done=True, busy=True):
