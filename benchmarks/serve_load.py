@@ -175,6 +175,16 @@ STEP_SERIES = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds"
                "detent:engine_step_decode_row_seconds": "decode_row_seconds"}
 
 
+def _metric_families(url: str) -> list:
+    """The server's /metrics, parsed; none when it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            return list(text_string_to_metric_families(r.read().decode()))
+    except Exception:  # noqa: BLE001
+        return []
+
+
 def step_kinds(url: str) -> dict:
     """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
     "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds", "whole_graph_steps",
@@ -185,14 +195,8 @@ def step_kinds(url: str) -> dict:
     seconds), and
     under "host" the step loop's host seconds by part (detent:engine_host_seconds_total); empty
     for a server without those series, e.g. vLLM."""
-    from prometheus_client.parser import text_string_to_metric_families
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except Exception:  # noqa: BLE001
-        return {}
     out: dict = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in _metric_families(url):
         if fam.name in STEP_SERIES:
             for smp in fam.samples:
                 if smp.name.endswith("_total"):
@@ -214,14 +218,8 @@ LATENCY_SERIES = ("time_to_first_token_seconds", "e2e_request_latency_seconds",
 
 def request_latency(url: str) -> dict:
     """{series: (sum, count)} of the per-request latency histograms in /metrics so far."""
-    from prometheus_client.parser import text_string_to_metric_families
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except Exception:  # noqa: BLE001
-        return {}
     out: dict = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in _metric_families(url):
         stem = fam.name.split(":", 1)[-1]
         if stem in LATENCY_SERIES:
             sums = {smp.name.rsplit("_", 1)[-1]: smp.value for smp in fam.samples
