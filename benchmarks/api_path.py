@@ -67,31 +67,38 @@ def serve(port: int, step_s: float) -> None:
     uvicorn.run(app, port=port, log_level="warning")
 
 
+async def _event_times(c, url: str, body: dict) -> list[float]:
+    """Stream one completion; the client's clock at each SSE event that carries a chunk."""
+    times = []
+    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                times.append(time.perf_counter())
+    return times
+
+
+def _tpot(times: list[float]) -> float:
+    """A stream's time per output token (s): first to last event over the gaps between them."""
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
 async def drive(port: int, streams: int, tokens: int) -> dict:
     import httpx
     url = f"http://127.0.0.1:{port}"
     body = {"model": "m", "prompt": "hello world " * 20, "max_tokens": tokens, "stream": True,
             "ignore_eos": True, "temperature": 1.0}
 
-    async def one(c) -> list[float]:
-        times = []
-        async with c.stream("POST", url + "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data:") and "[DONE]" not in line:
-                    times.append(time.perf_counter())
-        return times
-
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=streams + 8)) as c:
         a = (await c.get(url + "/bench_cpu")).json()
         t0 = time.perf_counter()
-        res = await asyncio.gather(*[one(c) for _ in range(streams)])
+        res = await asyncio.gather(*[_event_times(c, url, body) for _ in range(streams)])
         wall = time.perf_counter() - t0
         b = (await c.get(url + "/bench_cpu")).json()
     events = sum(len(t) for t in res)
     steps = b["steps"] - a["steps"]
     return {"streams": streams, "tokens": tokens, "events": events, "wall_s": wall, "engine_steps": steps,
             "step_ms": 1e3 * wall / steps, "tokens_per_s": events / wall,
-            "client_tpot_ms": 1e3 * statistics.mean((t[-1] - t[0]) / (len(t) - 1) for t in res if len(t) > 1),
+            "client_tpot_ms": 1e3 * statistics.mean(_tpot(t) for t in res if len(t) > 1),
             "server_cpu_us_per_token": 1e6 * (b["cpu"] - a["cpu"]) / events}
 
 
@@ -115,12 +122,8 @@ async def drive_url(url: str, requests: int, rate: float, tokens: int, prompt_wo
         await asyncio.sleep(delay)
         body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
                 "temperature": 1.0}
-        t0, times = time.perf_counter(), []
-        async with c.stream("POST", url + "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data:") and "[DONE]" not in line:
-                    times.append(time.perf_counter())
-        return t0, times
+        t0 = time.perf_counter()
+        return t0, await _event_times(c, url, body)
 
     before = request_latency(url)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=requests + 8)) as c:
@@ -130,8 +133,7 @@ async def drive_url(url: str, requests: int, rate: float, tokens: int, prompt_wo
     done = [(t0, ts) for t0, ts in res if len(ts) > 1]
     return {"requests": requests, "rate": rate, "tokens": tokens, "prompt_words": prompt_words,
             "client_mean_ms": {"time_to_first_token": 1e3 * statistics.mean(ts[0] - t0 for t0, ts in done),
-                               "request_time_per_output_token": 1e3 * statistics.mean(
-                                   (ts[-1] - ts[0]) / (len(ts) - 1) for _, ts in done),
+                               "request_time_per_output_token": 1e3 * statistics.mean(_tpot(ts) for _, ts in done),
                                "e2e_request_latency": 1e3 * statistics.mean(ts[-1] - t0 for t0, ts in done)},
             "server_mean_ms": server}
 
