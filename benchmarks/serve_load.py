@@ -172,7 +172,8 @@ STEP_SERIES = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds"
                "detent:engine_step_device_seconds": "device_seconds",
                "detent:engine_step_device_idle_seconds": "device_idle_seconds",
                "detent:engine_step_decode_rows": "decode_rows",
-               "detent:engine_step_decode_row_seconds": "decode_row_seconds"}
+               "detent:engine_step_decode_row_seconds": "decode_row_seconds",
+               "detent:engine_step_rows_left_out": "rows_left_out"}
 
 
 def _metric_families(url: str) -> list:
@@ -188,13 +189,14 @@ def _metric_families(url: str) -> list:
 def step_kinds(url: str) -> dict:
     """Detent's steps so far by kind from /metrics: {kind: {"steps", "seconds", "tokens",
     "wait_seconds", "launch_seconds", "prepare_seconds", "forward_seconds", "whole_graph_steps",
-    "piecewise_steps", "device_seconds", "device_idle_seconds", "decode_rows", "decode_row_seconds"}}
+    "piecewise_steps", "device_seconds", "device_idle_seconds", "decode_rows", "decode_row_seconds",
+    "rows_left_out"}}
     (prepare and forward: the launch's input preparation and model call; then how many steps
     replayed one CUDA graph and how many the piecewise graphs; then the device's span of the steps
     and its idle time before them; then the steps' decode rows, and those rows times their step's
-    seconds), and
-    under "host" the step loop's host seconds by part (detent:engine_host_seconds_total); empty
-    for a server without those series, e.g. vLLM."""
+    seconds; then the generating requests the steps left out), under "host" the step loop's host
+    seconds by part (detent:engine_host_seconds_total), and under "engine" the preemptions so far
+    (either server's num_preemptions_total); empty for a server without those series."""
     out: dict = {}
     for fam in _metric_families(url):
         if fam.name in STEP_SERIES:
@@ -205,6 +207,8 @@ def step_kinds(url: str) -> dict:
             for smp in fam.samples:
                 if smp.name.endswith("_total"):
                     out.setdefault("host", {})[smp.labels["part"]] = smp.value
+        elif fam.name.split(":", 1)[-1] == "num_preemptions":
+            out["engine"] = {"preemptions": sum(smp.value for smp in fam.samples if smp.name.endswith("_total"))}
     return out
 
 
@@ -260,6 +264,7 @@ def kinds_delta(before: dict, after: dict) -> dict:
             for k in ("wait", "launch", "prepare", "forward", "device", "device_idle"):
                 d[f"{k}_ms_per_step"] = 1e3 * d[f"{k}_seconds"] / d["steps"]
             d["decode_rows_per_step"] = d["decode_rows"] / d["steps"]
+            d["rows_left_out_per_step"] = d["rows_left_out"] / d["steps"]
             if d["decode_rows"] > 0:  # the step time a generated token of this kind of step waited for
                 d["row_weighted_ms"] = 1e3 * d["decode_row_seconds"] / d["decode_rows"]
             out[kind] = d
@@ -357,6 +362,8 @@ def run_arm(a, tag: str, server_args: str, port: int, sharegpt: str, worker: Ben
                 r["server_mean_ms"] = lat
                 print(name, "server means (ms):", json.dumps({k: round(v, 2) for k, v in lat.items()}), flush=True)
             steps = kinds_delta(before, after)
+            if "engine" in after:  # a preempted request recomputes its prompt and outputs: more mixed tokens
+                r["preemptions"] = after["engine"]["preemptions"] - before.get("engine", {}).get("preemptions", 0.0)
             if steps:
                 r["steps"] = steps
                 r["host_ms_per_step"] = host_delta(before, after, steps)

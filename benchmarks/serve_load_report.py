@@ -27,6 +27,7 @@ STEP_COLUMNS = [
      lambda d: _pair(d, "device_ms_per_step", "device_idle_ms_per_step", ".2f") if d.get("device_seconds") else ""),
     ("decode rows/step", lambda d: f"{d['decode_rows_per_step']:.1f}" if "decode_rows_per_step" in d else ""),
     ("row-weighted ms", lambda d: f"{d['row_weighted_ms']:.2f}" if "row_weighted_ms" in d else ""),
+    ("rows left out/step", lambda d: f"{d['rows_left_out_per_step']:.2f}" if "rows_left_out_per_step" in d else ""),
 ]
 
 
@@ -62,10 +63,11 @@ def delivery_table(s: dict, names: list[str]) -> list[str]:
             cells = [f"{r[c]:.2f} / {srv[m]:.2f}" if c in r and m in srv else "" for _, c, m in DELIVERY]
             w = row_weighted_ms(r.get("steps", {}))
             cells.append("" if w is None else f"{w:.2f}")
+            cells.append(f"{r['preemptions']:.0f}" if "preemptions" in r else "")
             rows.append(f"| {n} | {k} | " + " | ".join(cells) + " |")
     if not rows:
         return []
-    heads = [f"{h} mean ms: client / server" for h, _, _ in DELIVERY] + ["steps' row-weighted ms"]
+    heads = [f"{h} mean ms: client / server" for h, _, _ in DELIVERY] + ["steps' row-weighted ms", "preemptions"]
     return ["", "| load | server | " + " | ".join(heads) + " |", "|---|---|" + "---:|" * len(heads), *rows]
 
 

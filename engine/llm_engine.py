@@ -121,8 +121,10 @@ class LLMEngine:
         # idle time before each (from the previous step's end); last, the steps' decode rows (one-
         # token rows that sample) and those rows times their step's seconds: a request's time per
         # output token is the mean of its steps' seconds, so the mean over requests weighs each
-        # step by its decode rows (benchmarks/serve_load.py reads the ratio of the two)
-        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0, 0.0]
+        # step by its decode rows (benchmarks/serve_load.py reads the ratio of the two); then the
+        # running requests past their prompt that the step left out though they could have run
+        # (Scheduler.num_left_out: each waits one step longer for its next token)
+        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0, 0.0, 0]
                                              for k in STEP_KINDS}
         # (kind's counters, start event, end event, work left after it) of collected steps
         self._device_pending: deque = deque()
@@ -325,6 +327,7 @@ class LLMEngine:
                 path = getattr(handle, "forward_path", None)
                 c[7] += path in ("decode_graph", "whole_graph")
                 c[8] += path == "pieces"
+                c[13] += self.scheduler.num_left_out(plan)
                 return handle, prev
             except Exception as e:  # noqa: BLE001 - judged below: one request's, or re-raised
                 if prev is not None:

@@ -226,6 +226,15 @@ class Scheduler:
         last token no longer on the device."""
         return (req.grammar is None or req.grammar.ready) and not req.num_pending
 
+    def num_left_out(self, plan: SchedulerOutput) -> int:
+        """Running requests past their prompt that `plan` leaves out though they could run
+        (not waiting for their last token or for host feedback): each gets its next token a step
+        later. Continuous batching plans every such request every step, so this stays 0 unless a
+        limit (the token budget, blocks) cut the step."""
+        planned = {s.request_id for s in plan.seqs}
+        return sum(1 for r in self.running
+                   if r.request_id not in planned and not r.is_prefill and self._plannable(r))
+
     def _plannable(self, req: Request) -> bool:
         """False while its pending token is needed on the host first, or will be its last."""
         if not req.num_pending:

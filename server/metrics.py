@@ -125,7 +125,9 @@ STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, pre
                        "the previous step's end to the step's start), by kind."),
                       ("engine_step_decode_rows", "One-token rows that sampled (decode rows) in steps, by kind."),
                       ("engine_step_decode_row_seconds", "Decode rows times their step's time, by kind: over "
-                       "engine_step_decode_rows, the step time a generated token waited for on average."))
+                       "engine_step_decode_rows, the step time a generated token waited for on average."),
+                      ("engine_step_rows_left_out", "Running requests past their prompt that steps left out "
+                       "though they could have run (each waits a step longer for its next token), by kind."))
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 

@@ -64,12 +64,12 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     from detent.server.metrics import Metrics
     m = Metrics("m", 512)
     pages = []
-    for stats in ({"decode": (10, 0.05, 40, 0.01, 0.02, 0.005, 0.01, 0, 0, 0.0, 0.0, 40, 0.2),
-                   "mixed": (2, 0.06, 2048, 0.04, 0.02, 0.0, 0.0)},
-                  {"decode": (30, 0.17, 160, 0.03, 0.06, 0.015, 0.03, 0, 0, 0.0, 0.0, 160, 0.83),
+    for stats, preempted in (({"decode": (10, 0.05, 40, 0.01, 0.02, 0.005, 0.01, 0, 0, 0.0, 0.0, 40, 0.2, 0),
+                               "mixed": (2, 0.06, 2048, 0.04, 0.02, 0.0, 0.0)}, 1),
+                             ({"decode": (30, 0.17, 160, 0.03, 0.06, 0.015, 0.03, 0, 0, 0.0, 0.0, 160, 0.83, 5),
                    "mixed": (5, 0.15, 5200, 0.1, 0.05, 0.0, 0.0),
-                   "prefill": (1, 0.03, 1024, 0.02, 0.01, 0.004, 0.005, 0, 1, 0.025, 0.002)}):
-        m.engine_stats({"steps_by_kind": stats})
+                               "prefill": (1, 0.03, 1024, 0.02, 0.01, 0.004, 0.005, 0, 1, 0.025, 0.002)}, 4)):
+        m.engine_stats({"steps_by_kind": stats, "num_preemptions": preempted})
         pages.append(generate_latest(m.registry))
 
     _serve_pages(monkeypatch, pages)
@@ -81,13 +81,16 @@ def test_step_kinds_are_read_from_detents_metrics_and_differenced_per_load(monke
     assert abs(d["decode"]["launch_ms_per_step"] - 2.0) < 1e-9
     # 120 decode rows that waited 0.63 s of steps in all: 5.25 ms a token
     assert d["decode"]["decode_rows_per_step"] == 6.0 and abs(d["decode"]["row_weighted_ms"] - 5.25) < 1e-9
+    assert d["decode"]["rows_left_out_per_step"] == 5 / 20  # five rows left out over the load's 20 steps
+    assert (before["engine"], after["engine"]) == ({"preemptions": 1}, {"preemptions": 4})
     assert abs(d["decode"]["prepare_ms_per_step"] - 0.5) < 1e-9 and abs(d["decode"]["forward_ms_per_step"] - 1.0) < 1e-9
     assert d["prefill"] == {"steps": 1, "seconds": 0.03, "tokens": 1024, "wait_seconds": 0.02, "launch_seconds": 0.01,
                             "prepare_seconds": 0.004, "forward_seconds": 0.005, "whole_graph_steps": 0,
                             "piecewise_steps": 1, "device_seconds": 0.025, "device_idle_seconds": 0.002, "ms_per_step": 30.0, "tokens_per_step": 1024.0, "wait_ms_per_step": 20.0,
                             "launch_ms_per_step": 10.0, "prepare_ms_per_step": 4.0, "forward_ms_per_step": 5.0,
                             "device_ms_per_step": 25.0, "device_idle_ms_per_step": 2.0, "decode_rows": 0,
-                            "decode_row_seconds": 0, "decode_rows_per_step": 0.0}  # no row: no weighted time
+                            "decode_row_seconds": 0, "decode_rows_per_step": 0.0, "rows_left_out": 0,
+                            "rows_left_out_per_step": 0.0}  # no row: no weighted time
 
 
 def test_the_report_has_the_ratios_and_detents_steps_by_kind(tmp_path, capsys):
@@ -440,8 +443,8 @@ def test_the_report_sets_the_clients_means_beside_the_servers(tmp_path):
     steps = {"decode": {**kind, "decode_rows": 30, "decode_row_seconds": 0.27},
              "mixed": {**kind, "decode_rows": 30, "decode_row_seconds": 0.78}}
     (tmp_path / "summary-detent.json").write_text(json.dumps(
-        {"loads": {"r20": {**load, "server_mean_ms": server, "steps": steps}}}))
+        {"loads": {"r20": {**load, "server_mean_ms": server, "steps": steps, "preemptions": 3}}}))
     serve_load_report.report(type("A", (), {"dir": str(tmp_path)}))
     text = (tmp_path / "serve_load.md").read_text()
-    assert "| r20 | detent | 31.00 / 30.00 | 20.50 / 14.70 | 2700.00 / 1950.00 | 17.50 |" in text
+    assert "| r20 | detent | 31.00 / 30.00 | 20.50 / 14.70 | 2700.00 / 1950.00 | 17.50 | 3 |" in text
     assert "| r20 | vllm |" not in text  # a run without the server's means has no row

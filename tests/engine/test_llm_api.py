@@ -196,6 +196,7 @@ def test_steps_are_counted_by_kind_with_their_tokens():
     assert (sum(k[11] for k in kinds.values()), kinds["mixed"][11], kinds["prefill"][11]) == (4, 1, 0)
     assert abs(kinds["mixed"][12] - kinds["mixed"][1]) < 1e-12  # one row in the one mixed step
     assert 0 < kinds["decode"][12] <= kinds["decode"][11] * kinds["decode"][1]
+    assert all(k[13] == 0 for k in kinds.values())  # no step left a generating request out
     # the step loop's host time by part: planning, launching and advancing took time; no pipe here
     host = eng.stats()["host_seconds"]
     assert set(host) == {"inbox", "schedule", "launch", "wait", "update", "outputs", "ipc_in", "ipc_out"}

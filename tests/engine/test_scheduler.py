@@ -185,6 +185,34 @@ def test_plans_ahead_with_placeholders_for_pending_tokens():
     assert c.output_token_ids == [8, 10] and not c.is_finished
 
 
+def test_num_left_out_counts_the_generating_requests_a_plan_leaves_out():
+    """What a step leaves out of the requests that could run: not a request whose pending token
+    is its last, nor one that waits for its token on the host, nor one mid-prompt."""
+    from detent.scheduler.outputs import SchedulerOutput
+    s = make(budget=32, max_len=128)
+    a, b = req("a", 5, max_tokens=3), req("b", 3, max_tokens=1)
+    c = req("c", 4, max_tokens=5, prompt_logprobs=1)
+    for r in (a, b, c):
+        s.add(r)
+    p1 = s.schedule()
+    assert s.num_left_out(p1) == 0
+    p2 = s.schedule()  # only a: b's pending token is its last, c waits for its step
+    assert [q.request_id for q in p2.seqs] == ["a"] and s.num_left_out(p2) == 0
+    empty = SchedulerOutput((), 0, ())
+    assert s.num_left_out(empty) == 1  # a step without a leaves a out
+    s.add(req("d", 40, first=30))
+    s.update(p1, _out(p1))
+    p3 = s.schedule()  # a's last token, c's first decode, and d's prompt cut to the budget left
+    assert [(q.request_id, q.num_tokens) for q in p3.seqs] == [("a", 1), ("c", 1), ("d", 30)]
+    assert s.num_left_out(p3) == 0 and s.num_left_out(empty) == 0  # a's last, c waits, d mid-prompt
+    s.update(p2, _out(p2))
+    s.update(p3, _out(p3))
+    p4 = s.schedule()  # a finished; c decodes, d's prompt ends and samples
+    assert [(q.request_id, q.num_tokens) for q in p4.seqs] == [("c", 1), ("d", 10)]
+    assert s.num_left_out(p4) == 0 and s.num_left_out(SchedulerOutput(p4.seqs[:1], 1, ())) == 1
+    assert s.num_left_out(empty) == 1  # d could run on its pending token; c waits for its own on the host
+
+
 def test_a_request_that_reads_its_outputs_plans_ahead_with_its_pending_token_marked():
     """Penalties and golden tokens read the output so far: the row planned over a placeholder
     says its last token is pending, and the golden token is the one after it."""
