@@ -39,8 +39,11 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
 
 
 def simulate(*, rate: float, requests: int, prompt_len: int, output_len: int, cap: int | None, base_ms: float,
-             per_token_us: float, seed: int = 0, max_num_batched_tokens: int = 8192, align: int | None = 1024) -> dict:
-    """One load through the engine; per-request simulated latencies and the steps' composition."""
+             per_token_us: float, seed: int = 0, max_num_batched_tokens: int = 8192, align: int | None = 1024,
+             per_row_us: float | None = None) -> dict:
+    """One load through the engine; per-request simulated latencies and the steps' composition.
+    A step lasts base_ms + per_token_us a prompt token + per_row_us a decode row (None: per_token_us)."""
+    per_row_us = per_token_us if per_row_us is None else per_row_us
     cfg = ModelConfig.from_hf(TINY)
     model = load_model(cfg, device="cpu", dtype=torch.float32, load_format="dummy", progress=False, seed=0)
     llm = LLM.from_model(model, cfg, max_model_len=prompt_len + output_len + 16, max_num_seqs=256,
@@ -65,7 +68,7 @@ def simulate(*, rate: float, requests: int, prompt_len: int, output_len: int, ca
         handle = launch(plan, prev)
         rows = sum(1 for s in plan.seqs if len(s.token_ids) == 1)  # decode rows (a 1-token prompt chunk too)
         start = max(device_free, host_now)
-        device_free = start + (base_ms + per_token_us * plan.num_batched_tokens / 1e3) / 1e3
+        device_free = start + (base_ms + (per_token_us * (plan.num_batched_tokens - rows) + per_row_us * rows) / 1e3) / 1e3
         ends[id(handle)] = device_free
         steps.append({"tokens": plan.num_batched_tokens, "decode_rows": rows, "start": start, "end": device_free,
                       # past their prompt once planned: so a prompt's last chunk counts here, not as a row
@@ -111,7 +114,8 @@ def simulate(*, rate: float, requests: int, prompt_len: int, output_len: int, ca
     decode = [s for s in steps if s["tokens"] == s["decode_rows"]]
     prefill = [s for s in steps if s["decode_rows"] == 0]
     return {
-        "cap": cap, "align": align, "rate": rate, "requests": requests, "steps": len(steps),
+        "cap": cap, "align": align, "rate": rate, "requests": requests, "base_ms": base_ms,
+        "per_token_us": per_token_us, "per_row_us": per_row_us, "steps": len(steps),
         "mean_step_ms": 1e3 * busy / len(steps),
         "decode_steps": len(decode), "mixed_steps": len(mixed), "prefill_steps": len(prefill),
         "mixed_tokens_per_step": statistics.mean(s["tokens"] for s in mixed) if mixed else 0.0,
@@ -138,13 +142,15 @@ def main(argv=None) -> None:
     ap.add_argument("--caps", default="2048,0", help="max_mixed_batched_tokens values (0: one budget, as vLLM's)")
     ap.add_argument("--aligns", default="1024,0", help="mixed_token_align values (0: off, as vLLM's)")
     ap.add_argument("--base-ms", type=float, default=8.6)
-    ap.add_argument("--per-token-us", type=float, default=21.8)
+    ap.add_argument("--per-token-us", type=float, default=21.8, help="a prompt token's cost")
+    ap.add_argument("--per-row-us", type=float, default=None, help="a decode row's cost (default: a token's)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     rows = []
     for cap, align in itertools.product((int(c) for c in a.caps.split(",")), [int(x) for x in a.aligns.split(",")]):
         r = simulate(rate=a.rate, requests=a.requests, prompt_len=a.prompt_len, output_len=a.output_len,
-                     cap=cap or None, base_ms=a.base_ms, per_token_us=a.per_token_us, align=align or None)
+                     cap=cap or None, base_ms=a.base_ms, per_token_us=a.per_token_us, align=align or None,
+                     per_row_us=a.per_row_us)
         rows.append(r)
         print(json.dumps(r), flush=True)
     if a.out:
