@@ -18,7 +18,10 @@ exact, so every program of the row decides the same digit), and the row's
 first chunk records the decision. The last launch decides the last digit and
 writes the mask; the tie rank of a token at v is the count of v's tokens in
 the chunks before its own (recorded by the last digit's launch) plus its
-rank in its chunk. 30 / DIGIT_BITS + 1 launches, whatever the batch; a row's
+rank in its chunk. Past the first digits few tokens are still under the
+prefix, so a block with none skips its sums (and, at the last launch, a block
+without a token at v skips its tie ranks). 30 / DIGIT_BITS + 1 launches,
+whatever the batch; a row's
 answer is an exact function of its own probabilities, so it is the same
 alone and in any batch, for any DIGIT_BITS and any chunking.
 """
@@ -92,10 +95,13 @@ def _top_p_kernel(p_ptr, top_p_ptr, limit_ptr, part_ptr, state_ptr, cnt_ptr, kee
             m = offs < V
             bits = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
             tie = ((bits == v_bits) & m).to(tl.int32)
-            rank = rank0 + tl.cumsum(tie, axis=0) - tie
-            keep = (bits > v_bits) | ((tie != 0) & (rank < room)) | keep_all
+            ties = tl.sum(tie, axis=0)
+            keep = (bits > v_bits) | keep_all
+            if ties > 0:  # most blocks hold none of v's tokens: no ranks to count
+                rank = rank0 + tl.cumsum(tie, axis=0) - tie
+                keep = keep | ((tie != 0) & (rank < room))
             tl.store(keep_ptr + row * sk + offs, keep.to(tl.uint8), mask=m)
-            rank0 += tl.sum(tie, axis=0)
+            rank0 += ties
     else:  # this digit's bins over the chunk's tokens under the prefix
         shift = _PROB_BITS - D * (level + 1)
         hist = tl.zeros([NB], dtype=tl.int64)
@@ -105,11 +111,15 @@ def _top_p_kernel(p_ptr, top_p_ptr, limit_ptr, part_ptr, state_ptr, cnt_ptr, kee
             m = offs < V
             p = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0)
             bits = p.to(tl.int32, bitcast=True)
-            mass = (p * 1152921504606846976.0).to(tl.int64)  # floor(p * 2**60): p >= 0, exact scaling
             own = ((bits >> (shift + D)) == prefix) & m  # NaN's bits (>= 2**30) are never under it
-            hit = own[:, None] & (((bits >> shift) & (NB - 1))[:, None] == bins[None, :])
-            hist += tl.sum(tl.where(hit, mass[:, None], 0), axis=0)
-            cnt += tl.sum(hit.to(tl.int32), axis=0)
+            # past the first digits few tokens are under the prefix, and most blocks hold none:
+            # they add nothing to the bins, so their one-hot sums are skipped (integer sums, so
+            # skipping zeros changes no bit)
+            if tl.max(own.to(tl.int32), axis=0) > 0:
+                mass = (p * 1152921504606846976.0).to(tl.int64)  # floor(p * 2**60): p >= 0, exact scaling
+                hit = own[:, None] & (((bits >> shift) & (NB - 1))[:, None] == bins[None, :])
+                hist += tl.sum(tl.where(hit, mass[:, None], 0), axis=0)
+                cnt += tl.sum(hit.to(tl.int32), axis=0)
         tl.store(part_ptr + ((level * B + row) * NCH + c) * NB + bins, hist)
         tl.store(cnt_ptr + (row * NCH + c) * NB + bins, cnt, mask=bins * 0 + level == LEVELS - 1)
 
