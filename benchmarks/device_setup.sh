@@ -3,6 +3,7 @@
 # /tmp only while warm: make the calls back to back). Chunks are the git-ignored folders the
 # call carries; each part copies its chunk and, at the last one, installs:
 #   site:       the server's wheels (`.whl/`: FastAPI, uvicorn, pydantic, xgrammar ...) into /tmp/site
+#               (here first: benchmarks/device_wheels_extra.sh adds the runtime wheels the server's set lacks)
 #   fa4-1 fa4-2 fa4-3:  FlashAttention-4's chunks (`.fa4/c1` .. `c3`); fa4-3 installs into /tmp/fa4site
 #   peer-1 .. peer-9:   the vLLM 0.20.2 peer's chunks (`.peer2/p1` ..., as many as peer_chunks.py cut); after the last, run
 #                       `peer-install` (joins the halved wheels, installs into /tmp/vsite)
