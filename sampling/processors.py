@@ -191,22 +191,24 @@ def truncation_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     if host is None:
         host = (top_k.tolist(), top_p.tolist(), min_p.tolist())
     hk, hp, hm = host
-    x_max = x.max(dim=-1, keepdim=True).values
-    keep = torch.ones_like(x, dtype=torch.bool)
-    k = torch.where((top_k <= 0) | (top_k > V), torch.full_like(top_k, V), top_k)
+    keep = None  # every token, until a truncation runs (its [B, V] passes only where one does)
     if any(0 < v < V for v in hk):  # k.max() from the host values (disabled rows count as V)
+        k = torch.where((top_k <= 0) | (top_k > V), torch.full_like(top_k, V), top_k)
         # only values: the k-th largest value is the same whichever of its tied ids topk picks, so
         # float32 topk will do (ordered_topk's int64 keys order the ids, which logprobs need)
         kvals = torch.topk(x, max((V if (v <= 0 or v > V) else v) for v in hk), dim=-1).values
         keep = x >= kvals.gather(1, (k.clamp(max=kvals.shape[1]) - 1)[:, None])
     if any(v < 1.0 for v in hp):  # rows with top_p >= 1 keep everything either way
-        keep = keep & ops.top_p_keep(torch.where(keep, x, NEG_INF), top_p)
+        nucleus = ops.top_p_keep(x if keep is None else torch.where(keep, x, NEG_INF), top_p)
+        keep = nucleus if keep is None else keep & nucleus
     # min-p relative to the most likely token (always kept above):
     # p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p), exact elementwise ops only
     if any(v > 0 for v in hm):
+        x_max = x.max(dim=-1, keepdim=True).values
         log_min_p = torch.where(min_p > 0, torch.log(min_p), float("-inf"))
-        keep = keep & ((x - x_max).double() >= log_min_p[:, None])
-    return keep
+        above = (x - x_max).double() >= log_min_p[:, None]
+        keep = above if keep is None else keep & above
+    return torch.ones_like(x, dtype=torch.bool) if keep is None else keep
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

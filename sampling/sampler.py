@@ -183,13 +183,14 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], last: torch.Tens
         for alt in (x, x_raw if temp is None else x_raw / temp):
             empty = ~torch.isfinite(z).any(dim=-1, keepdim=True)
             z = torch.where(empty, torch.where(allowed, alt, P.NEG_INF), z)
-    toks = torch.argmax(z, dim=-1)  # greedy rows: first maximum, ties to the lowest id
     noisy = [j for j, r in enumerate(rows) if _needs_noise(r)]
-    if len(noisy) == B:
+    if len(noisy) == B:  # every row draws: no argmax pass
         toks = _gumbel_max(z, rows)
-    elif noisy:
-        idx = list_to_device(noisy, torch.long, dev)
-        toks = toks.index_copy(0, idx, _gumbel_max(z.index_select(0, idx), [rows[j] for j in noisy]))
+    else:
+        toks = torch.argmax(z, dim=-1)  # greedy rows: first maximum, ties to the lowest id
+        if noisy:
+            idx = list_to_device(noisy, torch.long, dev)
+            toks = toks.index_copy(0, idx, _gumbel_max(z.index_select(0, idx), [rows[j] for j in noisy]))
     golden = [j for j, r in enumerate(rows) if r.golden_token is not None]
     if golden:
         toks = toks.index_copy(0, list_to_device(golden, torch.long, dev),
