@@ -231,6 +231,8 @@ class Scheduler:
         (not waiting for their last token or for host feedback): each gets its next token a step
         later. Continuous batching plans every such request every step, so this stays 0 unless a
         limit (the token budget, blocks) cut the step."""
+        if len(plan.seqs) == len(self.running):  # every planned request runs: none is left out
+            return 0
         planned = {s.request_id for s in plan.seqs}
         return sum(1 for r in self.running
                    if r.request_id not in planned and not r.is_prefill and self._plannable(r))
