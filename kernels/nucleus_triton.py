@@ -41,6 +41,13 @@ from detent.kernels.registry import register
 DIGIT_BITS = 2
 BLOCK = 1024
 CHUNK_BLOCKS = 4  # blocks per (row, chunk) program: 32 chunks for a 128k vocabulary
+# "levels": a launch a digit, each (row, chunk) one program (above); "row": one program a row walks
+# every digit in a loop and stops early once one value is left under the prefix (`_top_p_row_kernel`:
+# no launch per digit, but a row's work on one SM). The same mask either way; the default is the
+# measured one (benchmarks/top_p_sweep.py)
+LAUNCH = "levels"
+ROW_BLOCK = 2048
+ROW_WARPS = 16
 _PROB_BITS = tl.constexpr(_BITS)  # a probability's float32 bits are below 2**30
 
 
@@ -124,6 +131,67 @@ def _top_p_kernel(p_ptr, top_p_ptr, limit_ptr, part_ptr, state_ptr, cnt_ptr, kee
         tl.store(cnt_ptr + (row * NCH + c) * NB + bins, cnt, mask=bins * 0 + level == LEVELS - 1)
 
 
+@lazy_jit(do_not_specialize=["V"])  # one compiled kernel per digit width and block
+def _top_p_row_kernel(p_ptr, top_p_ptr, limit_ptr, keep_ptr, V, sp, sk, D: tl.constexpr, LEVELS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """The whole select of one row in one program (the `row` launch): the same digits, bins and
+    decisions as `_top_p_kernel`'s launches, walked in a loop, and an early end. When every token
+    under the prefix has the same bits and their mass is positive, every later digit would choose
+    that value's own digit (its bin is the only one present, and the mass above it is < limit), so
+    v is that value and the mass above it is unchanged: the loop stops there."""
+    NB: tl.constexpr = 1 << D
+    row = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, NB)
+    cols = tl.arange(0, BLOCK)
+    limit = tl.load(limit_ptr + row)
+    above = limit * 0  # mass above the prefix's range (int64)
+    prefix = above.to(tl.int32)  # v's digits decided so far
+    level = prefix
+    found = prefix
+    while (level < LEVELS) & (found == 0):
+        shift = _PROB_BITS - D * (level + 1)
+        hist = tl.zeros([NB], dtype=tl.int64)
+        lo = prefix * 0 + 2147483647  # the least and greatest bits under the prefix
+        hi = prefix * 0 - 1
+        for i in range(0, V, BLOCK):
+            offs = i + cols
+            m = offs < V
+            p = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0)
+            bits = p.to(tl.int32, bitcast=True)
+            own = ((bits >> (shift + D)) == prefix) & m  # NaN's bits (>= 2**30) are never under it
+            if tl.max(own.to(tl.int32), axis=0) > 0:  # a block with none adds nothing (as in the launches)
+                mass = (p * 1152921504606846976.0).to(tl.int64)  # floor(p * 2**60)
+                hit = own[:, None] & (((bits >> shift) & (NB - 1))[:, None] == bins[None, :])
+                hist += tl.sum(tl.where(hit, mass[:, None], 0), axis=0)
+                lo = tl.minimum(lo, tl.min(tl.where(own, bits, 2147483647), axis=0))
+                hi = tl.maximum(hi, tl.max(tl.where(own, bits, -1), axis=0))
+        if (lo == hi) & (tl.sum(hist, axis=0) > 0):  # one value of positive mass left: it is v
+            prefix = lo
+            found = prefix * 0 + 1
+        else:
+            d, above_d = _decide(hist, above, limit, bins, NB)
+            prefix = (prefix << D) | d
+            above = above_d
+            level += 1
+    v_bits = prefix
+    one = (v_bits.to(tl.float32, bitcast=True) * 1152921504606846976.0).to(tl.int64)  # v's mass
+    room = tl.where(one > 0, (limit - above + one - 1) // tl.maximum(one, 1), V)  # ties that fit
+    keep_all = cols * 0 + (tl.load(top_p_ptr + row) >= 1.0).to(tl.int32) != 0  # top_p 1 keeps every token
+    rank0 = v_bits * 0  # v's tokens in the blocks before
+    for i in range(0, V, BLOCK):
+        offs = i + cols
+        m = offs < V
+        bits = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
+        tie = ((bits == v_bits) & m).to(tl.int32)
+        ties = tl.sum(tie, axis=0)
+        keep = (bits > v_bits) | keep_all
+        if ties > 0:
+            rank = rank0 + tl.cumsum(tie, axis=0) - tie
+            keep = keep | ((tie != 0) & (rank < room))
+        tl.store(keep_ptr + row * sk + offs, keep.to(tl.uint8), mask=m)
+        rank0 += ties
+
+
 @register("top_p", "triton_rowwise", devices=("cuda",))
 def top_p_keep_triton(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     name = "top_p/triton_rowwise"
@@ -139,6 +207,12 @@ def top_p_keep_triton(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         return keep
     limit = torch.ceil(top_p.double() * SCALE).long().contiguous()
     levels, nb = _BITS // DIGIT_BITS, 1 << DIGIT_BITS
+    tp = top_p.double().contiguous()
+    out = keep.view(torch.uint8)
+    if LAUNCH == "row":
+        _top_p_row_kernel[(B,)](probs, tp, limit, out, V, probs.stride(0), out.stride(0), D=DIGIT_BITS,
+                                LEVELS=levels, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), num_warps=ROW_WARPS)
+        return keep
     block = min(BLOCK, triton.next_power_of_2(V))
     chunk = block * CHUNK_BLOCKS
     nch = triton.cdiv(V, chunk)
@@ -146,8 +220,6 @@ def top_p_keep_triton(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     part = torch.empty(levels, B, nch, nb, dtype=torch.int64, device=dev)
     state = torch.empty(levels, B, 2, dtype=torch.int64, device=dev)
     cnt = torch.empty(B, nch, nb, dtype=torch.int32, device=dev)
-    tp = top_p.double().contiguous()
-    out = keep.view(torch.uint8)
     for level in range(levels + 1):
         _top_p_kernel[(B, nch)](probs, tp, limit, part, state, cnt, out, V, B, nch, level, probs.stride(0),
                                 out.stride(0), D=DIGIT_BITS, LEVELS=levels, NCH_PAD=triton.next_power_of_2(nch),

@@ -48,10 +48,13 @@ def test_launching_sampling_never_waits_for_the_device():
         assert pending.resolve().token_ids == sample_async(x, rows, last).resolve().token_ids
 
 
-def test_top_p_is_exact_and_the_same_for_a_row_alone_and_in_a_batch():
-    """Both candidates of the `top_p` family on the GPU: the kernel's mask equals the torch
-    reference's (the same softmax, the same integer masses), each is the exact nucleus, and a row
-    keeps the same mask alone and among 255 others. Prints each one's time per batch size."""
+@pytest.mark.parametrize("launch", ["levels", "row"])
+def test_top_p_is_exact_and_the_same_for_a_row_alone_and_in_a_batch(monkeypatch, launch):
+    """Both candidates of the `top_p` family on the GPU: the kernel's mask (either launch) equals
+    the torch reference's (the same softmax, the same integer masses), each is the exact nucleus,
+    and a row keeps the same mask alone and among 255 others. Prints each one's time per batch size."""
+    from detent.kernels import nucleus_triton
+    monkeypatch.setattr(nucleus_triton, "LAUNCH", launch)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, V, device="cuda", generator=g) * torch.linspace(0.05, 8, 256, device="cuda")[:, None]
     top_p = torch.linspace(0.5, 0.99, 256, device="cuda", dtype=torch.float64)
@@ -70,4 +73,4 @@ def test_top_p_is_exact_and_the_same_for_a_row_alone_and_in_a_batch():
             for _ in range(20):
                 fn(x[:b], top_p[:b])
             torch.cuda.synchronize()
-            print(f"top-p {fn.__name__} at batch {b}: {(time.perf_counter() - t) / 20 * 1e6:.0f} us")
+            print(f"top-p {fn.__name__} ({launch}) at batch {b}: {(time.perf_counter() - t) / 20 * 1e6:.0f} us")

@@ -26,6 +26,11 @@ def _logits(kind: str, B: int, V: int, g: torch.Generator) -> torch.Tensor:
         return x * 0.01
     if kind == "ties":  # few distinct values: the boundary falls inside a tie
         return torch.randint(-3, 3, (B, V), generator=g).float()
+    if kind == "near":  # most of the mass on 24 logits a float32 step apart: probabilities equal or
+        # a few ulps apart, so the boundary falls among values that differ in their last bits
+        x = x - 12
+        x[:, 1::max(1, V // 24)] = 3.0 + torch.arange(len(range(1, V, max(1, V // 24)))) * 2.384185791015625e-07
+        return x
     x = x * 3  # "top-k": -inf entries, as truncation_mask passes them
     x[:, ::4] = float("-inf")
     return x
@@ -42,9 +47,18 @@ def exact_keep(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 TOP_P = torch.tensor([0.05, 0.5, 0.9, 0.95, 0.999, 1.0], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "top-k"])
+@pytest.fixture(params=["levels", "row"])
+def launch(request, monkeypatch):
+    """Both launches of the kernel: a launch a digit, and one program a row (blocks of 64 here, so
+    a row spans several)."""
+    monkeypatch.setattr(nt, "LAUNCH", request.param)
+    monkeypatch.setattr(nt, "ROW_BLOCK", 64)
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "near", "top-k"])
 @pytest.mark.parametrize("V", [5, 3001])  # one chunk; three chunks, the last one partial
-def test_equals_the_reference_and_the_exact_nucleus(kind, V):
+def test_equals_the_reference_and_the_exact_nucleus(kind, V, launch):
     x = _logits(kind, 6, V, torch.Generator().manual_seed(V + 1))
     got = nt.top_p_keep_triton(x, TOP_P)
     assert torch.equal(got, top_p_keep(x, TOP_P))
@@ -52,22 +66,23 @@ def test_equals_the_reference_and_the_exact_nucleus(kind, V):
 
 
 @pytest.mark.parametrize("digit_bits", [2, 5, 10])
-def test_every_digit_width_and_chunking_gives_the_same_mask(monkeypatch, digit_bits):
+def test_every_digit_width_and_chunking_gives_the_same_mask(monkeypatch, digit_bits, launch):
     """Several chunks a row (blocks of 64, two a chunk: 6 chunks at V = 701, the last one
     partial), ties across chunk borders, and 30 / digit_bits launches (3 is the default)."""
     monkeypatch.setattr(nt, "BLOCK", 64)
     monkeypatch.setattr(nt, "CHUNK_BLOCKS", 2)
     monkeypatch.setattr(nt, "DIGIT_BITS", digit_bits)
     g = torch.Generator().manual_seed(digit_bits)
-    x = torch.cat([_logits(k, 1, 701, g) for k in ("peaked", "flat", "ties", "top-k")])
-    top_p = torch.tensor([0.3, 0.9, 0.5, 0.97], dtype=torch.float64)
+    x = torch.cat([_logits(k, 1, 701, g) for k in ("peaked", "flat", "ties", "near", "top-k")])
+    top_p = torch.tensor([0.3, 0.9, 0.5, 0.45, 0.97], dtype=torch.float64)
     assert torch.equal(nt.top_p_keep_triton(x, top_p), top_p_keep(x, top_p))
 
 
-def test_a_tie_split_across_chunks_is_kept_in_id_order(monkeypatch):
-    """Ten tokens of one probability, one in each of ten chunks of 4, and top_p between
-    masses: the first few by id are kept, whatever chunk they sit in."""
+def test_a_tie_split_across_chunks_is_kept_in_id_order(monkeypatch, launch):
+    """Ten tokens of one probability, one in each of ten chunks (or blocks) of 4, and top_p
+    between masses: the first few by id are kept, whatever chunk they sit in."""
     monkeypatch.setattr(nt, "BLOCK", 4)
+    monkeypatch.setattr(nt, "ROW_BLOCK", 4)
     monkeypatch.setattr(nt, "CHUNK_BLOCKS", 1)
     x = torch.full((1, 40), -30.0)
     x[0, 2::4] = 0.0  # ids 2, 6, ..., 38 hold nearly all the mass, equally
@@ -77,9 +92,9 @@ def test_a_tie_split_across_chunks_is_kept_in_id_order(monkeypatch):
         assert keep[0].nonzero().flatten().tolist() == list(range(2, 40, 4))[:kept], p
 
 
-def test_a_row_keeps_the_same_tokens_alone_and_among_others():
+def test_a_row_keeps_the_same_tokens_alone_and_among_others(launch):
     g = torch.Generator().manual_seed(11)
-    x = torch.cat([_logits(k, 2, 2500, g) for k in ("peaked", "flat", "ties", "top-k")])
+    x = torch.cat([_logits(k, 2, 2500, g) for k in ("peaked", "flat", "ties", "near", "top-k")])
     top_p = torch.rand(x.shape[0], generator=g, dtype=torch.float64) * 0.98 + 0.01
     batch = nt.top_p_keep_triton(x, top_p)
     for i in range(x.shape[0]):

@@ -78,6 +78,9 @@ for final in (False, True):
                            "state_ptr": "*i64", "cnt_ptr": "*i32", "keep_ptr": "*u8", "V": "i32", "B": "i32",
                            "NCH": "i32", "level": "i32", "sp": "i32", "sk": "i32"},
         {"D": 3, "LEVELS": 10, "NCH_PAD": 32, "CHUNK": 4096, "BLOCK": 1024, "FINAL": final}, num_warps=8)
+out["top_p_row"] = compile_(nt._top_p_row_kernel, {"p_ptr": "*fp32", "top_p_ptr": "*fp64", "limit_ptr": "*i64",
+                                                   "keep_ptr": "*u8", "V": "i32", "sp": "i32", "sk": "i32"},
+                           {"D": 2, "LEVELS": 15, "BLOCK": 2048}, num_warps=16)
 for dt in ("bf16", "fp32"):
     sig = {"y_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt, "H": "i32"}
     out["combine_" + dt] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=False)
@@ -138,7 +141,7 @@ def compiled():
 
 
 @pytest.mark.parametrize("name", ["align", "align_prefill", "align_count", "route", "combine_bf16", "combine_fp32",
-                                  "rms_norm", "rms_norm_rows", "gumbel", "gumbel_first_max", "top_p_level", "top_p_final",
+                                  "rms_norm", "rms_norm_rows", "gumbel", "gumbel_first_max", "top_p_level", "top_p_final", "top_p_row",
                                   "attention_long_skip",
                                   "attention_short",
                                   "attention_combine_skip", "attention_exp2_long", "attention_exp2_decode_parallel",
