@@ -52,6 +52,7 @@ def main() -> None:
                for d, cb in itertools.product(ints(a.digit_bits), ints(a.chunk_blocks))]
     configs += [dict(LAUNCH="row", DIGIT_BITS=d, ROW_BLOCK=rb, ROW_WARPS=rw)
                 for d, rb, rw in itertools.product(ints(a.digit_bits), ints(a.row_blocks), ints(a.row_warps))]
+    configs.append(dict(LAUNCH="auto"))  # the default: a launch and digit width by the batch (nt.launch_for)
     default = {k: getattr(nt, k) for k in ("LAUNCH", "DIGIT_BITS", "CHUNK_BLOCKS", "ROW_BLOCK", "ROW_WARPS")}
     g = torch.Generator(device="cuda").manual_seed(0)
     batches = ints(a.batches)

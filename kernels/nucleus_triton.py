@@ -43,11 +43,29 @@ BLOCK = 1024
 CHUNK_BLOCKS = 4  # blocks per (row, chunk) program: 32 chunks for a 128k vocabulary
 # "levels": a launch a digit, each (row, chunk) one program (above); "row": one program a row walks
 # every digit in a loop and stops early once one value is left under the prefix (`_top_p_row_kernel`:
-# no launch per digit, but a row's work on one SM). The same mask either way; the default is the
-# measured one (benchmarks/top_p_sweep.py)
-LAUNCH = "levels"
+# no launch per digit, but a row's work on one SM); "auto": by the batch (`launch_for`). The same
+# mask in every case (tests/kernels/test_nucleus_triton.py), so the choice is speed alone
+LAUNCH = "auto"
 ROW_BLOCK = 2048
-ROW_WARPS = 16
+ROW_WARPS = 8
+# "auto"'s bounds, from the lease 27 sweep on an H100 at a 128k vocabulary (ms a call, randn logits
+# x 3 / x 8, docs/performance.md): 3-bit levels at batch 1-8 0.23 against 2-bit 0.31; 2-bit levels at
+# 32-64 0.31-0.64, the fastest there; at 256 the row launch 1.97 / 1.15 against 2.41 / 1.88, and at
+# 128 within 0.02 / 0.1 ms of the levels, so the switch sits between the two
+AUTO_LEVELS3_MAX = 16  # batches up to this: levels of 3 bits
+AUTO_ROW_MIN = 192  # batches from this: the row launch
+
+
+def launch_for(B: int) -> tuple[str, int]:
+    """(launch, bits per digit) for a batch of B rows: LAUNCH and DIGIT_BITS as set, or under
+    "auto" the measured fastest."""
+    if LAUNCH != "auto":
+        return LAUNCH, DIGIT_BITS
+    if B <= AUTO_LEVELS3_MAX:
+        return "levels", 3
+    return ("row", 2) if B >= AUTO_ROW_MIN else ("levels", 2)
+
+
 _PROB_BITS = tl.constexpr(_BITS)  # a probability's float32 bits are below 2**30
 
 
@@ -198,19 +216,21 @@ def top_p_keep_triton(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     check_device(name, xk, top_p)
     if xk.dim() != 2 or xk.dtype != torch.float32:
         raise ValueError(f"{name}: xk must be float32 [B, V], got {xk.dtype} {tuple(xk.shape)}")
-    if _BITS % DIGIT_BITS:
-        raise ValueError(f"{name}: DIGIT_BITS={DIGIT_BITS} does not divide {_BITS}")
     probs = torch.softmax(xk, dim=-1).contiguous()  # the reference's probabilities, the same bits
     B, V = probs.shape
     keep = torch.empty(B, V, dtype=torch.bool, device=xk.device)
     if B == 0 or V == 0:
         return keep
+    launch, bits = launch_for(B)
+    if _BITS % bits or launch not in ("levels", "row"):
+        raise ValueError(f"{name}: launch {launch!r} at {bits} bits a digit: the launch must be 'levels' or "
+                         f"'row', and the bits must divide {_BITS}")
     limit = torch.ceil(top_p.double() * SCALE).long().contiguous()
-    levels, nb = _BITS // DIGIT_BITS, 1 << DIGIT_BITS
+    levels, nb = _BITS // bits, 1 << bits
     tp = top_p.double().contiguous()
     out = keep.view(torch.uint8)
-    if LAUNCH == "row":
-        _top_p_row_kernel[(B,)](probs, tp, limit, out, V, probs.stride(0), out.stride(0), D=DIGIT_BITS,
+    if launch == "row":
+        _top_p_row_kernel[(B,)](probs, tp, limit, out, V, probs.stride(0), out.stride(0), D=bits,
                                 LEVELS=levels, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), num_warps=ROW_WARPS)
         return keep
     block = min(BLOCK, triton.next_power_of_2(V))
@@ -222,6 +242,6 @@ def top_p_keep_triton(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     cnt = torch.empty(B, nch, nb, dtype=torch.int32, device=dev)
     for level in range(levels + 1):
         _top_p_kernel[(B, nch)](probs, tp, limit, part, state, cnt, out, V, B, nch, level, probs.stride(0),
-                                out.stride(0), D=DIGIT_BITS, LEVELS=levels, NCH_PAD=triton.next_power_of_2(nch),
+                                out.stride(0), D=bits, LEVELS=levels, NCH_PAD=triton.next_power_of_2(nch),
                                 CHUNK=chunk, BLOCK=block, FINAL=level == levels, num_warps=8)
     return keep

@@ -48,7 +48,7 @@ def test_launching_sampling_never_waits_for_the_device():
         assert pending.resolve().token_ids == sample_async(x, rows, last).resolve().token_ids
 
 
-@pytest.mark.parametrize("launch", ["levels", "row"])
+@pytest.mark.parametrize("launch", ["levels", "row", "auto"])
 def test_top_p_is_exact_and_the_same_for_a_row_alone_and_in_a_batch(monkeypatch, launch):
     """Both candidates of the `top_p` family on the GPU: the kernel's mask (either launch) equals
     the torch reference's (the same softmax, the same integer masses), each is the exact nucleus,

@@ -123,4 +123,29 @@ def test_the_sampler_reaches_it_through_the_dispatcher(monkeypatch):
     rows = [SamplingRow(p, seed=50 + i, position=9) for i, p in enumerate(params)]
     outs = reference_and_kernel_outputs(x, rows, "top_p")
     assert outs[0] == outs[1]
-    assert len(launches) == 30 // nt.DIGIT_BITS + 1
+    assert len(launches) == 30 // nt.launch_for(4)[1] + 1
+
+
+def test_auto_takes_each_launch_by_the_batch_with_the_same_mask(monkeypatch):
+    """"auto" (the default): 3-bit levels for small batches, 2-bit levels between, one program a row
+    for large ones (bounds shrunk here so the interpreter runs all three), each the reference's mask."""
+    monkeypatch.setattr(nt, "LAUNCH", "auto")
+    monkeypatch.setattr(nt, "AUTO_LEVELS3_MAX", 1)
+    monkeypatch.setattr(nt, "AUTO_ROW_MIN", 5)
+    monkeypatch.setattr(nt, "ROW_BLOCK", 64)
+    seen = []
+    for kernel in ("_top_p_kernel", "_top_p_row_kernel"):
+        real = getattr(nt, kernel)
+
+        class Spy:
+            def __getitem__(self, grid, real=real, kernel=kernel):
+                seen.append(kernel)
+                return real[grid]
+        monkeypatch.setattr(nt, kernel, Spy())
+    x = torch.cat([_logits(k, 1, 300, torch.Generator().manual_seed(5)) for k in ("peaked", "flat", "ties", "near",
+                                                                                   "top-k")])
+    top_p = torch.tensor([0.3, 0.9, 0.5, 0.45, 0.97], dtype=torch.float64)
+    for b, want in ((1, ["_top_p_kernel"] * 11), (3, ["_top_p_kernel"] * 16), (5, ["_top_p_row_kernel"])):
+        seen.clear()
+        assert torch.equal(nt.top_p_keep_triton(x[:b], top_p[:b]), top_p_keep(x[:b], top_p[:b])), b
+        assert seen == want, b

@@ -80,7 +80,7 @@ for final in (False, True):
         {"D": 3, "LEVELS": 10, "NCH_PAD": 32, "CHUNK": 4096, "BLOCK": 1024, "FINAL": final}, num_warps=8)
 out["top_p_row"] = compile_(nt._top_p_row_kernel, {"p_ptr": "*fp32", "top_p_ptr": "*fp64", "limit_ptr": "*i64",
                                                    "keep_ptr": "*u8", "V": "i32", "sp": "i32", "sk": "i32"},
-                           {"D": 2, "LEVELS": 15, "BLOCK": 2048}, num_warps=16)
+                           {"D": 2, "LEVELS": 15, "BLOCK": 2048}, num_warps=8)
 for dt in ("bf16", "fp32"):
     sig = {"y_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt, "H": "i32"}
     out["combine_" + dt] = compile_(mt._combine_kernel, sig, comb, num_warps=4, enable_fp_fusion=False)
