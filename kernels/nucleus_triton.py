@@ -21,9 +21,11 @@ the chunks before its own (recorded by the last digit's launch) plus its
 rank in its chunk. Past the first digits few tokens are still under the
 prefix, so a block with none skips its sums (and, at the last launch, a block
 without a token at v skips its tie ranks). 30 / DIGIT_BITS + 1 launches,
-whatever the batch; a row's
-answer is an exact function of its own probabilities, so it is the same
-alone and in any batch, for any DIGIT_BITS and any chunking.
+whatever the batch. For large batches one program a row walks the same digits
+in a loop instead (`_top_p_row_kernel`), and stops once a single value is left
+under the prefix; `launch_for` picks the launch by the batch. A row's answer is
+an exact function of its own probabilities, so it is the same alone and in any
+batch, for either launch, any DIGIT_BITS and any chunking.
 """
 from __future__ import annotations
 
@@ -48,11 +50,12 @@ CHUNK_BLOCKS = 4  # blocks per (row, chunk) program: 32 chunks for a 128k vocabu
 LAUNCH = "auto"
 ROW_BLOCK = 2048
 ROW_WARPS = 8
-# "auto"'s bounds, from the lease 27 sweep on an H100 at a 128k vocabulary (ms a call, randn logits
-# x 3 / x 8, docs/performance.md): 3-bit levels at batch 1-8 0.23 against 2-bit 0.31; 2-bit levels at
-# 32-64 0.31-0.64, the fastest there; at 256 the row launch 1.97 / 1.15 against 2.41 / 1.88, and at
-# 128 within 0.02 / 0.1 ms of the levels, so the switch sits between the two
-AUTO_LEVELS3_MAX = 16  # batches up to this: levels of 3 bits
+# "auto"'s bounds, from lease 27's two sweeps on an H100 at a 128k vocabulary (ms a call, randn logits
+# x 3 / x 8; docs/performance.md): 3-bit levels at batch 1-16 0.23-0.33 against 2-bit 0.31-0.45, and
+# at 32 faster in three cells of four; 2-bit levels at 64, faster in all four; at 256 the row launch
+# 1.97-1.98 / 1.15-1.16 against 2.41-2.42 / 1.88, at 192 faster for the peaked rows (1.09 against
+# 1.43) and within 0.07 ms for the others, and at 128 within 0.02 / 0.1 ms of the levels
+AUTO_LEVELS3_MAX = 32  # batches up to this: levels of 3 bits
 AUTO_ROW_MIN = 192  # batches from this: the row launch
 
 
