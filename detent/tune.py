@@ -7,19 +7,21 @@ result with the profile.
     out = tune(llm, make("W-A", num_requests=32), progress=print)
     out.result.chosen.save("t.json")
 
-`cost`: "engine" (default: `EngineCost`, the workload's steps timed on this
-engine), "kernels" (`KernelCost`, the profiled kernel calls timed one by
-one), or a function (installer, profiled calls) -> cost model; tests pass a
-fake one. `confirm`: None, "engine" or such a function: the search's winner
-and the default measured again on that model (the default before and after),
-and the default kept unless the winner is cheaper there; `detent tune --cost
-kernels` confirms on the engine, so a fast search still answers to the
-workload's own steps. `deadline` (a `time.perf_counter()` value; `detent
-tune --time-budget`): the search starts no measurement after its share of
-the time (all of it without a confirmation, else `SEARCH_SHARE` of what the
-profile left; `Search`), and the confirmation runs on the share of the
-workload that fits before the deadline, and is skipped, the default kept,
-when too little does.
+`objective` (docs/tune.md, "Objective"): "tpot" (default) weighs each step
+by its decode rows, the time a generated token waits for; "time" counts
+every step alike, prefill included. `cost`: "engine" (default: `EngineCost`,
+the workload's steps timed on this engine), "kernels" (`KernelCost`, the
+profiled kernel calls timed one by one), or a function (installer, profiled
+calls) -> cost model; tests pass a fake one. `confirm`: None, "engine" or
+such a function: the search's winner and the default measured again on that
+model (the default before and after), and the default kept unless the winner
+is cheaper there; `detent tune --cost kernels` confirms on the engine, so a
+fast search still answers to the workload's own steps. `deadline` (a
+`time.perf_counter()` value; `detent tune --time-budget`): the search starts
+no measurement after its share of the time (all of it without a
+confirmation, else `SEARCH_SHARE` of what the profile left; `Search`), and
+the confirmation runs on the share of the workload that fits before the
+deadline, and is skipped, the default kept, when too little does.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from detent.selection import default_tuple
 from detent.selection.compiler.tune_space import family_space, signature
 from detent.tune_cost import Calls, EngineCost, Profile, group_calls, profile_workload
 from detent.tune_kernels import KernelCost
-from detent.tune_engine import TupleInstaller, engine_facts
+from detent.tune_engine import OBJECTIVES, TupleInstaller, check_objective, engine_facts
 from detent.tune_search import Search, TuneResult
 
 
@@ -45,6 +47,7 @@ class Tuned:
     calls: Calls
     unit: str
     phases: dict[str, float]  # seconds per phase: profile, search, confirm
+    objective: str = OBJECTIVES[0]
 
 
 PROFILE_EVERY = 8  # decode-only steps per recorded one in the profile (detent/tune_engine.py SampledProfile)
@@ -57,12 +60,13 @@ SEARCH_SHARE = 0.5  # with a deadline and a confirmation: the search's share of 
 def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
          families: list[str] | None = None, repeats: int = 1, dedupe: bool = True,
          confirm: str | Callable[[TupleInstaller, Calls], Any] | None = None,
-         profile_every: int = PROFILE_EVERY, deadline: float | None = None,
+         profile_every: int = PROFILE_EVERY, deadline: float | None = None, objective: str = OBJECTIVES[0],
          progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
     """dedupe: measure once for every set of assignments that select the same kernels and
     parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
     nothing at the default's value. profile_every: the profile records every step with prompt
     rows and one decode-only step in this many, counted as many (1: every step, eagerly)."""
+    check_objective(objective)
     facts = engine_facts(llm)
     base = default_tuple(facts)
     phases, mark = {}, [time.perf_counter()]
@@ -71,26 +75,35 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         now = time.perf_counter()
         phases[name], mark[0] = now - mark[0], now
     with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
-        inst = TupleInstaller(llm, tmp, profile_every)
+        inst = TupleInstaller(llm, tmp, profile_every, objective)
         sample = "every step" if profile_every == 1 else \
             f"steps with prompt rows and one decode-only step in {profile_every}"
-        progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple ({sample})")
+        weigh = "each step's calls weighted by its decode rows" if objective == "tpot" else "every step alike"
+        progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple ({sample}; "
+                 f"objective {objective}: {weigh})")
         calls = profile_workload(inst, base, workload)
         prof = group_calls(calls)
         phase("profile")
-        if inst.profile_stats:
-            progress(f"  {inst.profile_stats['decode_steps']} decode-only steps, "
-                     f"{inst.profile_stats['replayed']} of them replayed unrecorded")
+        stats = inst.profile_stats
+        if stats:
+            progress(f"  {stats['decode_steps']} decode-only steps, {stats['replayed']} of them replayed "
+                     f"unrecorded; {stats['decode_rows']} decode rows")
+        if objective == "tpot" and not stats.get("decode_rows"):
+            raise ValueError(f"detent tune: the profile of {workload.name} has no decode rows (every output one "
+                             "token long?): there is no time per output token to tune for; use the 'time' "
+                             "objective (--objective time)")
         for fam, sites in sorted(prof.items()):
             progress(f"  {fam}: {sum(len(c) for c in sites.values())} distinct runtime inputs over {len(sites)} "
-                     f"site(s), {sum(sum(c.values()) for c in sites.values())} step-calls")
+                     f"site(s), {sum(sum(c.values()) for c in sites.values())} "
+                     + ("decode-row-weighted step-calls" if objective == "tpot" else "step-calls"))
         wanted = families if families is not None else list(prof)
         spaces = [s for s in (family_space(facts, f) for f in wanted if f in prof) if s and len(s.legal) > 1]
         progress(f"searching {', '.join(s.family for s in spaces) or 'no family (nothing to choose)'}")
         if cost == "engine":
-            model = EngineCost(inst, workload, repeats)
+            model = EngineCost(inst, workload, repeats, objective)
         elif cost == "kernels":
-            model = KernelCost(calls, facts, tmp, families=[s.family for s in spaces], reps=max(3, repeats))
+            model = KernelCost(calls, facts, tmp, families=[s.family for s in spaces], reps=max(3, repeats),
+                               decode_rows=stats["decode_rows"] if objective == "tpot" else None)
             progress(f"timing {len(model.inputs)} bucketed kernel calls per candidate")
         elif callable(cost):
             model = cost(inst, calls)
@@ -109,10 +122,10 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
                      f"on the host clock: {model.host_timed}")
         phase("search")
         if confirm is not None and res.chosen.hash != base.hash:
-            check = EngineCost(inst, workload, repeats) if confirm == "engine" else confirm(inst, calls)
+            check = EngineCost(inst, workload, repeats, objective) if confirm == "engine" else confirm(inst, calls)
             res = confirmed(res, base, check, progress, deadline)
             phase("confirm")
-    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"), phases)
+    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"), phases, objective)
 
 
 def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], deadline: float | None = None,

@@ -41,6 +41,9 @@ def add_subparsers(sub) -> None:
     p.add_argument("--min-fraction", type=float, default=0.25, help="share of the workload of the first rung")
     p.add_argument("--refine", type=int, default=2, help="hill-climbing rounds around each family's winner")
     p.add_argument("--interactions", type=int, default=3, help="extra mixes measured for the additivity check")
+    p.add_argument("--objective", choices=("tpot", "time"), default="tpot", help="tpot: weigh each step by its "
+                   "decode rows, the time a generated token waits for, so prefill-only steps count nothing (default); "
+                   "time: every step alike, prefill included (docs/tune.md, \"Objective\")")
     p.add_argument("--cost", choices=("engine", "kernels"), default="engine", help="engine: time the workload's "
                    "steps on the engine (default); kernels: time the profiled kernel calls one by one (faster)")
     p.add_argument("--confirm", choices=("engine", "none"), default=None, help="engine: measure the search's "
@@ -142,15 +145,15 @@ def _tune(a: argparse.Namespace) -> int:
         deadline = t_start + a.time_budget - WRITE_RESERVE_S if a.time_budget else None
         out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, dedupe=a.dedupe, progress=say,
                    confirm=None if confirm == "none" else confirm, profile_every=every, deadline=deadline,
-                   max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction, refine=a.refine,
-                   interactions=a.interactions, seed=a.seed)
+                   objective=a.objective, max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction,
+                   refine=a.refine, interactions=a.interactions, seed=a.seed)
         res, prof = out.result, out.profile
         res.chosen.save(a.output)
         meta = {"workload": w.name, "num_requests": len(w.requests), "model": a.model, "tp": a.tp,
                 "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "cost_model": a.cost,
                 "confirm": confirm, "profile_every": every, "time_budget": a.time_budget or None,
                 "phases": {"load": loaded, **out.phases}, "seconds": time.perf_counter() - t_start}
-        report = report_dict(res, meta=meta, profile=profile_summary(prof), unit=out.unit)
+        report = report_dict(res, meta=meta, profile=profile_summary(prof), unit=out.unit, objective=out.objective)
         stem = a.output[:-5] if a.output.endswith(".json") else a.output
         write_report(a.report or stem + ".report.json", report)
         plotted = write_plot(a.plot or stem + ".png", report)

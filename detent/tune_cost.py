@@ -4,8 +4,10 @@ default tuple, and the cost of a candidate tuple.
 A cost model is anything with `measure(t, fraction) -> float` (lower is
 better): the cost of running the first `fraction` of the workload under
 commitment tuple `t`. `EngineCost` is the real one: it installs `t` on a
-loaded engine and times the workload's steps offline, in milliseconds of
-wall time per output token. Tests use a fake one with a known optimum.
+loaded engine and times the workload's steps offline, in milliseconds per
+output token: under the "tpot" objective the engine's row-weighted step time
+(`row_weighted_ms`), under "time" wall time over output tokens. Tests use a
+fake one with a known optimum.
 """
 from __future__ import annotations
 
@@ -15,21 +17,50 @@ from typing import Any, Protocol
 
 from detent.selection import CommitmentTuple
 from detent.selection.facts import site_key
-from detent.tune_engine import TupleInstaller, run_offline
+from detent.server.metrics import STEP_KIND_COUNTERS
+from detent.tune_engine import TupleInstaller, check_objective, run_offline
+
+# positions in LLMEngine.stats()["steps_by_kind"][kind], named as the server's counters name them
+_COUNTER = {stem: i for i, (stem, _) in enumerate(STEP_KIND_COUNTERS)}
+STEPS, LAUNCH = _COUNTER["engine_steps"], _COUNTER["engine_step_launch_seconds"]
+ROWS, ROW_SECONDS = _COUNTER["engine_step_decode_rows"], _COUNTER["engine_step_decode_row_seconds"]
 
 
 class CostModel(Protocol):
     def measure(self, t: CommitmentTuple, fraction: float) -> float: ...
 
 
+def row_weighted_ms(before: dict, after: dict, add_launch: bool) -> float:
+    """The mean step time a decode row waited for between two `steps_by_kind` snapshots: the
+    decode rows' step seconds over the decode rows, in ms (what benchmarks/serve_load.py reads
+    from a server as row_weighted_ms; within 0.4 ms of its mean TPOT at 20 req/s).
+
+    The engine times a step from the return of its launch (or the previous step's end, if later)
+    to its end (engine/llm_engine.py `_count_step`). Under async scheduling that is the step's
+    whole cycle; on a synchronous step loop (CPU, or CUDA without async scheduling) it leaves
+    the launch out, and on CPU the launch is the whole forward. With `add_launch`, each step
+    kind's mean launch time is added for each of its decode rows: exact where a kind's steps
+    launch in equal times, an estimate otherwise."""
+    rows = seconds = 0.0
+    for kind, now in after.items():
+        d = [a - b for a, b in zip(now, before.get(kind, (0,) * len(now)))]
+        rows += d[ROWS]
+        seconds += d[ROW_SECONDS] + (d[LAUNCH] / d[STEPS] * d[ROWS] if add_launch and d[STEPS] else 0.0)
+    if rows <= 0:
+        raise ValueError("the run generated no decode rows (every output one token long?): its time per output "
+                         "token after the first is undefined; tune with the 'time' objective (--objective time)")
+    return 1e3 * seconds / rows
+
+
 class EngineCost:
     """Milliseconds per output token of `workload.head(fraction)` replayed on the engine under `t`
-    (median of `repeats`, after a short untimed warm-up that compiles the new kernels' shapes)."""
+    (median of `repeats`, after a short untimed warm-up that compiles the new kernels' shapes):
+    the engine's row-weighted step time ("tpot") or wall time over output tokens ("time")."""
 
-    unit = "ms per output token"
-
-    def __init__(self, installer: TupleInstaller, workload, repeats: int = 1):
+    def __init__(self, installer: TupleInstaller, workload, repeats: int = 1, objective: str = "tpot"):
         self.installer, self.workload, self.repeats = installer, workload, max(1, repeats)
+        self.objective = check_objective(objective)
+        self.unit = "ms per output token" + (", row-weighted step time" if objective == "tpot" else "")
 
     @property
     def last_install_s(self) -> float:
@@ -45,20 +76,26 @@ class EngineCost:
         self.installer.install(t)
         w = self.workload.head(fraction)
         run_offline(self.installer.llm, w.head(min(1.0, 4 / len(w.requests))), max_tokens_cap=2)
-        costs = []
+        eng, costs = self.installer.llm.llm_engine, []
         for _ in range(self.repeats):
+            before = eng.stats()["steps_by_kind"]
             seconds, tokens = run_offline(self.installer.llm, w)
-            costs.append(1e3 * seconds / max(tokens, 1))
+            if self.objective == "tpot":
+                costs.append(row_weighted_ms(before, eng.stats()["steps_by_kind"], not eng.async_scheduling))
+            else:
+                costs.append(1e3 * seconds / max(tokens, 1))
         return statistics.median(costs)
 
 
-Calls = dict[tuple, int]  # (family, site items, runtime items) -> steps that made the call
+Calls = dict[tuple, int]  # (family, site items, runtime items) -> weight: steps that made the call
+#                           ("time"), or those steps' decode rows ("tpot"; detent/tune_engine.py)
 Profile = dict[str, dict[str, Counter]]  # family -> site key -> Counter(runtime inputs -> count)
 
 
 def profile_workload(installer: TupleInstaller, base: CommitmentTuple, workload) -> Calls:
     """Serve the workload under `base` (the default tuple) and return every distinct
-    (family, call site, runtime inputs) the dispatcher saw, with how many steps saw it."""
+    (family, call site, runtime inputs) the dispatcher saw, with its weight under the
+    installer's objective: how many steps saw it, or ("tpot") those steps' decode rows."""
     installer.install(base, record=True)
     run_offline(installer.llm, workload)
     calls = installer.calls()

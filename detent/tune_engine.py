@@ -9,15 +9,38 @@ recapturing the CUDA graphs (they hold the old selections) and running the
 warm start (engine/warmup.py), as startup does. Under tensor
 parallelism every rank does the same (`collective_rpc`); rank 0's calls are
 the profile (all ranks select alike).
+
+What a recorded call weighs is the tuner's objective (`OBJECTIVES`, docs/tune.md
+"Objective"): "time" counts every step alike, "tpot" counts a step once per
+decode row in it (`decode_rows`), so a prefill-only step, which delays no
+generating request, weighs nothing.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
 from typing import Any
 
 from detent.selection import CommitmentTuple, active_tuple_hash, make_dispatcher
 from detent.selection.facts import complete
+
+OBJECTIVES = ("tpot", "time")  # the first: the default
+
+
+def check_objective(objective: str) -> str:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"tune objective {objective!r}: must be one of {', '.join(OBJECTIVES)}")
+    return objective
+
+
+def decode_rows(attn) -> int:
+    """The step's sequences with one query token: the rows that generate a token after their first.
+    An approximation: a one-token prompt chunk counts too (the engine's own decode-row counter,
+    which also asks that the row sample, counts a prompt's one-token last chunk). A step without
+    attention metadata (the runner always builds it) has no row known to generate: 0."""
+    return 0 if attn is None else sum(q == 1 for q in attn.query_lens_cpu)
 
 
 def engine_facts(llm) -> dict[str, Any]:
@@ -35,21 +58,28 @@ class SampledProfile:
     replay asks the dispatcher nothing), and so does one decode-only step in `every`, counted
     `every` times; the other decode steps run `replay` (the graphs, when they hold this tuple's
     selections). Eager decode steps of an 8B model are host-bound (about 48 ms against 5 through
-    a graph, H200): profiling the whole W-A eagerly took 229 s of its tune (lease 21)."""
+    a graph, H200): profiling the whole W-A eagerly took 229 s of its tune (lease 21).
 
-    def __init__(self, d, eager, replay, every: int, prior):
+    A recorded step's calls weigh the steps it stands for (`every` or 1), times its decode rows
+    under the "tpot" objective; `rows` counts the decode rows of every step, recorded or not."""
+
+    def __init__(self, d, eager, replay, every: int, prior, objective: str = "tpot"):
         if every < 1:
             raise ValueError(f"profile every {every} decode steps: must be at least 1")
         self.d, self.eager, self.replay, self.every = d, eager, replay, every
         self.prior = prior  # the runner's forward before: `_end_profile` puts it back
-        self.decode_steps = self.replayed = 0
+        self.per_row = check_objective(objective) == "tpot"
+        self.decode_steps = self.replayed = self.rows = 0
 
     def __call__(self, input_ids, positions, ctx):
         a = ctx.attn
         decode = a is not None and a.max_seqlen_q == 1
         take = not decode or self.decode_steps % self.every == 0
         self.decode_steps += decode
-        self.d.record_calls, self.d.record_weight = take, self.every if decode else 1
+        rows = decode_rows(a)
+        self.rows += rows
+        steps = self.every if decode else 1
+        self.d.record_calls, self.d.record_weight = take, steps * rows if self.per_row else steps
         if take:
             return self.eager(input_ids, positions, ctx)
         self.replayed += 1
@@ -57,7 +87,7 @@ class SampledProfile:
 
 
 def _install_local(runner, config, max_model_len: int, facts: dict, path: str | None,
-                   record: bool, profile_every: int = 1) -> dict[str, str]:
+                   record: bool, profile_every: int = 1, objective: str = "tpot") -> dict[str, str]:
     """Install the tuple at `path`; the graph sets that failed to capture, with why. With
     `record`, profile through `SampledProfile`, replaying the graphs the runner holds for the
     decode steps it leaves out when they were captured under this same tuple (else it records
@@ -77,7 +107,7 @@ def _install_local(runner, config, max_model_len: int, facts: dict, path: str | 
         # graphs of other selections cannot stand in for this tuple's steps: then every step runs
         # eagerly anyway, and is recorded
         same = held is not None and held == active_tuple_hash(d)
-        runner._forward = SampledProfile(d, eager, fwd, profile_every if same else 1, fwd)
+        runner._forward = SampledProfile(d, eager, fwd, profile_every if same else 1, fwd, objective)
         return {}
     from detent.engine.graphs import enable_graphs, graph_failures
     from detent.engine.startup import warm_start
@@ -88,10 +118,11 @@ def _install_local(runner, config, max_model_len: int, facts: dict, path: str | 
     return graph_failures(runner)
 
 
-def _rank_install(st, config, path: str | None, record: bool, profile_every: int = 1) -> dict[str, str]:
+def _rank_install(st, config, path: str | None, record: bool, profile_every: int = 1,
+                  objective: str = "tpot") -> dict[str, str]:
     """On every tensor-parallel rank (collective_rpc)."""
     return _install_local(st.runner, config, st.info.max_model_len, complete(st.info.facts), path, record,
-                          profile_every)
+                          profile_every, objective)
 
 
 def _rank_calls(st) -> dict:
@@ -99,12 +130,13 @@ def _rank_calls(st) -> dict:
 
 
 def _end_profile(runner) -> dict[str, int]:
-    """Put back the forward a profile wrapped; its decode steps and how many it replayed."""
+    """Put back the forward a profile wrapped; its decode steps, how many it replayed, and the
+    decode rows of all its steps."""
     prof = runner._forward
     if not isinstance(prof, SampledProfile):
         return {}
     runner._forward = prof.prior
-    return {"decode_steps": prof.decode_steps, "replayed": prof.replayed}
+    return {"decode_steps": prof.decode_steps, "replayed": prof.replayed, "decode_rows": prof.rows}
 
 
 def _rank_end_profile(st) -> dict[str, int]:
@@ -114,10 +146,12 @@ def _rank_end_profile(st) -> dict[str, int]:
 class TupleInstaller:
     """Installs tuples on one engine; files go to `workdir`."""
 
-    def __init__(self, llm, workdir: str, profile_every: int = 1):
+    def __init__(self, llm, workdir: str, profile_every: int = 1, objective: str = "tpot"):
         """profile_every: a profile (`install(t, record=True)`) records one decode-only step in
-        this many, counted that many times, and every step with prompt rows (`SampledProfile`)."""
+        this many, counted that many times, and every step with prompt rows (`SampledProfile`);
+        objective: "tpot" weighs each recorded step's calls by its decode rows as well."""
         self.llm, self.workdir, self.profile_every = llm, workdir, profile_every
+        self.objective = check_objective(objective)
         self.profile_stats: dict[str, int] = {}  # the last profile's (`end_profile`)
         self.facts = engine_facts(llm)
         self.current: str | None = None  # hash of the installed tuple (and whether recording)
@@ -138,11 +172,12 @@ class TupleInstaller:
         eng = self.llm.llm_engine
         if eng.dispatcher is None:  # tensor parallel: the ranks hold the dispatchers
             failed: dict[str, str] = {}
-            for rank in eng.runner.collective_rpc(_rank_install, eng.config, path, record, self.profile_every):
+            for rank in eng.runner.collective_rpc(_rank_install, eng.config, path, record, self.profile_every,
+                                                  self.objective):
                 failed.update(rank or {})
         else:
             failed = _install_local(eng.runner, eng.config, eng.state.max_model_len, self.facts, path, record,
-                                    self.profile_every)
+                                    self.profile_every, self.objective)
             eng.dispatcher = eng.runner.dispatcher
         self.current = key
         self.last_install_s = time.perf_counter() - t0
@@ -173,7 +208,8 @@ class TupleInstaller:
         return stats
 
     def calls(self) -> dict:
-        """(family, site, runtime) -> count, as the installed dispatcher recorded them."""
+        """(family, site, runtime) -> weight (steps, or decode rows under "tpot"), as the installed
+        dispatcher recorded them."""
         eng = self.llm.llm_engine
         if eng.dispatcher is None:
             return eng.runner.collective_rpc(_rank_calls)[0]
@@ -182,15 +218,40 @@ class TupleInstaller:
 
 def run_offline(llm, workload, max_tokens_cap: int | None = None) -> tuple[float, int]:
     """Replay `workload` through the engine (each round of chat turns after the
-    one before, so later turns hit the prefix cache); (wall seconds, output tokens)."""
+    one before, so later turns hit the prefix cache); (wall seconds, output tokens).
+
+    A workload with closed-loop loads (W-C: 1 and 8 requests in flight) is replayed once per such
+    load with the engine running at most that many requests at a time: with every request queued,
+    that is the closed loop (a request starts when one ends), so the profile holds the small
+    batches those loads decode in, not one batch of all of them. Its other loads (Poisson arrivals)
+    replay as one batch, as before."""
     from detent.engine import SamplingParams
 
-    llm.reset_prefix_cache()
+    caps = [load.concurrency for load in workload.loads if load.concurrency] or [None]
     t0, tokens = time.perf_counter(), 0
-    for idx in workload.rounds():
-        reqs = [workload.requests[i] for i in idx]
-        params = [SamplingParams(temperature=0, ignore_eos=True,
-                                 max_tokens=min(r.max_tokens, max_tokens_cap or r.max_tokens)) for r in reqs]
-        outs = llm.generate([{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs], params, use_tqdm=False)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    for cap in caps:
+        llm.reset_prefix_cache()
+        with running_at_most(llm, cap):
+            for idx in workload.rounds():
+                reqs = [workload.requests[i] for i in idx]
+                params = [SamplingParams(temperature=0, ignore_eos=True,
+                                         max_tokens=min(r.max_tokens, max_tokens_cap or r.max_tokens)) for r in reqs]
+                outs = llm.generate([{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs], params,
+                                    use_tqdm=False)
+                tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     return time.perf_counter() - t0, tokens
+
+
+@contextlib.contextmanager
+def running_at_most(llm, n: int | None):
+    """The engine's scheduler runs at most `n` requests at a time inside (None: its own limit).
+    Only the admission changes: the deployment's facts, its tuple and its graphs stay as they are,
+    and a request's bits do not depend on its batch."""
+    sched = llm.llm_engine.scheduler
+    limits = sched.limits
+    if n is not None and n < limits.max_num_seqs:
+        sched.limits = dataclasses.replace(limits, max_num_seqs=n)
+    try:
+        yield
+    finally:
+        sched.limits = limits

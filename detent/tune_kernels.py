@@ -11,6 +11,10 @@ parameters it selects — timed (median of `reps`, after a warm-up call), and
 weighted by its count. The cost is the sum, in milliseconds: the time the
 searched families' kernels would take over the profiled steps. gemm,
 attention and moe calls are timed; other families have no choice to make.
+Under the "tpot" objective a call's count is its steps' decode rows
+(detent/tune_engine.py), so a prefill-only step's calls weigh 0 and are not
+timed, and the sum is divided by the profile's decode rows (`decode_rows`):
+kernel milliseconds per output token, a TPOT estimate.
 
 On CUDA a call is timed as the engine runs it, inside a CUDA graph: `GRAPH_CALLS`
 calls captured once, the replay timed with CUDA events, so the device time
@@ -95,15 +99,19 @@ def _call(family: str, site: dict, rt: dict, fn, kw: dict, device):
 
 
 class KernelCost:
-    unit = "ms of kernel time over the profiled calls"
-
     def __init__(self, calls: dict, facts: dict[str, Any], workdir: str, *, families=TIMED, max_inputs: int = 64,
-                 reps: int = 3):
+                 reps: int = 3, decode_rows: int | None = None):
+        """decode_rows: the profile's ("tpot"): the cost is then per decode row; None: the sum."""
         self.facts, self.workdir, self.reps = facts, workdir, max(1, reps)
+        if decode_rows is not None and decode_rows < 1:
+            raise ValueError(f"kernel cost per decode row: the profile has {decode_rows} decode rows")
+        self.per = decode_rows or 1
+        self.unit = ("ms of kernel time over the profiled calls" if decode_rows is None
+                     else "ms of kernel time per decode row (a TPOT estimate)")
         self.device = torch.device("cuda" if facts.get("device") == "cuda" else "cpu")
         weights: Counter = Counter()
         for (family, site, runtime), n in calls.items():
-            if family in families and family in TIMED:
+            if family in families and family in TIMED and n > 0:
                 weights[(family, site, bucket(runtime))] += n
         self.inputs = sorted(weights.items(), key=lambda kv: (-kv[1], repr(kv[0])))[:max_inputs]
         self._n = 0
@@ -173,4 +181,4 @@ class KernelCost:
         for (family, site, runtime), n in keep:
             fn, kw = d.resolve(family, site, dict(runtime))
             total += n * self._time(_call(family, dict(site), dict(runtime), fn, kw, self.device))
-        return 1e3 * total
+        return 1e3 * total / self.per

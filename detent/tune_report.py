@@ -12,7 +12,8 @@ from detent.tune_search import TuneResult
 FORMAT = "detent-tune-report/1"
 
 
-def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any], unit: str) -> dict[str, Any]:
+def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any], unit: str,
+                objective: str) -> dict[str, Any]:
     fams = {}
     for name, r in res.families.items():
         fams[name] = {
@@ -26,7 +27,7 @@ def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any
                        **({"same_as": t["same_as"]} if "same_as" in t else {})} for t in r.tried],
         }
     return {
-        "format": FORMAT, **meta, "unit": unit,
+        "format": FORMAT, **meta, "objective": objective, "unit": unit,
         "tuple_hash": res.chosen.hash,
         "kept_default": res.kept_default,
         "default_cost": res.base_cost,

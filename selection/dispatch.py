@@ -28,8 +28,9 @@ class Dispatcher:
     def __init__(self, provider: Provider):
         self.provider = provider
         self._selectors: dict[tuple[str, Site], Selector] = {}
-        # every distinct (family, site, runtime) seen, with counts: the tuner's profile (a step
-        # recorded for `record_weight` steps counts that many: detent/tune_engine.py samples)
+        # every distinct (family, site, runtime) seen, with weights: the tuner's profile (a step's
+        # calls add its `record_weight`: the steps it stands for, times its decode rows under the
+        # tuner's "tpot" objective, so 0 for a prefill-only step; detent/tune_engine.py)
         self.calls: dict[tuple[str, Site, tuple], int] = {}
         self.record_calls = False
         self.record_weight = 1

@@ -27,14 +27,17 @@ def test_profile_records_each_familys_runtime_inputs(llm):
     (counts,) = att.values()
     inputs = [dict(rt) for rt in counts]
     assert any(i["max_seqlen_q"] == 1 for i in inputs) and any(i["max_seqlen_q"] > 1 for i in inputs)
-    assert all(isinstance(n, int) and n >= 1 for n in counts.values())
+    # weights in decode rows (the default objective, "tpot"): a prefill-only step's inputs weigh 0
+    assert all(isinstance(n, int) and n >= 0 for n in counts.values())
+    assert all(n >= 1 for rt, n in counts.items() if dict(rt)["max_seqlen_q"] == 1)
     assert len(out.profile["gemm"]) == 5  # qkv, o, gate_up, down, lm head
 
 
 def test_profile_records_prompt_steps_and_one_decode_step_in_every_and_replays_the_rest(llm):
     # the profile under graphs: every step with prompt rows eagerly, recorded as before; one
     # decode-only step in 4 eagerly, counted 4 times; the other decode steps through the forward the
-    # runner held (its CUDA graphs; here a stand-in that runs the eager forward and counts)
+    # runner held (its CUDA graphs; here a stand-in that runs the eager forward and counts). Steps
+    # are counted as steps: the "time" objective (decode-row weights: test_tune_objective.py)
     import tempfile
     from detent.selection import default_tuple
     from detent.tune_cost import profile_workload
@@ -44,7 +47,7 @@ def test_profile_records_prompt_steps_and_one_decode_step_in_every_and_replays_t
 
     def profile(every):
         with tempfile.TemporaryDirectory() as tmp:
-            inst = TupleInstaller(llm, tmp, every)
+            inst = TupleInstaller(llm, tmp, every, objective="time")
             calls = profile_workload(inst, base, workload())
         assert not isinstance(runner._forward, SampledProfile)  # the runner's own forward is back
         return calls, inst.profile_stats
@@ -174,7 +177,7 @@ def test_an_illegal_candidate_is_refused_not_measured(llm, monkeypatch):
 def test_kernel_cost_times_the_profiled_calls(llm):
     from detent.tune_kernels import _attention_meta, bucket
     out = tune(llm, workload(), cost="kernels", max_candidates=4, min_fraction=0.5, refine=1, interactions=1)
-    assert out.unit == "ms of kernel time over the profiled calls"
+    assert out.unit == "ms of kernel time per decode row (a TPOT estimate)"  # the default objective, "tpot"
     res = out.result
     assert res.base_cost > 0 and all(c > 0 for f in res.families.values() for t in f.tried for c in t["costs"].values())
     for fam in ("gemm", "attention"):
@@ -227,6 +230,7 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
                  "--families", "gemm", "--interactions", "0", *args, "-o", str(out)]) == 0
     rep = json.loads((tmp_path / "t" / "w.report.json").read_text())
     assert rep["format"] == "detent-tune-report/1" and rep["workload"] == "W-C"
+    assert rep["objective"] == "tpot" and rep["unit"] == "ms per output token, row-weighted step time"
     fam = rep["families"]["gemm"]
     assert fam["legal_assignments"] == 2 and fam["measured_assignments"] == 2 and fam["chosen"] in ({"chunk": 1},
                                                                                                    {"chunk": 16})

@@ -1,0 +1,219 @@
+"""The tuner's objective (docs/tune.md, "Objective") on the tiny Llama (fp32, CPU).
+
+Under "tpot" a profiled step's calls weigh its decode rows (times the steps it stands for), so
+a prefill-only step weighs 0; under "time" every step weighs the steps it stands for. A per-call
+cost that makes one gemm assignment cheaper on prompt calls and dearer on decode calls is
+minimized by that assignment under "time" and by the other under "tpot". The engine's decode-row
+counters are filled on CPU, and the engine cost reads them."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from detent.selection import default_tuple
+from detent.selection.compiler.tune_space import family_assignment
+from detent.server.metrics import STEP_KIND_COUNTERS
+from detent.tune import tune
+from detent.tune_cost import LAUNCH, ROW_SECONDS, ROWS, STEPS, EngineCost, profile_workload, row_weighted_ms
+from detent.tune_engine import TupleInstaller, engine_facts, run_offline
+from detent.tune_kernels import KernelCost
+from detent.workloads import Load, Request, Workload
+from tune_helpers import tiny_llm, workload
+
+llm = pytest.fixture(scope="module")(tiny_llm)
+
+
+def _profile_steps(llm, objective: str, every: int):
+    """Profile `workload()` under the default tuple: the calls, the profile's stats, and per step
+    (query lengths, attention runtime key, the weight its calls were recorded with, or None when
+    it replayed unrecorded)."""
+    runner = llm.llm_engine.runner
+    base = default_tuple(engine_facts(llm))
+    forward, held_eager, held_graphs = runner._forward, getattr(runner, "_eager_forward", None), \
+        getattr(runner, "graphs_tuple", None)
+    steps = []
+
+    def key(ctx):
+        return tuple(sorted(ctx.runtime(ctx.attn.num_tokens).items()))
+
+    def eager(input_ids, positions, ctx):
+        steps.append((ctx.attn.query_lens_cpu, key(ctx), runner.dispatcher.record_weight))
+        return forward(input_ids, positions, ctx)
+
+    def graphs(input_ids, positions, ctx):  # a stand-in for the decode graphs: not recorded
+        steps.append((ctx.attn.query_lens_cpu, key(ctx), None))
+        return forward(input_ids, positions, ctx)
+    runner._forward, runner._eager_forward = graphs, eager
+    runner.graphs_tuple = base.hash  # the graphs hold the profiled tuple's selections: decode steps sampled
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            inst = TupleInstaller(llm, tmp, every, objective=objective)
+            calls = profile_workload(inst, base, workload())
+    finally:
+        runner._forward, runner.graphs_tuple = forward, held_graphs
+        if held_eager is None:
+            del runner._eager_forward
+        else:
+            runner._eager_forward = held_eager
+    return calls, inst.profile_stats, steps
+
+
+@pytest.mark.parametrize("objective", ["tpot", "time"])
+def test_a_steps_calls_weigh_its_decode_rows_under_tpot_and_one_step_under_time(llm, objective):
+    calls, stats, steps = _profile_steps(llm, objective, every=2)
+    kinds = set()
+    expected: dict = {}
+    for qlens, rt, weight in steps:
+        rows = sum(q == 1 for q in qlens)
+        kind = "decode" if rows == len(qlens) else "prefill" if rows == 0 else "mixed"
+        kinds.add((kind, rows > 1))
+        if weight is None:
+            assert kind == "decode"  # only decode-only steps replay
+            continue
+        steps_for = 2 if kind == "decode" else 1  # one decode-only step in 2 recorded, counted twice
+        assert weight == (steps_for * rows if objective == "tpot" else steps_for), (qlens, weight)
+        expected[rt] = expected.get(rt, 0) + weight
+    assert {("decode", True), ("mixed", False), ("prefill", False)} <= kinds  # every kind of step was seen
+    assert any(w is None for *_, w in steps)  # and some decode steps replayed unrecorded
+    # the attention call site is called once per step (memoized): its weights are the steps' own
+    att = {rt: n for (fam, _, rt), n in calls.items() if fam == "attention"}
+    assert att == expected
+    if objective == "tpot":
+        assert any(n == 0 for n in att.values())  # inputs only prefill-only steps made
+    assert stats["decode_rows"] == sum(sum(q == 1 for q in qlens) for qlens, _, _ in steps)
+
+
+class PromptOrDecode:
+    """A per-call cost: each profiled gemm call, times its weight, priced by the tuple's gemm
+    `chunk` and whether the call's step has prompt rows (max_seqlen_q > 1). chunk 16 (the
+    default) is the cheaper on prompt calls, chunk 1 on decode calls."""
+
+    PRICE = {16: {"prompt": 1.0, "decode": 3.0}, 1: {"prompt": 10.0, "decode": 2.0}}
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def measure(self, t, fraction: float) -> float:
+        price = self.PRICE[family_assignment(t, "gemm")["chunk"]]
+        return sum(n * price["decode" if dict(rt)["max_seqlen_q"] == 1 else "prompt"]
+                   for (fam, _, rt), n in self.calls.items() if fam == "gemm")
+
+
+def _sequential() -> Workload:
+    """Two requests one after the other: 96-token prompts (three 32-token chunks, the last
+    sampling the first token) and 3 output tokens, so prefill-only steps and one-row decode steps."""
+    first = tuple(2 + (7 * i) % 150 for i in range(96))
+    second = tuple(2 + (11 * i + 5) % 150 for i in range(96))
+    return Workload("sequential", (Request(first, 3), Request(second, 3, after=0)), (Load("all", concurrency=1),), 0)
+
+
+@pytest.mark.parametrize("objective, chunk", [("time", 16), ("tpot", 1)])
+def test_time_takes_the_prompt_cheap_assignment_and_tpot_the_decode_cheap_one(llm, objective, chunk):
+    # time: 6 prompt-chunk steps at 1 against 10, a sampled decode step (counted 8) at 3 against 2;
+    # tpot: the prompt chunks weigh 0 (prefill-only), the decode rows alone decide
+    out = tune(llm, _sequential(), cost=lambda inst, calls: PromptOrDecode(calls), objective=objective,
+               families=["gemm"], max_candidates=2, min_fraction=1.0, refine=0, interactions=0)
+    assert out.objective == objective
+    assert out.result.families["gemm"].chosen == {"chunk": chunk}
+    assert family_assignment(out.result.chosen, "gemm") == {"chunk": chunk}
+    assert out.result.kept_default is (chunk == 16)
+
+
+def _snapshot(**kinds):
+    out = {k: [0.0] * len(STEP_KIND_COUNTERS) for k in ("decode", "mixed", "prefill")}
+    for kind, fields in kinds.items():
+        for i, v in fields.items():
+            out[kind][i] = v
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def test_row_weighted_ms_from_the_step_kind_counters():
+    before = _snapshot(decode={STEPS: 1, LAUNCH: 0.5, ROWS: 3, ROW_SECONDS: 0.9})
+    after = _snapshot(decode={STEPS: 5, LAUNCH: 0.54, ROWS: 13, ROW_SECONDS: 0.95},
+                      mixed={STEPS: 2, LAUNCH: 0.06, ROWS: 2, ROW_SECONDS: 0.004},
+                      prefill={STEPS: 3, LAUNCH: 0.3})
+    # 10 + 2 rows; 0.05 + 0.004 row-seconds; with the launch, + 0.04 / 4 * 10 + 0.06 / 2 * 2
+    assert row_weighted_ms(before, after, add_launch=False) == pytest.approx(1e3 * 0.054 / 12)
+    assert row_weighted_ms(before, after, add_launch=True) == pytest.approx(1e3 * (0.054 + 0.1 + 0.06) / 12)
+    with pytest.raises(ValueError, match="no decode rows.*--objective time"):
+        row_weighted_ms(before, before, add_launch=True)
+
+
+def test_the_engine_counts_decode_rows_on_cpu_and_the_engine_cost_reads_them(llm):
+    eng, w = llm.llm_engine, workload()
+    before = eng.stats()["steps_by_kind"]
+    _, tokens = run_offline(llm, w)
+    after = eng.stats()["steps_by_kind"]
+    d = {k: [a - b for a, b in zip(after[k], before[k])] for k in after}
+    rows = sum(v[ROWS] for v in d.values())
+    # every token after a request's first, and a prompt's one-token last chunk (a prefix-cache hit)
+    assert tokens - len(w.requests) <= rows < tokens and d["prefill"][ROWS] == 0
+    assert sum(v[ROW_SECONDS] for v in d.values()) > 0
+    # a synchronous step loop (CPU): the engine times a step from its launch's return, so the launch
+    # (here the whole forward) is outside the step seconds and row_weighted_ms must add it
+    assert not eng.async_scheduling and sum(v[1] for v in d.values()) < sum(v[LAUNCH] for v in d.values())
+    assert row_weighted_ms(before, after, add_launch=True) > row_weighted_ms(before, after, add_launch=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        inst = TupleInstaller(llm, tmp)
+        cost = EngineCost(inst, w, objective="tpot")
+        assert cost.unit == "ms per output token, row-weighted step time"
+        assert cost.measure(default_tuple(engine_facts(llm)), 1.0) > 0
+    with pytest.raises(ValueError, match="objective 'speed'"):
+        EngineCost(inst, w, objective="speed")
+
+
+def test_kernel_cost_per_decode_row(llm, monkeypatch, tmp_path):
+    # each call timed at 1 ms: the cost is the sum of the kept weights, or that over the decode rows
+    monkeypatch.setattr(KernelCost, "_time", lambda self, call: 1e-3)
+    calls, stats, _ = _profile_steps(llm, "tpot", every=1)
+    facts, base = engine_facts(llm), default_tuple(engine_facts(llm))
+    weighed = sum(n for (fam, _, _), n in calls.items() if fam in ("gemm", "attention"))
+    total = KernelCost(calls, facts, str(tmp_path), families=("gemm", "attention"), max_inputs=10 ** 6)
+    assert all(n > 0 for _, n in total.inputs)  # a prefill-only step's inputs are not timed
+    assert total.measure(base, 1.0) == pytest.approx(weighed)
+    per_row = KernelCost(calls, facts, str(tmp_path), families=("gemm", "attention"), max_inputs=10 ** 6,
+                         decode_rows=stats["decode_rows"])
+    assert per_row.unit == "ms of kernel time per decode row (a TPOT estimate)"
+    assert per_row.measure(base, 1.0) == pytest.approx(weighed / stats["decode_rows"])
+
+
+def test_cli_objective_time_is_recorded_in_the_report(tmp_path):
+    import json
+
+    from detent.cli import main
+    from detent.models.tiny import write_tiny_llama
+    model = write_tiny_llama(str(tmp_path / "tiny"))
+    out = tmp_path / "t.json"
+    assert main(["tune", "--model", model, "--workload", "W-C", "--num-requests", "2", "--max-len", "40",
+                 "--families", "gemm", "--interactions", "0", "--refine", "0", "--objective", "time",
+                 "--cost", "kernels", "--confirm", "none", "--device", "cpu", "--dtype", "float32",
+                 "--max-model-len", "256", "--max-num-batched-tokens", "32", "-o", str(out)]) == 0
+    rep = json.loads((tmp_path / "t.report.json").read_text())
+    assert rep["objective"] == "time" and rep["unit"] == "ms of kernel time over the profiled calls"
+
+
+def test_a_closed_loop_load_replays_with_that_many_requests_running(llm):
+    """W-C's loads are closed loops (1 and 8 in flight): the replay runs the workload once per
+    load with the engine admitting at most that many requests, so the profile decodes in the
+    batches the load does. Four requests at 1 and at 2 in flight: no step holds more rows than its
+    load, both loads' outputs count, and the engine's own limit is back after."""
+    reqs = tuple(Request(tuple(2 + (5 * i + k) % 150 for i in range(20)), 4) for k in range(4))
+    w = Workload("closed", reqs, (Load("C1", concurrency=1), Load("C2", concurrency=2)), 0)
+    sched = llm.llm_engine.scheduler
+    limits, widths = sched.limits, []
+    real = sched.schedule
+
+    def schedule(*a, **k):
+        out = real(*a, **k)
+        widths.append((sched.limits.max_num_seqs, len(sched.running)))
+        return out
+    sched.schedule = schedule
+    try:
+        _, tokens = run_offline(llm, w)
+    finally:
+        del sched.schedule
+    assert tokens == 2 * 4 * 4
+    assert {cap for cap, _ in widths} == {1, 2}
+    assert all(n <= cap for cap, n in widths) and max(n for cap, n in widths if cap == 2) == 2
+    assert sched.limits is limits
