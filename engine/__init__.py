@@ -20,6 +20,7 @@ _LAZY = {
     "EngineConfig": "detent.engine.config",
     "EngineLimits": "detent.engine.config",
     "SELECTION_MODES": "detent.engine.config",
+    "ATTENTION_BACKENDS": "detent.engine.config",
     "MIXED_GRAPH_MAX_TOKENS": "detent.engine.config",
     "MIXED_GRAPH_MIN_TOKENS": "detent.engine.config",
     "Fingerprint": "detent.engine.fingerprint",

@@ -26,6 +26,15 @@ from detent.selection.compiler.solver import MODES as SELECTION_MODES
 MIXED_GRAPH_MAX_TOKENS = 2048
 MIXED_GRAPH_MIN_TOKENS = 16  # the smallest (the token buckets start at 16)
 
+# attention_backend's values: Detent's implementations, and the vLLM names (`--attention-backend`) that
+# mean one: TRITON_ATTN (Triton paged attention) and FLASH_ATTN (FlashAttention; Detent's is
+# FlashAttention-4, `pip install "detent[fa4]"`, SM90). Lease 27 (H100, docs/performance.md): fa4 served
+# 20 req/s at 1.14x vLLM's p50 TPOT against triton_paged's 1.25x, but one 8k-token request at a time
+# at 9.2 ms a token against 6.4 (no split-KV decode): a per-workload choice
+ATTENTION_BACKENDS = {"triton_paged": "triton_paged", "fa4": "fa4", "TRITON_ATTN": "triton_paged",
+                      "FLASH_ATTN": "fa4"}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path, HF cache name or preset; None: the embedded SmolLM2
@@ -77,6 +86,10 @@ class EngineConfig:
     # RL sampling contract: every request must carry a seed and sample (temperature > 0);
     # see engine/rl_contract.py
     rl: bool = False
+    # the default tuple's attention (the SelIR knob attention.impl, docs/selir.md), by Detent's name
+    # or vLLM's (ATTENTION_BACKENDS); None: the default tuple's own (triton_paged). Pinned selection
+    # without `tuple` only: a tuple names its attention itself
+    attention_backend: str | None = None
 
     def __post_init__(self):
         def positive(name):
@@ -111,6 +124,23 @@ class EngineConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.attention_backend is not None:
+            if self.attention_backend not in ATTENTION_BACKENDS:
+                raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                                 f"{self.attention_backend!r} (Detent's attention implementations, and the vLLM "
+                                 f"names that mean one)")
+            if self.tuple is not None:
+                raise ValueError("attention_backend sets the default tuple's attention; the commitment tuple "
+                                 f"{self.tuple} names its own (knob attention.impl): give one or the other")
+            if self.selection != "pinned":
+                raise ValueError(f"attention_backend sets the default tuple's attention, which selection "
+                                 f"{self.selection!r} does not run: it needs selection 'pinned'")
+
+    def tuple_knobs(self) -> dict[str, dict[str, Any]] | None:
+        """Knobs the default tuple takes from this config ({family: {knob: value}}), or None."""
+        if self.attention_backend is None:
+            return None
+        return {"attention": {"impl": ATTENTION_BACKENDS[self.attention_backend]}}
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -31,9 +31,11 @@ class Fingerprint:
 
 
 def fingerprint(facts: dict[str, Any], *, selection: str, tuple_path: str | None,
-                active_tuple: Any = None) -> Fingerprint:
+                active_tuple: Any = None, knobs: dict | None = None) -> Fingerprint:
     """The fingerprint of an engine built on `facts` in mode `selection`;
-    `active_tuple` is the tuple its dispatcher already loaded, if any."""
+    `active_tuple` is the tuple its dispatcher already loaded, if any (under
+    tensor parallelism the ranks hold it: then the tuple at `tuple_path`, or
+    the default tuple with `knobs`)."""
     from detent.selection import CommitmentTuple, default_tuple, deployment_hash, tuple_hash
     from detent.selection.facts import complete
 
@@ -44,5 +46,5 @@ def fingerprint(facts: dict[str, Any], *, selection: str, tuple_path: str | None
                            facts, None, selection)
     t = active_tuple
     if t is None:
-        t = CommitmentTuple.load(tuple_path) if tuple_path else default_tuple(facts)
+        t = CommitmentTuple.load(tuple_path) if tuple_path else default_tuple(facts, knobs=knobs)
     return Fingerprint(tuple_hash(t), dep, facts, t.to_dict(), selection)

@@ -457,7 +457,7 @@ class LLMEngine:
         """The (tuple hash, deployment hash) pair responses carry: what a
         replay needs to match to reproduce a request's bits."""
         return fingerprint(self.facts, selection=self.config.selection, tuple_path=self.config.tuple,
-                           active_tuple=getattr(self.dispatcher, "tuple", None))
+                           active_tuple=getattr(self.dispatcher, "tuple", None), knobs=self.config.tuple_knobs())
 
     def limits(self) -> EngineLimits:
         c = self.config

@@ -132,9 +132,13 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, mc: Any, device: 
         num_blocks = int(t.item())
     state = EngineState(device, dtype, max_len, num_blocks, config.block_size)
     facts = deployment_facts(config, mc, state)
+    if config.attention_backend is not None and not (facts.get("device") == "cuda" and facts.get("triton")):
+        raise ValueError(f"attention_backend={config.attention_backend!r}: a choice of CUDA deployments (with "
+                         f"Triton); this one runs on {facts.get('device')}, where attention has one "
+                         f"implementation: leave attention_backend unset")
     if dispatcher is None:
         try:
-            dispatcher = make_dispatcher(facts, config.selection, config.tuple)
+            dispatcher = make_dispatcher(facts, config.selection, config.tuple, config.tuple_knobs())
         except FactMismatch as e:
             raise FactMismatch(f"{e}\n{matching_tuple_hint(config, facts, e)}", e.fact, e.made_for, e.here) from None
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), config.block_size,

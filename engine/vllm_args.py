@@ -9,8 +9,7 @@ from __future__ import annotations
 _SELECTION = "kernels are chosen by SelIR from the commitment tuple: use selection= and tuple= (docs/selir.md)"
 
 INSTEAD = {
-    "attention_config": _SELECTION,
-    "attention_backend": _SELECTION,
+    "attention_config": _SELECTION + "; attention_backend= sets the default tuple's attention",
     "kernel_config": _SELECTION,
     "compilation_config": "Detent captures CUDA graphs itself and uses no torch.compile; enforce_eager=True "
                           "turns the graphs off",

@@ -18,12 +18,14 @@ from detent.selection.compiler.commitment import (CommitmentTuple, FactMismatch,
                                                   tuple_hash)
 
 
-def make_dispatcher(facts: dict[str, Any], mode: str = "pinned", tuple_path: str | None = None) -> Dispatcher:
+def make_dispatcher(facts: dict[str, Any], mode: str = "pinned", tuple_path: str | None = None,
+                    knobs: dict[str, dict[str, Any]] | None = None) -> Dispatcher:
     """The dispatcher the engine installs at startup for a deployment.
 
     mode "pinned" runs the commitment tuple at `tuple_path` (refused with a
     TupleError if its facts differ or an assignment is illegal) or, without
-    one, the default tuple; "stock" runs the programs as written; and
+    one, the default tuple, with `knobs` ({family: {knob: value}}, e.g. the
+    engine's attention_backend) set; "stock" runs the programs as written; and
     "conservative" one fixed candidate per family."""
     from detent.selection.facts import complete
     from detent.selection.provider import SelIRProvider
@@ -31,12 +33,17 @@ def make_dispatcher(facts: dict[str, Any], mode: str = "pinned", tuple_path: str
         raise ValueError(f"selection mode must be one of {', '.join(MODES)}; got {mode!r}")
     facts = complete(facts)
     t = None
+    if knobs and (tuple_path is not None or mode != "pinned"):
+        raise ValueError(f"knobs {knobs} set the default tuple, which selection {mode!r} with tuple "
+                         f"{tuple_path} does not run")
     if tuple_path is not None:
         if mode != "pinned":
             raise ValueError(f"a commitment tuple ({tuple_path}) only applies in selection mode 'pinned', "
                              f"not {mode!r}")
         t = CommitmentTuple.load(tuple_path)
         t.validate(facts)
+    elif knobs:
+        t = default_tuple(facts, knobs=knobs)
     d = Dispatcher(SelIRProvider(facts, mode, t))
     d.facts, d.tuple = facts, t
     return d

@@ -144,7 +144,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               device=a.device, enable_prefix_caching=a.enable_prefix_caching, load_format=a.load_format,
               seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl,
               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-              warmup=a.warm_start)
+              warmup=a.warm_start, attention_backend=a.attention_backend)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens", "mixed_token_align",
                  "mixed_graph_max_tokens", "block_size"):
         if getattr(a, name) is not None:

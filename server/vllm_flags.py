@@ -35,6 +35,12 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory the engine may use, KV cache included (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true", help="GPU: run every step eagerly, no CUDA graphs")
+    from detent.engine import ATTENTION_BACKENDS
+    p.add_argument("--attention-backend", default=None, choices=tuple(ATTENTION_BACKENDS),
+                   help="the default tuple's attention: triton_paged (the default; split-KV decode) or fa4 "
+                        "(FlashAttention-4, pip install \"detent[fa4]\": faster prompts, no split-KV decode); vLLM's "
+                        "TRITON_ATTN and FLASH_ATTN name them. Not with --tuple (it names its own). Which is "
+                        "faster depends on the traffic: docs/server.md")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV-cache block, the page attention reads (default 16); the tuple is made for "
                         "it: one made at another page size is refused")

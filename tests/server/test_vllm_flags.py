@@ -152,3 +152,11 @@ def test_a_vllm_command_line_serves_and_logs_requests(tiny_model, tmp_path):
         assert over.status_code == 400 and "max_logprobs=2" in over.text, over.text
         logged = [line for line in s.output().splitlines() if "cmpl-logme" in line]
         assert len(logged) == 1 and "INFO" in logged[0] and "max_tokens=[3]" in logged[0], s.output()[-2000:]
+
+
+def test_attention_backend_flag_reaches_the_engine():
+    assert engine_kwargs(parse_args([]))["attention_backend"] is None
+    for name in ("fa4", "triton_paged", "FLASH_ATTN", "TRITON_ATTN"):
+        assert engine_kwargs(parse_args(["--attention-backend", name]))["attention_backend"] == name
+    with pytest.raises(SystemExit):
+        parse_args(["--attention-backend", "FLASHINFER"])
