@@ -229,17 +229,44 @@ def top_p_keep_triton(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{name}: launch {launch!r} at {bits} bits a digit: the launch must be 'levels' or "
                          f"'row', and the bits must divide {_BITS}")
     limit = torch.ceil(top_p.double() * SCALE).long().contiguous()
-    levels, nb = _BITS // bits, 1 << bits
     tp = top_p.double().contiguous()
-    out = keep.view(torch.uint8)
+    if WARM_ALL_LAUNCHES if WARM_ALL_LAUNCHES is not None else xk.is_cuda:
+        _warm_launches(probs, tp, limit, (launch, bits))
+    _keep(probs, tp, limit, keep.view(torch.uint8), launch, bits)
+    return keep
+
+
+# "auto" takes another launch when the batch crosses a bound, and each launch is its own Triton
+# kernel: so that a batch of 33 or 192 rows meets no compile while serving, the first call for a
+# device and vocabulary also runs every other launch on its first row (`_warm_launches`). The warm
+# start (engine/warmup.py) makes that first call. None: on CUDA (where kernels compile)
+WARM_ALL_LAUNCHES: bool | None = None
+_WARMED: set = set()
+
+
+def _warm_launches(probs, tp, limit, taken: tuple[str, int]) -> None:
+    key = (str(probs.device), probs.shape[1], LAUNCH)
+    if LAUNCH != "auto" or key in _WARMED:
+        return
+    _WARMED.add(key)
+    sink = torch.empty(1, probs.shape[1], dtype=torch.uint8, device=probs.device)
+    for launch, bits in (("levels", 3), ("levels", 2), ("row", 2)):
+        if (launch, bits) != taken:
+            _keep(probs[:1], tp[:1], limit[:1], sink, launch, bits)
+
+
+def _keep(probs, tp, limit, out, launch: str, bits: int) -> None:
+    """The mask of `probs` [B, V] into `out` (uint8), by `launch` at `bits` bits a digit."""
+    B, V = probs.shape
+    levels, nb = _BITS // bits, 1 << bits
     if launch == "row":
         _top_p_row_kernel[(B,)](probs, tp, limit, out, V, probs.stride(0), out.stride(0), D=bits,
                                 LEVELS=levels, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(V)), num_warps=ROW_WARPS)
-        return keep
+        return
     block = min(BLOCK, triton.next_power_of_2(V))
     chunk = block * CHUNK_BLOCKS
     nch = triton.cdiv(V, chunk)
-    dev = xk.device
+    dev = probs.device
     part = torch.empty(levels, B, nch, nb, dtype=torch.int64, device=dev)
     state = torch.empty(levels, B, 2, dtype=torch.int64, device=dev)
     cnt = torch.empty(B, nch, nb, dtype=torch.int32, device=dev)
@@ -247,4 +274,3 @@ def top_p_keep_triton(xk: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         _top_p_kernel[(B, nch)](probs, tp, limit, part, state, cnt, out, V, B, nch, level, probs.stride(0),
                                 out.stride(0), D=bits, LEVELS=levels, NCH_PAD=triton.next_power_of_2(nch),
                                 CHUNK=chunk, BLOCK=block, FINAL=level == levels, num_warps=8)
-    return keep

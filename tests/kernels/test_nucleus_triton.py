@@ -149,3 +149,32 @@ def test_auto_takes_each_launch_by_the_batch_with_the_same_mask(monkeypatch):
         seen.clear()
         assert torch.equal(nt.top_p_keep_triton(x[:b], top_p[:b]), top_p_keep(x[:b], top_p[:b])), b
         assert seen == want, b
+
+
+def test_the_first_call_compiles_every_launch_so_serving_meets_none(monkeypatch):
+    """Under "auto" a batch crossing a bound takes another kernel: the first call for a device and
+    vocabulary also runs the other launches (on CUDA by default; forced here), once, on its first
+    row, and its own mask is still the reference's."""
+    monkeypatch.setattr(nt, "LAUNCH", "auto")
+    monkeypatch.setattr(nt, "AUTO_LEVELS3_MAX", 1)
+    monkeypatch.setattr(nt, "AUTO_ROW_MIN", 5)
+    monkeypatch.setattr(nt, "ROW_BLOCK", 64)
+    monkeypatch.setattr(nt, "WARM_ALL_LAUNCHES", True)
+    monkeypatch.setattr(nt, "_WARMED", set())
+    seen = []
+    for kernel in ("_top_p_kernel", "_top_p_row_kernel"):
+        real = getattr(nt, kernel)
+
+        class Spy:
+            def __getitem__(self, grid, real=real, kernel=kernel):
+                seen.append((kernel, grid[0]))
+                return real[grid]
+        monkeypatch.setattr(nt, kernel, Spy())
+    x = _logits("peaked", 3, 300, torch.Generator().manual_seed(9))
+    top_p = torch.tensor([0.3, 0.9, 0.5], dtype=torch.float64)
+    assert torch.equal(nt.top_p_keep_triton(x, top_p), top_p_keep(x, top_p))
+    # warm: 3-bit levels (11 launches) and the row launch on one row; then the call's own 2-bit levels
+    assert seen == [("_top_p_kernel", 1)] * 11 + [("_top_p_row_kernel", 1)] + [("_top_p_kernel", 3)] * 16
+    seen.clear()
+    assert torch.equal(nt.top_p_keep_triton(x, top_p), top_p_keep(x, top_p))
+    assert seen == [("_top_p_kernel", 3)] * 16  # once per device and vocabulary
