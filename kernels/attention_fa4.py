@@ -39,7 +39,6 @@ from typing import Callable, NamedTuple
 import torch
 
 from detent.kernels.attention import store_kv
-from detent.kernels.rowwise_triton import store_kv_triton
 from detent.kernels.optional import gpu_problem, version_problem
 from detent.kernels.registry import register, unavailable
 
@@ -105,7 +104,10 @@ def attention_fa4(q, k, v, kv_cache, meta, scale: float, tile_m: int, tile_n: in
     d = k.shape[-1]
     if k.is_cuda and d & (d - 1) == 0:
         # the Triton path's store: one kernel for k and v, against two index_copy launches
-        # (0.24 ms a step at 20 req/s against 0.07, H100, lease 27); a copy either way
+        # (0.24 ms a step at 20 req/s against 0.07, H100, lease 27); a copy either way. Imported
+        # here: triton is an extra, and this module loads without it (SelIR selects fa4 only
+        # where the `triton` fact holds)
+        from detent.kernels.rowwise_triton import store_kv_triton
         store_kv_triton(k, v, kv_cache, meta.slot_mapping)
     else:
         store_kv(k, v, kv_cache, meta.slot_mapping)

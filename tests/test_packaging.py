@@ -63,3 +63,21 @@ def test_benchmarks_serve_needs_nothing_beyond_the_package_and_the_bench_extra()
     third_party = {m for m in mods if m not in sys.stdlib_module_names and m not in ("detent", "__future__")}
     assert "httpx" in third_party
     assert {m.replace("_", "-") for m in third_party} <= declared, third_party - declared
+
+
+def test_the_kernels_load_without_triton():
+    """triton is an extra (`gpu`): without it the torch candidates still register, and no module of
+    kernels/ that always loads (attention_fa4, ...) imports it at the top."""
+    import subprocess
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name.split('.')[0] == 'triton':\n"
+            "            raise ImportError('triton blocked')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from detent.kernels import registry\n"
+            "import detent.kernels\n"
+            "print(sorted(registry.candidates('top_p')))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "['torch_rowwise']"
