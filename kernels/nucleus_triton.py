@@ -82,6 +82,38 @@ def _decide(hist, before_all, limit, bins, NB: tl.constexpr):
     return d, tl.sum(tl.where(bins == d, before, 0), axis=0)
 
 
+@triton.jit
+def _room(v_bits, limit, above, V):
+    """How many of v's tokens fit, in id order: those whose mass before stays < limit (all of
+    them, V, when one weighs nothing)."""
+    one = (v_bits.to(tl.float32, bitcast=True) * 1152921504606846976.0).to(tl.int64)  # v's mass
+    return tl.where(one > 0, (limit - above + one - 1) // tl.maximum(one, 1), V)
+
+
+@triton.jit
+def _mask_block(p_ptr, keep_ptr, row, sp, sk, offs, m, v_bits, keep_all, rank0, room):
+    """One block's keep mask: tokens above v, and v's tokens whose rank (rank0 of them before the
+    block) is < room; returns v's tokens in the block."""
+    bits = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
+    tie = ((bits == v_bits) & m).to(tl.int32)
+    ties = tl.sum(tie, axis=0)
+    keep = (bits > v_bits) | keep_all
+    if ties > 0:  # most blocks hold none of v's tokens: no ranks to count
+        rank = rank0 + tl.cumsum(tie, axis=0) - tie
+        keep = keep | ((tie != 0) & (rank < room))
+    tl.store(keep_ptr + row * sk + offs, keep.to(tl.uint8), mask=m)
+    return ties
+
+
+@triton.jit
+def _block_hits(p, bits, own, shift, bins, NB: tl.constexpr):
+    """The block's tokens under the prefix, one-hot by their next digit ([BLOCK, NB]), and the
+    digit's bins' masses from them (floor(p * 2**60): p >= 0, exact scaling; integer sums)."""
+    mass = (p * 1152921504606846976.0).to(tl.int64)
+    hit = own[:, None] & (((bits >> shift) & (NB - 1))[:, None] == bins[None, :])
+    return hit, tl.sum(tl.where(hit, mass[:, None], 0), axis=0)
+
+
 @lazy_jit(do_not_specialize=["B", "NCH", "level"])  # one compiled kernel per vocabulary, FINAL or not
 def _top_p_kernel(p_ptr, top_p_ptr, limit_ptr, part_ptr, state_ptr, cnt_ptr, keep_ptr, V, B, NCH, level,
                   sp, sk, D: tl.constexpr, LEVELS: tl.constexpr, NCH_PAD: tl.constexpr, CHUNK: tl.constexpr,
@@ -112,24 +144,14 @@ def _top_p_kernel(p_ptr, top_p_ptr, limit_ptr, part_ptr, state_ptr, cnt_ptr, kee
     start = c * CHUNK
     if FINAL:  # prefix is v's bits: write the mask
         v_bits = prefix.to(tl.int32)
-        one = (v_bits.to(tl.float32, bitcast=True) * 1152921504606846976.0).to(tl.int64)  # v's mass
-        room = tl.where(one > 0, (limit - above + one - 1) // tl.maximum(one, 1), V)  # ties that fit
+        room = _room(v_bits, limit, above, V)
         keep_all = cols * 0 + (tl.load(top_p_ptr + row) >= 1.0).to(tl.int32) != 0  # top_p 1 keeps every token
         # v's tokens in the chunks before this one (its last digit's counts, per chunk)
         cp = cnt_ptr + (row * NCH + chunks) * NB + (prefix & (NB - 1))
         rank0 = tl.sum(tl.load(cp, mask=chunks < c, other=0), axis=0)
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + cols
-            m = offs < V
-            bits = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
-            tie = ((bits == v_bits) & m).to(tl.int32)
-            ties = tl.sum(tie, axis=0)
-            keep = (bits > v_bits) | keep_all
-            if ties > 0:  # most blocks hold none of v's tokens: no ranks to count
-                rank = rank0 + tl.cumsum(tie, axis=0) - tie
-                keep = keep | ((tie != 0) & (rank < room))
-            tl.store(keep_ptr + row * sk + offs, keep.to(tl.uint8), mask=m)
-            rank0 += ties
+            rank0 += _mask_block(p_ptr, keep_ptr, row, sp, sk, offs, offs < V, v_bits, keep_all, rank0, room)
     else:  # this digit's bins over the chunk's tokens under the prefix
         shift = _PROB_BITS - D * (level + 1)
         hist = tl.zeros([NB], dtype=tl.int64)
@@ -144,9 +166,8 @@ def _top_p_kernel(p_ptr, top_p_ptr, limit_ptr, part_ptr, state_ptr, cnt_ptr, kee
             # they add nothing to the bins, so their one-hot sums are skipped (integer sums, so
             # skipping zeros changes no bit)
             if tl.max(own.to(tl.int32), axis=0) > 0:
-                mass = (p * 1152921504606846976.0).to(tl.int64)  # floor(p * 2**60): p >= 0, exact scaling
-                hit = own[:, None] & (((bits >> shift) & (NB - 1))[:, None] == bins[None, :])
-                hist += tl.sum(tl.where(hit, mass[:, None], 0), axis=0)
+                hit, masses = _block_hits(p, bits, own, shift, bins, NB)
+                hist += masses
                 cnt += tl.sum(hit.to(tl.int32), axis=0)
         tl.store(part_ptr + ((level * B + row) * NCH + c) * NB + bins, hist)
         tl.store(cnt_ptr + (row * NCH + c) * NB + bins, cnt, mask=bins * 0 + level == LEVELS - 1)
@@ -181,9 +202,8 @@ def _top_p_row_kernel(p_ptr, top_p_ptr, limit_ptr, keep_ptr, V, sp, sk, D: tl.co
             bits = p.to(tl.int32, bitcast=True)
             own = ((bits >> (shift + D)) == prefix) & m  # NaN's bits (>= 2**30) are never under it
             if tl.max(own.to(tl.int32), axis=0) > 0:  # a block with none adds nothing (as in the launches)
-                mass = (p * 1152921504606846976.0).to(tl.int64)  # floor(p * 2**60)
-                hit = own[:, None] & (((bits >> shift) & (NB - 1))[:, None] == bins[None, :])
-                hist += tl.sum(tl.where(hit, mass[:, None], 0), axis=0)
+                _, masses = _block_hits(p, bits, own, shift, bins, NB)
+                hist += masses
                 lo = tl.minimum(lo, tl.min(tl.where(own, bits, 2147483647), axis=0))
                 hi = tl.maximum(hi, tl.max(tl.where(own, bits, -1), axis=0))
         if (lo == hi) & (tl.sum(hist, axis=0) > 0):  # one value of positive mass left: it is v
@@ -195,22 +215,12 @@ def _top_p_row_kernel(p_ptr, top_p_ptr, limit_ptr, keep_ptr, V, sp, sk, D: tl.co
             above = above_d
             level += 1
     v_bits = prefix
-    one = (v_bits.to(tl.float32, bitcast=True) * 1152921504606846976.0).to(tl.int64)  # v's mass
-    room = tl.where(one > 0, (limit - above + one - 1) // tl.maximum(one, 1), V)  # ties that fit
+    room = _room(v_bits, limit, above, V)
     keep_all = cols * 0 + (tl.load(top_p_ptr + row) >= 1.0).to(tl.int32) != 0  # top_p 1 keeps every token
     rank0 = v_bits * 0  # v's tokens in the blocks before
     for i in range(0, V, BLOCK):
         offs = i + cols
-        m = offs < V
-        bits = tl.load(p_ptr + row * sp + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
-        tie = ((bits == v_bits) & m).to(tl.int32)
-        ties = tl.sum(tie, axis=0)
-        keep = (bits > v_bits) | keep_all
-        if ties > 0:
-            rank = rank0 + tl.cumsum(tie, axis=0) - tie
-            keep = keep | ((tie != 0) & (rank < room))
-        tl.store(keep_ptr + row * sk + offs, keep.to(tl.uint8), mask=m)
-        rank0 += ties
+        rank0 += _mask_block(p_ptr, keep_ptr, row, sp, sk, offs, offs < V, v_bits, keep_all, rank0, room)
 
 
 @register("top_p", "triton_rowwise", devices=("cuda",))
@@ -245,7 +255,7 @@ _WARMED: set = set()
 
 
 def _warm_launches(probs, tp, limit, taken: tuple[str, int]) -> None:
-    key = (str(probs.device), probs.shape[1], LAUNCH)
+    key = (str(probs.device), probs.shape[1])
     if LAUNCH != "auto" or key in _WARMED:
         return
     _WARMED.add(key)
