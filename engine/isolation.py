@@ -24,12 +24,14 @@ def find_culprits(plan: SchedulerOutput, vocab_size: int, dispatcher: Dispatcher
     """request id -> the error its sampling row raises alone (requests whose row does not raise are left out)."""
     out: dict[str, str] = {}
     zeros = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+    # a row whose last token was still on the device (async scheduling) reads one: any will do
+    last = torch.zeros(1, dtype=torch.long, device=device)
     with use_dispatcher(dispatcher):
         for seq in plan.seqs:
             if seq.sample is None:
                 continue
             try:
-                sampling.sample(zeros, [seq.sample])
+                sampling.sample_async(zeros, [seq.sample], last if seq.sample.pending else None).resolve()
             except Exception as e:  # noqa: BLE001 - any error of one row is that request's
                 out[seq.request_id] = f"{type(e).__name__}: {e}"
     return out

@@ -89,3 +89,31 @@ def test_the_mixed_run_can_differ_under_stock_selection():
     solo = {rid: _bits(_run(eng, [(rid, ids, p, None)])[rid]) for rid, ids, p, _ in _good(b.config.vocab_size)}
     done = _run(eng, _mixed(b.config.vocab_size))
     assert any(_bits(done[rid]) != want for rid, want in solo.items())
+
+
+@pytest.mark.parametrize("kind", ["logit_bias", "temperature"])
+def test_a_request_poisoned_mid_run_under_overlap_fails_alone(kind):
+    """Under async scheduling (the GPU's default) the step that raises has rows whose last
+    token is still on the device; probing each row alone must give it one, or every row of
+    the step is blamed (each failed with "last token is still on the device")."""
+    b = bundle("llama")
+    eng = make_llm(b, async_scheduling=True).llm_engine
+    good = _good(b.config.vocab_size)[:3]
+    solo = {rid: _bits(_run(eng, [(rid, ids, p, None)])[rid]) for rid, ids, p, _ in good}
+    bad = SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True)
+    for rid, ids, p, _ in good:
+        eng.add_request(rid, ids, SamplingParams(**GOOD[int(rid[-1])][2]))
+    eng.add_request("bad", prompt(21, 9, b.config.vocab_size), bad)
+    done = {}
+    for i in range(500):
+        if i == 4:  # a few decode steps in: the next plan's rows are pending
+            assert eng._inflight is not None and any(s.sample.pending for s in eng._inflight.plan.seqs
+                                                     if s.sample is not None)
+            _poison(kind, bad)
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        if not eng.has_unfinished_requests():
+            break
+    assert done["bad"].outputs[0].finish_reason == "error"
+    assert "last token" not in done["bad"].error, done["bad"].error
+    for rid, want in solo.items():
+        assert _bits(done[rid]) == want, f"{rid}: differs from its solo run"
