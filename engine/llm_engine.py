@@ -17,9 +17,13 @@ computed from the same inputs, and the extra rows are neighbours, which a
 batch-invariant step does not see. Rows that read their output so far
 (penalties, min_tokens, bad words, golden tokens) take its pending last
 token from the device (`SamplingRow.pending`: it is the row's last input
-token). The engine collects first (no overlap) only when a request needs its
-token on the host before its next step (a grammar advances on it) or gets
-values back with the step (prompt logprobs): `Request.needs_token_feedback`.
+token). A grammar request needs its token on the host before its next
+token can be sampled (its grammar advances on it): its step is launched with
+the forward queued and the sampling deferred, and sampled right after step
+N's tokens have advanced the grammars (`ModelRunner.sample_deferred`), while
+the forward runs. The engine collects first (no overlap) only when a request
+gets values back with the step (prompt logprobs), or under a runner that
+cannot defer its sampling (tensor parallelism): `Request.needs_token_feedback`.
 Without `async_scheduling` each step launches and collects its own plan.
 
 Threading: `add_request` and `abort_request` may be called from any thread
@@ -94,7 +98,8 @@ class LLMEngine:
                                                    self.state.max_model_len, config.max_mixed_batched_tokens,
                                                    config.mixed_token_align),
                                    self.state.num_blocks, config.block_size, config.enable_prefix_caching,
-                                   stop_strings=self.outputs.update_text)
+                                   stop_strings=self.outputs.update_text,
+                                   grammar_after_launch=getattr(self.runner, "samples_after_launch", False))
         self.block_manager = self.scheduler.bm  # read-only view for stats()
         eos = set(getattr(model_config, "eos_token_ids", ()) or ())
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -293,8 +298,15 @@ class LLMEngine:
             plan = self.scheduler.schedule()
             host["schedule"] += time.perf_counter() - t1
             handle, prev = self._launch(plan, prev, results)
-            if prev is not None:
-                results += self._finish_step(prev)
+            groups = self._advance(prev) if prev is not None else {}
+            # a step whose sampling waits for prev's tokens (grammar rows) is sampled now that they
+            # have advanced the grammars, while its forward runs, before the outputs are built
+            error = self._sample_deferred(handle) if handle is not None else None
+            results += self._emit_all(groups)
+            if error is not None:
+                self._launched_at.pop(id(handle), None)
+                results += self._undo(handle.plan, error)
+                handle = None
             if handle is not None:
                 if self.async_scheduling:
                     self._inflight = handle
@@ -329,18 +341,37 @@ class LLMEngine:
                 c[8] += path == "pieces"
                 c[13] += self.scheduler.num_left_out(plan)
                 return handle, prev
-            except Exception as e:  # noqa: BLE001 - judged below: one request's, or re-raised
+            except Exception as e:  # noqa: BLE001 - judged by _undo: one request's, or re-raised
                 if prev is not None:
                     results += self._finish_step(prev)
                     prev = None
-                self.scheduler.retract(plan)
-                culprits = find_culprits(plan, self.model_config.vocab_size, *self._probe_target())
-                if not culprits and not isinstance(e, (ValueError, NotImplementedError)):
-                    raise
-                # no single culprit for a request-level error: the step's requests fail together
-                results += self._fail(culprits or {s.request_id: f"{type(e).__name__}: {e}" for s in plan.seqs})
+                results += self._undo(plan, e)
             plan = self.scheduler.schedule()
         return None, prev
+
+    def _undo(self, plan, e: Exception) -> list[RequestOutput]:
+        """A step launched for `plan` raised: its requests return to the queue, and
+        those whose own inputs raise fail (engine/isolation.py); an error no request
+        caused is raised again."""
+        self.scheduler.retract(plan)
+        culprits = find_culprits(plan, self.model_config.vocab_size, *self._probe_target())
+        if not culprits and not isinstance(e, (ValueError, NotImplementedError)):
+            raise e
+        # no single culprit for a request-level error: the step's requests fail together
+        return self._fail(culprits or {s.request_id: f"{type(e).__name__}: {e}" for s in plan.seqs})
+
+    def _sample_deferred(self, handle) -> Exception | None:
+        """Queue `handle`'s deferred sampling, if it has one; what it raised, for `_undo`."""
+        if getattr(handle, "deferred", None) is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            self.runner.sample_deferred(handle, self.scheduler.requests.__contains__)
+        except Exception as e:  # noqa: BLE001 - judged by _undo: one request's, or re-raised
+            return e
+        finally:  # part of the step's launch
+            self._step_kinds[step_kind(handle.plan)][4] += time.perf_counter() - t0
+        return None
 
     def _probe_target(self):
         """(dispatcher, device) to probe sampling rows with (engine/isolation.py)."""
@@ -354,11 +385,16 @@ class LLMEngine:
     def _needs_tokens_first(self, handle) -> bool:
         """Must `handle`'s tokens reach the host before the next plan is made?"""
         reqs = self.scheduler.requests
+        after = self.scheduler.grammar_after_launch
         return any((s.sample is not None or s.prompt_targets) and s.request_id in reqs
-                   and reqs[s.request_id].needs_token_feedback for s in handle.plan.seqs)
+                   and reqs[s.request_id].needs_token_feedback(after) for s in handle.plan.seqs)
 
     def _finish_step(self, handle) -> list[RequestOutput]:
         """Collect a launched step, advance the requests, emit their outputs."""
+        return self._emit_all(self._advance(handle))
+
+    def _advance(self, handle) -> dict[str, None]:
+        """Collect a launched step and advance its requests; the groups that progressed."""
         t0 = time.perf_counter()
         out = self.runner.collect(handle)
         t1 = time.perf_counter()
@@ -367,11 +403,13 @@ class LLMEngine:
         self._num_steps += 1
         self._count_step(handle, waited)
         groups = {self.outputs.parent_of[req.request_id]: None for req in progressed}
-        t2 = time.perf_counter()
+        self.host_seconds["update"] += time.perf_counter() - t1
+        return groups
+
+    def _emit_all(self, groups: dict[str, None]) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outs = [self._emit(g) for g in groups]
-        host = self.host_seconds
-        host["update"] += t2 - t1
-        host["outputs"] += time.perf_counter() - t2
+        self.host_seconds["outputs"] += time.perf_counter() - t0
         return outs
 
     def _count_step(self, handle, waited: float) -> None:

@@ -13,7 +13,8 @@ The runner never allocates blocks: block tables arrive in the plan.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,15 +23,20 @@ from detent.selection.context import AttentionMetadata, ForwardContext, forward_
 from detent.sampling import sampler as sampling
 from detent.sampling.rng import to_device
 from detent.scheduler.outputs import PLACEHOLDER, ModelOutput, SampledToken, SchedulerOutput
-from detent.selection.dispatch import Dispatcher
+from detent.selection.dispatch import Dispatcher, use_dispatcher
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt rows scored per log-softmax call (bounds the [rows, vocab] buffer)
 PACK_ALIGN = 2  # int64 elements: 16 bytes, the pointer alignment Triton specializes on
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepHandle:
-    """A launched step: its plan and its results, still on the device."""
+    """A launched step: its plan and its results, still on the device.
+
+    `deferred` holds (logits, rows, last tokens) while the step's sampling
+    waits for the previous step's tokens to reach the host (a grammar row
+    whose last token was pending: `ModelRunner.sample_deferred`); `sampled`
+    is None until then. Nothing else changes after the launch."""
     plan: SchedulerOutput
     sampled: "sampling.PendingSample | None"
     sample_row: dict[str, int]  # request id -> its row in `sampled`
@@ -42,6 +48,7 @@ class StepHandle:
     launch_split: tuple[float, float] | None = None
     # what served the model call: "eager", "pieces", "decode_graph" or "whole_graph"
     forward_path: str | None = None
+    deferred: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,10 @@ class Batch:
 
 
 class ModelRunner:
+    # a step whose grammar rows wait for their last token is launched without its sampling,
+    # sampled later by `sample_deferred` (the scheduler's `grammar_after_launch`)
+    samples_after_launch = True
+
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  dispatcher: Dispatcher, device: torch.device):
         self.model = model
@@ -75,7 +86,12 @@ class ModelRunner:
         Input tokens the host does not know yet (`PLACEHOLDER`, the tokens `prev`
         sampled) are taken from `prev`'s device tensor. Sampling never waits for
         the device (tests/sampling/test_no_sync.py); prompt logprobs do, as their
-        values go to the host here."""
+        values go to the host here.
+
+        A sampling row with a grammar whose last token is pending needs that token
+        on the host first (the grammar advances on it): the step's sampling then
+        waits in `handle.deferred` for `sample_deferred`, while the forward is
+        already queued."""
         t0 = time.perf_counter()
         events = None
         if self.device.type == "cuda":  # the step's span on the device, for the engine's counters
@@ -88,17 +104,34 @@ class ModelRunner:
         with forward_context(ctx):
             hidden = self._forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
             t2 = time.perf_counter()
-            sampled = self._sample(plan, hidden, batch)
+            sampled, deferred = self._sample(plan, hidden, batch)
             prompt_lps = self._prompt_logprobs(plan, hidden, batch)
-        if events is not None:
+        if events is not None and deferred is None:
             events[1].record()
         ids = [s.request_id for s in plan.seqs if s.sample is not None]
         return StepHandle(plan, sampled, {rid: i for i, rid in enumerate(ids)}, prompt_lps, events,
-                          (t1 - t0, t2 - t1), self.forward_path)
+                          (t1 - t0, t2 - t1), self.forward_path, deferred)
+
+    @torch.inference_mode()
+    def sample_deferred(self, handle: "StepHandle", live: Callable[[str], bool]) -> None:
+        """Sample `handle`'s rows now that the previous step's tokens have advanced
+        their grammars (the scheduler's update). The rows are the ones planned, so
+        the bits are those of sampling at launch after a collected step. A row whose
+        request ended meanwhile (`live(request_id)` false) is sampled without its
+        grammar, which may have terminated: the scheduler drops that row's token."""
+        logits, rows, last = handle.deferred
+        rows = [r if r.grammar is None or live(rid) else replace(r, grammar=None)
+                for rid, r in zip(handle.sample_row, rows)]
+        with use_dispatcher(self.dispatcher):  # outside the step's forward context
+            handle.sampled, handle.deferred = sampling.sample_async(logits, rows, last), None
+        if handle.events is not None:
+            handle.events[1].record()
 
     @staticmethod
     def collect(handle: "StepHandle") -> ModelOutput:
         """Wait for `handle`'s results and hand them over as host values."""
+        if handle.deferred is not None:
+            raise RuntimeError("collect: the step's sampling is deferred; call sample_deferred first")
         if handle.sampled is None:
             return ModelOutput({}, handle.prompt_logprobs)
         out = handle.sampled.resolve()
@@ -163,14 +196,17 @@ class ModelRunner:
         return Batch(ids_t, pos_t, attn, srows_t, prows_t, ptg_t)
 
     # ------------------------------------------------------------ outputs
-    def _sample(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> "sampling.PendingSample | None":
+    def _sample(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch):
+        """(sampled, deferred): the step's sampling, or what `sample_deferred` needs for it."""
         rows = [s.sample for s in plan.seqs if s.sample is not None]
         if not rows:
-            return None
+            return None, None
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [R, V] fp32
         # a row whose last token is still pending (async scheduling) reads it as its last input token
         last = batch.input_ids.index_select(0, batch.sample_rows) if any(r.pending for r in rows) else None
-        return sampling.sample_async(logits, rows, last)
+        if any(r.pending and r.grammar is not None for r in rows):
+            return None, (logits, rows, last)
+        return sampling.sample_async(logits, rows, last), None
 
     def _prompt_logprobs(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> dict:
         if batch.prompt_rows.numel() == 0:

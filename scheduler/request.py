@@ -92,13 +92,15 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
 
-    @property
-    def needs_token_feedback(self) -> bool:
+    def needs_token_feedback(self, grammar_after_launch: bool = False) -> bool:
         """Its next step cannot be planned before the host has its last token:
-        a grammar advances on it (on the host); prompt logprobs arrive with the
-        step. (Penalties, min_tokens, bad words and golden tokens read the output
-        so far, and take its pending last token from the device: SamplingRow.pending.)"""
-        return self.grammar is not None or self.wants_prompt_logprobs
+        prompt logprobs arrive with the step, and a grammar advances on it (on
+        the host) — unless the runner samples grammar rows after the launch
+        (`grammar_after_launch`: the step's forward is queued first, and its
+        sampling once the token has advanced the grammar). (Penalties,
+        min_tokens, bad words and golden tokens read the output so far, and take
+        its pending last token from the device: SamplingRow.pending.)"""
+        return self.wants_prompt_logprobs or (self.grammar is not None and not grammar_after_launch)
 
     @functools.cached_property
     def prompt_array(self) -> np.ndarray:

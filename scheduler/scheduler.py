@@ -24,7 +24,9 @@ the runner fills from step N's device tensor; its sampling row says so
 (`SamplingRow.pending`), for what reads the output so far. A request whose
 pending token must be its last (max_tokens, max_model_len) is not planned
 again; one that needs its token on the host (`Request.needs_token_feedback`)
-waits for it; a request that turns out finished when its token arrives is
+waits for it (a grammar request does not when `grammar_after_launch`: the
+runner samples its row once the token has reached the host and advanced the
+grammar); a request that turns out finished when its token arrives is
 dropped from the step already launched for it (that row's token is
 discarded).
 """
@@ -70,13 +72,18 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True,
-                 stop_strings: Callable[[Request], str | None] | None = None):
+                 stop_strings: Callable[[Request], str | None] | None = None,
+                 grammar_after_launch: bool = False):
         """`num_blocks` KV blocks of `block_size` tokens (the null block included):
         the scheduler owns the `BlockManager` that hands them out.
         `stop_strings(req)`: the request's text is detokenized up to its last
         token; the stop string it now holds, if any (the engine's output
-        processor). The scheduler decides every stop, this one included."""
+        processor). The scheduler decides every stop, this one included.
+        `grammar_after_launch`: the runner can sample a step's rows after the
+        step is launched (ModelRunner.sample_deferred), so a grammar request is
+        planned while its last token is still on the device."""
         self.limits = limits
+        self.grammar_after_launch = grammar_after_launch
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.stop_strings = stop_strings
         self.waiting: deque[Request] = deque()
@@ -244,7 +251,7 @@ class Scheduler:
         p = req.params
         last = (req.num_tokens + req.num_pending >= self.limits.max_model_len
                 or (p.max_tokens is not None and req.num_output_tokens + req.num_pending >= p.max_tokens))
-        return not last and not req.needs_token_feedback
+        return not last and not req.needs_token_feedback(self.grammar_after_launch)
 
     def _plan(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens

@@ -17,8 +17,10 @@ import jsonschema
 import pytest
 
 from detent.engine import SamplingParams
+from detent.sampling import sampler as sampling
 from detent.sampling.grammar import GrammarCompilerCache
 from detent.sampling.params import StructuredOutputs
+from detent.selection.context import forward_context
 
 from .engine_util import result_of, same, tiny_llm
 
@@ -178,6 +180,88 @@ def test_grammar_requests_do_not_depend_on_neighbours(selection):
     equal = [same(a, b) for a, b in zip(alone, together[2::4])]  # seed 7: third of each grammar's four
     assert all(equal) if selection == "pinned" else not all(equal)
 
+
+
+def _overlap_run(async_scheduling: bool, reqs, sample_at_launch: bool = False):
+    """(results, steps whose sampling waited for the previous step's tokens, steps
+    launched before the previous one was collected while it held a grammar row)."""
+    llm = tiny_llm(VOCAB, async_scheduling=async_scheduling, max_num_seqs=8)
+    eng, runner = llm.llm_engine, llm.llm_engine.runner
+    counts = {"deferred": 0, "overlapped": 0}
+    real_launch, real_deferred, real_sample = runner.launch, runner.sample_deferred, runner._sample
+
+    def launch(plan, prev=None):
+        if prev is not None and any(s.sample is not None and s.sample.grammar is not None for s in prev.plan.seqs):
+            counts["overlapped"] += 1
+        return real_launch(plan, prev)
+
+    def sample_deferred(handle, live):
+        counts["deferred"] += 1
+        return real_deferred(handle, live)
+
+    def sample_now(plan, hidden, batch):  # the mutation: the grammar has not seen the pending token
+        sampled, deferred = real_sample(plan, hidden, batch)
+        return (sampling.sample_async(*deferred), None) if deferred is not None else (sampled, None)
+
+    runner.launch, runner.sample_deferred = launch, sample_deferred
+    if sample_at_launch:
+        runner._sample = sample_now
+    assert eng.async_scheduling == async_scheduling and eng.scheduler.grammar_after_launch
+    with forward_context(None):  # the engine's dispatcher only: this package's autouse one would hide a lack
+        return run(llm, reqs), counts["deferred"], counts["overlapped"]
+
+
+def _mixed_grammar_requests():
+    plain = [("plain", {"prompt_token_ids": [3 + s, 9, 4 + s]},
+              SamplingParams(temperature=0.9, seed=s, max_tokens=24, logprobs=2, ignore_eos=True)) for s in range(3)]
+    return grammar_requests(seeds=range(2), logprobs=2) + plain
+
+
+def test_grammar_requests_overlap_and_equal_serial():
+    """Under async scheduling a grammar request's step is planned while its last token is on
+    the device: the forward is launched and the sampling waits for that token to advance the
+    grammar (ModelRunner.sample_deferred), so the step before is never collected first. Every
+    request's tokens == and logprobs/top-2 torch.equal the serial run's; the outputs validate."""
+    reqs = _mixed_grammar_requests()
+    serial, _, _ = _overlap_run(False, reqs)
+    got, deferred, overlapped = _overlap_run(True, reqs)
+    assert_valid([r for r in got if r[0] != "plain"])
+    assert all(same(result_of(a), result_of(b)) for (_, a), (_, b) in zip(got, serial))
+    assert deferred >= 20 and overlapped >= 20, (deferred, overlapped)
+
+
+def test_grammar_overlap_check_can_fail():
+    """The comparison above fails when the deferred rows are sampled at launch instead, under a
+    grammar that has not seen the pending token."""
+    reqs = _mixed_grammar_requests()
+    serial, _, _ = _overlap_run(False, reqs)
+    got, deferred, _ = _overlap_run(True, reqs, sample_at_launch=True)
+    assert deferred == 0
+    assert not all(same(result_of(a), result_of(b)) for (_, a), (_, b) in zip(got, serial))
+
+
+def test_a_grammar_that_raises_in_deferred_sampling_fails_alone():
+    """A grammar whose mask raises when its deferred step is sampled: that request fails alone
+    (finish_reason "error", its message), the step is undone as a failed launch is, and every
+    other request's tokens and logprobs equal the serial run's."""
+    reqs = _mixed_grammar_requests()
+    serial, _, _ = _overlap_run(False, reqs)
+    llm = tiny_llm(VOCAB, async_scheduling=True, max_num_seqs=8)
+    eng = llm.llm_engine
+    for i, (_, prompt, params) in enumerate(reqs):
+        eng.add_request(str(i), prompt["prompt_token_ids"], params)
+    done, poisoned = {}, False
+    with forward_context(None):
+        while eng.has_unfinished_requests():
+            req = eng.scheduler.requests.get("0")
+            if not poisoned and req is not None and req.num_output_tokens >= 3:
+                def boom():
+                    raise RuntimeError("boom: the mask")
+                req.grammar.bitmask, poisoned = boom, True
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert poisoned
+    assert done["0"].outputs[0].finish_reason == "error" and "boom: the mask" in done["0"].error
+    assert all(same(result_of(done[str(i)]), result_of(o)) for i, (_, o) in enumerate(serial) if i)
 
 
 def _deferred(spec: StructuredOutputs, trigger: list[int]) -> StructuredOutputs:
