@@ -8,7 +8,7 @@
 #       (stock first: its lambda_max sets the others' rates; tuned-W-C and tuned-W-A take lease 20's
 #       W-C and lease 22's W-A tuple, each tuned on its whole workload, unless /tmp/arms has one;
 #       every load sends its own prompts: benchmarks/workloads/README.md)
-#   tune-W-A | tune-W-B:  `detent tune` on the whole workload (W-A: 600 turns), timed, into
+#   tune-W-A | tune-W-B | tune-W-C:  `detent tune` on the whole workload (W-A: 600 turns), timed, into
 #              /tmp/arms/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
 #              600 s a device call may take)
 #   vllm:      `vllm serve` from the peer bundle (PYTHONPATH=VLLM_PATH, default /tmp/vsite), same
@@ -54,7 +54,7 @@ for PART in "$@"; do
             timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART" ;;
         pinned-default-again)  # the default's second run, pinned-default@2: the run-to-run drift
             timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms pinned-default --tag @2 ;;
-        tune-W-A|tune-W-B)
+        tune-W-A|tune-W-B|tune-W-C)  # W-C: with FA4 on the path (its attention candidates)
             W=${PART#tune-}
             timed "$PART" 590 detent tune --model $M $FACTS --workload $W --cost kernels --time-budget 570 \
                 -o /tmp/arms/tuple-$W.json ;;
