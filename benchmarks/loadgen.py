@@ -29,9 +29,9 @@ def workload(kind: str, n: int, input_len: int, output_len: int, seed: int, voca
     return [(" ".join(f"t{rng.randrange(10, vocab)}" for _ in range(p)), o) for p, o in lens]
 
 
-async def one(session, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def one(session, url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     times: list[float] = []
     tokens = 0
@@ -79,9 +79,9 @@ async def run(a) -> dict:
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
         async def go(p, o):
             if sem is None:
-                return await one(s, a.url, a.model, p, o)
+                return await one(s, a.url, a.model, p, o, a.extra_body)
             async with sem:
-                return await one(s, a.url, a.model, p, o)
+                return await one(s, a.url, a.model, p, o, a.extra_body)
 
         t0 = time.perf_counter()
         tasks = []
@@ -115,6 +115,9 @@ def parse(argv=None):
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--lengths", choices=("fixed", "sharegpt"), default="fixed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help='fields merged into every request body, e.g. \'{"structured_outputs": {"json": '
+                        '{"type": "string"}}}\' (as vllm bench serve\'s --extra-body)')
     return p.parse_args(argv)
 
 

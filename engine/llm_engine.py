@@ -21,9 +21,11 @@ token). A grammar request needs its token on the host before its next
 token can be sampled (its grammar advances on it): its step is launched with
 the forward queued and the sampling deferred, and sampled right after step
 N's tokens have advanced the grammars (`ModelRunner.sample_deferred`), while
-the forward runs. The engine collects first (no overlap) only when a request
-gets values back with the step (prompt logprobs), or under a runner that
-cannot defer its sampling (tensor parallelism): `Request.needs_token_feedback`.
+the forward runs. Prompt logprobs stay on the device until their step is
+collected, and a prompt's next chunk is planned after the rows already
+planned. The engine collects first (no overlap) only for a grammar request
+under a runner that cannot defer its sampling (tensor parallelism):
+`Request.needs_token_feedback`.
 Without `async_scheduling` each step launches and collects its own plan.
 
 Threading: `add_request` and `abort_request` may be called from any thread
@@ -386,7 +388,7 @@ class LLMEngine:
         """Must `handle`'s tokens reach the host before the next plan is made?"""
         reqs = self.scheduler.requests
         after = self.scheduler.grammar_after_launch
-        return any((s.sample is not None or s.prompt_targets) and s.request_id in reqs
+        return any(s.sample is not None and s.request_id in reqs
                    and reqs[s.request_id].needs_token_feedback(after) for s in handle.plan.seqs)
 
     def _finish_step(self, handle) -> list[RequestOutput]:

@@ -40,7 +40,7 @@ class StepHandle:
     plan: SchedulerOutput
     sampled: "sampling.PendingSample | None"
     sample_row: dict[str, int]  # request id -> its row in `sampled`
-    prompt_logprobs: dict
+    prompt_logprobs: "PendingPromptLogprobs | None"
     # CUDA events around the step's work on the device stream (timing only), or None
     events: "tuple[torch.cuda.Event, torch.cuda.Event] | None" = None
     # host seconds of the launch's parts: preparing the inputs, the model call (graph replays,
@@ -59,7 +59,6 @@ class Batch:
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # [R] long: flattened index of each sampling row
     prompt_rows: torch.Tensor  # [P] long: flattened index of each prompt-logprob row
-    prompt_targets: torch.Tensor  # [P] long: the prompt token each of those rows is scored on
 
 
 class ModelRunner:
@@ -84,9 +83,9 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device; do not wait for them.
 
         Input tokens the host does not know yet (`PLACEHOLDER`, the tokens `prev`
-        sampled) are taken from `prev`'s device tensor. Sampling never waits for
-        the device (tests/sampling/test_no_sync.py); prompt logprobs do, as their
-        values go to the host here.
+        sampled) are taken from `prev`'s device tensor. Neither sampling nor prompt
+        logprobs wait for the device (tests/sampling/test_no_sync.py): their
+        values reach the host in `collect`.
 
         A sampling row with a grammar whose last token is pending needs that token
         on the host first (the grammar advances on it): the step's sampling then
@@ -132,12 +131,13 @@ class ModelRunner:
         """Wait for `handle`'s results and hand them over as host values."""
         if handle.deferred is not None:
             raise RuntimeError("collect: the step's sampling is deferred; call sample_deferred first")
+        plps = {} if handle.prompt_logprobs is None else handle.prompt_logprobs.resolve()
         if handle.sampled is None:
-            return ModelOutput({}, handle.prompt_logprobs)
+            return ModelOutput({}, plps)
         out = handle.sampled.resolve()
         return ModelOutput({rid: SampledToken(out.token_ids[i], (out.logprobs[i], out.ranks[i],
                                                                  tuple(out.topk_ids[i]), tuple(out.topk_logprobs[i])))
-                            for rid, i in handle.sample_row.items()}, handle.prompt_logprobs)
+                            for rid, i in handle.sample_row.items()}, plps)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
@@ -167,7 +167,6 @@ class ModelRunner:
         p_rows = [qsl[i] + (s.prompt_rows_start - s.start) + np.arange(len(s.prompt_targets))
                   for i, s in enumerate(seqs) if s.prompt_targets]
         p_rows = np.concatenate(p_rows) if p_rows else np.zeros(0, dtype=np.int64)
-        p_tgts = np.fromiter((tok for s in seqs for tok in s.prompt_targets), dtype=np.int64)
         holes = np.flatnonzero(ids == PLACEHOLDER)  # tokens sampled by `prev`, not on the host yet
         if holes.size and prev is None:
             raise RuntimeError("the plan has placeholder tokens but no previous step to take them from")
@@ -177,14 +176,14 @@ class ModelRunner:
         # one host -> device copy for everything, each part 16-byte aligned: Triton specializes a
         # kernel on whether a pointer is, so an unaligned part (the positions after an odd token
         # count) would compile a variant that the warm start did not run
-        parts = [ids, positions, slots, qsl, seq_lens, tables.reshape(-1), sample_rows, p_rows, p_tgts, holes, src]
+        parts = [ids, positions, slots, qsl, seq_lens, tables.reshape(-1), sample_rows, p_rows, holes, src]
         offsets = np.cumsum([0] + [-(-p.size // PACK_ALIGN) * PACK_ALIGN for p in parts])
         buf = np.zeros(int(offsets[-1]), dtype=np.int64)
         for p, o in zip(parts, offsets):
             buf[o:o + p.size] = p
         flat = to_device(torch.from_numpy(buf), self.device)
         views = [flat[o:o + p.size] for p, o in zip(parts, offsets)]
-        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, srows_t, prows_t, ptg_t, holes_t, src_t = views
+        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, srows_t, prows_t, holes_t, src_t = views
         if holes.size:
             ids_t = ids_t.index_copy(0, holes_t, prev.sampled.tokens.index_select(0, src_t))
         attn = AttentionMetadata(
@@ -193,7 +192,7 @@ class ModelRunner:
             num_seqs=len(seqs), num_tokens=t, max_seqlen_q=int(qlens.max()),
             max_seqlen_k=int(seq_lens.max()), block_size=bs,
             query_start_loc_cpu=tuple(qsl.tolist()), seq_lens_cpu=tuple(seq_lens.tolist()))
-        return Batch(ids_t, pos_t, attn, srows_t, prows_t, ptg_t)
+        return Batch(ids_t, pos_t, attn, srows_t, prows_t)
 
     # ------------------------------------------------------------ outputs
     def _sample(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch):
@@ -208,33 +207,53 @@ class ModelRunner:
             return None, (logits, rows, last)
         return sampling.sample_async(logits, rows, last), None
 
-    def _prompt_logprobs(self, plan: SchedulerOutput, hidden: torch.Tensor, batch: Batch) -> dict:
-        if batch.prompt_rows.numel() == 0:
-            return {}
-        kmax = max(s.prompt_logprobs_k for s in plan.seqs if s.prompt_targets)
-        results = score_rows(self.model, hidden, batch.prompt_rows, batch.prompt_targets, kmax)
-        out, o = {}, 0
-        for s in plan.seqs:
-            if s.prompt_targets:
-                n, k = len(s.prompt_targets), s.prompt_logprobs_k
-                out[s.request_id] = tuple((lp, rk, ids[:k], lps[:k]) for lp, rk, ids, lps in results[o:o + n])
-                o += n
-        return out
+    def _prompt_logprobs(self, plan: SchedulerOutput, hidden: torch.Tensor,
+                         batch: Batch) -> "PendingPromptLogprobs | None":
+        seqs = [s for s in plan.seqs if s.prompt_targets]
+        if not seqs:
+            return None
+        kmax = max(s.prompt_logprobs_k for s in seqs)
+        targets = [t for s in seqs for t in s.prompt_targets]
+        return PendingPromptLogprobs(score_rows(self.model, hidden, batch.prompt_rows, targets, kmax),
+                                     tuple((s.request_id, len(s.prompt_targets), s.prompt_logprobs_k) for s in seqs))
 
 
-def score_rows(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
-               k: int) -> list[tuple[float, int, tuple[int, ...], tuple[float, ...]]]:
+def score_rows(model, hidden: torch.Tensor, rows: torch.Tensor, targets: list[int],
+               k: int) -> list["sampling.PendingSample"]:
     """Raw logprob, rank and top-k of `targets[i]` under the logits of
-    `hidden[rows[i]]` — through the sampler's own scoring (`logprobs_of`), so
-    prompt logprobs and decode logprobs are one computation (same
-    log-softmax, same rank rule, same top-k tie order)."""
-    out = []
-    tg_all = targets.tolist()
+    `hidden[rows[i]]`, still on the device, in parts of PROMPT_LOGPROBS_ROWS
+    rows — through the sampler's own scoring (`logprobs_of`), so prompt
+    logprobs and decode logprobs are one computation (same log-softmax, same
+    rank rule, same top-k tie order). `scored` brings them to the host."""
+    parts = []
     for c in range(0, rows.numel(), PROMPT_LOGPROBS_ROWS):
-        r = rows[c:c + PROMPT_LOGPROBS_ROWS]
-        logits = model.compute_logits(hidden.index_select(0, r))  # [n, V] fp32
-        so = sampling.logprobs_of(logits, tg_all[c:c + PROMPT_LOGPROBS_ROWS], k)
+        logits = model.compute_logits(hidden.index_select(0, rows[c:c + PROMPT_LOGPROBS_ROWS]))  # [n, V] fp32
+        parts.append(sampling.logprobs_of_async(logits, targets[c:c + PROMPT_LOGPROBS_ROWS], k))
+    return parts
+
+
+def scored(parts: list["sampling.PendingSample"]) -> list[tuple[float, int, tuple[int, ...], tuple[float, ...]]]:
+    """`score_rows`' parts as host values: (logprob, rank, top-k ids, top-k logprobs) per row."""
+    out = []
+    for part in parts:
+        so = part.resolve()
         out += [(lp, rk, tuple(ids), tuple(vals)) for lp, rk, ids, vals in
                 zip(so.logprobs, so.ranks, so.topk_ids or [()] * len(so.logprobs),
                     so.topk_logprobs or [()] * len(so.logprobs))]
     return out
+
+
+@dataclass(frozen=True)
+class PendingPromptLogprobs:
+    """A step's prompt logprobs while still on the device: the scored rows
+    (`score_rows`) and whose they are, (request id, rows, k) in row order."""
+    parts: list
+    seqs: tuple[tuple[str, int, int], ...]
+
+    def resolve(self) -> dict[str, tuple]:
+        """request id -> its rows' (logprob, rank, top-k ids, top-k logprobs), top-k cut to its k."""
+        results, out, o = scored(self.parts), {}, 0
+        for rid, n, k in self.seqs:
+            out[rid] = tuple((lp, rk, ids[:k], lps[:k]) for lp, rk, ids, lps in results[o:o + n])
+            o += n
+        return out

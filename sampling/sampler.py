@@ -225,6 +225,11 @@ def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:
 
 def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> SamplerOutput:
     """Raw logprobs of given tokens (prompt logprobs, trainer checks): row i scores token_ids[i]."""
+    return logprobs_of_async(logits, token_ids, k).resolve()
+
+
+def logprobs_of_async(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> PendingSample:
+    """`logprobs_of` without waiting for the device (the tokens are host ints)."""
     p = SamplingParams(temperature=0.0, logprobs=k)  # 0: the given token's own logprob and rank
     rows = [SamplingRow(p, seed=0, position=0, golden_token=int(t)) for t in token_ids]
-    return sample(logits, rows)
+    return sample_async(logits, rows)

@@ -64,6 +64,10 @@ class Request:
         self.output_logprobs: list[tuple[float, int, list[int], list[float]]] = []
         # per prompt position 1..P-1: (logprob of the prompt token, rank, topk ids, topk logprobs)
         self.prompt_logprobs: list[tuple[float, int, list[int], list[float]]] = []
+        # prompt rows planned for prompt logprobs so far: under async scheduling a chunk's rows
+        # may still be on the device, so a recompute (preemption) starts after these, not after
+        # the rows that have come back
+        self.num_prompt_logprobs_planned = 0
         # engine-clock timestamps (time.monotonic) for the server's metrics: queued, first
         # scheduled, first and latest token (vLLM's QUEUED / SCHEDULED / NEW_TOKENS events)
         self.arrival_time = time.monotonic()
@@ -93,14 +97,15 @@ class Request:
         return self.params.prompt_logprobs is not None
 
     def needs_token_feedback(self, grammar_after_launch: bool = False) -> bool:
-        """Its next step cannot be planned before the host has its last token:
-        prompt logprobs arrive with the step, and a grammar advances on it (on
-        the host) — unless the runner samples grammar rows after the launch
-        (`grammar_after_launch`: the step's forward is queued first, and its
-        sampling once the token has advanced the grammar). (Penalties,
-        min_tokens, bad words and golden tokens read the output so far, and take
-        its pending last token from the device: SamplingRow.pending.)"""
-        return self.wants_prompt_logprobs or (self.grammar is not None and not grammar_after_launch)
+        """Its next step cannot be planned before the host has its last token: a
+        grammar advances on it (on the host), unless the runner samples grammar
+        rows after the launch (`grammar_after_launch`: the step's forward is
+        queued first, and its sampling once the token has advanced the
+        grammar). (Penalties, min_tokens, bad words and golden tokens read the
+        output so far, and take its pending last token from the device:
+        SamplingRow.pending. Prompt logprobs come back with their step, and the
+        next chunk's rows start where the planned ones end.)"""
+        return self.grammar is not None and not grammar_after_launch
 
     @functools.cached_property
     def prompt_array(self) -> np.ndarray:

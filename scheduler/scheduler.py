@@ -28,7 +28,9 @@ waits for it (a grammar request does not when `grammar_after_launch`: the
 runner samples its row once the token has reached the host and advanced the
 grammar); a request that turns out finished when its token arrives is
 dropped from the step already launched for it (that row's token is
-discarded).
+discarded). Prompt-logprob rows are planned after those already planned
+(`Request.num_prompt_logprobs_planned`), as a chunk's rows may still be on
+the device when the next chunk, or a recompute after preemption, is planned.
 """
 from __future__ import annotations
 
@@ -269,12 +271,13 @@ class Scheduler:
                                  eos_token_ids=tuple(req.eos_token_ids), pending=req.num_pending)
         k, lo, targets = 0, 0, ()
         if req.wants_prompt_logprobs:
-            # row p predicts prompt token p + 1; rows already reported (before a preemption) are skipped
-            lo = max(start, len(req.prompt_logprobs))
+            # row p predicts prompt token p + 1; rows already planned (before a preemption) are skipped
+            lo = max(start, req.num_prompt_logprobs_planned)
             hi = min(end, req.num_prompt_tokens - 1)
             if hi > lo:
                 k = req.params.prompt_logprobs
                 targets = tuple(req.prompt_token_ids[lo + 1:hi + 1])
+                req.num_prompt_logprobs_planned = hi
         ids = tuple(req.all_token_ids[start:end]) + (PLACEHOLDER,) * max(0, end - max(start, known))
         return ScheduledSeq(req.request_id, ids, start, tuple(req.block_ids), sample, k, lo, targets)
 
@@ -329,6 +332,8 @@ class Scheduler:
             self.bm.uncache_from(req, seq.start)
             if seq.sample is not None:
                 req.num_pending -= 1
+            if seq.prompt_targets:  # never computed: planned again
+                req.num_prompt_logprobs_planned = seq.prompt_rows_start
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
                 self.bm.free_request(req)

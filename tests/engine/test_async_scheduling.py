@@ -211,3 +211,28 @@ def test_requests_that_read_their_output_overlap_and_match_serial(feature, count
     holes = count_placeholders(llm.llm_engine)
     assert run(llm, items)[0] == serial
     assert sum(holes) >= 8, holes  # the steps did overlap
+
+
+def test_prompt_logprobs_stay_on_the_device_until_their_step_is_collected(monkeypatch):
+    """A step with prompt-logprob rows is launched without waiting for any result (the host
+    would wait for the forward), and the next chunk is planned before those rows come back:
+    their step overlaps like any other, and the outputs equal the serial run's."""
+    from detent.sampling.sampler import PendingSample
+    items = [(prompt(400 + i, 40 + 40 * i, 160), SamplingParams(temperature=0.8, seed=i, max_tokens=6,
+                                                                 prompt_logprobs=2, logprobs=1, ignore_eos=True))
+             for i in range(3)]
+    serial = run(_llm(False), items)[0]
+    llm = _llm(True)
+    runner, resolved, launches = llm.llm_engine.runner, [], []
+    real_resolve, real_launch = PendingSample.resolve, runner.launch
+    monkeypatch.setattr(PendingSample, "resolve", lambda self: (resolved.append(1), real_resolve(self))[1])
+
+    def launch(plan, prev=None):
+        before = len(resolved)
+        handle = real_launch(plan, prev)
+        launches.append((len(resolved) - before, prev is not None and any(s.prompt_targets for s in plan.seqs)))
+        return handle
+    runner.launch = launch
+    assert run(llm, items)[0] == serial
+    assert resolved and sum(n for n, _ in launches) == 0  # every result came back in collect
+    assert sum(ahead for _, ahead in launches) >= 3, launches  # prompt chunks planned while one was in flight

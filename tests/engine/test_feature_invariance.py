@@ -1,12 +1,14 @@
 """One request's outputs do not depend on its neighbours, for every sampling
 feature, with async scheduling on (the default on CUDA).
 
-Neighbours change more than the batch: a neighbour that needs its token on the
-host before its next step (prompt logprobs here) makes the engine collect each
-step before it plans the next, so the target's steps run with and without the
-overlap depending on who else is running. A feature that read host state the
-overlap has not updated yet (a bad word's prefix did) gave different bits in
-the two cases.
+Neighbours change more than the batch: a neighbour that needed its values on
+the host before its next step (prompt logprobs here, until they stayed on the
+device with their step) made the engine collect each step before it planned the
+next, so the target's steps ran with and without the overlap depending on who
+else was running. A feature that read host state the overlap has not updated
+yet (a bad word's prefix did) gave different bits in the two cases. The cells
+keep those neighbours: prompt rows planned ahead of their results, beside the
+target's decodes.
 
 Comparator: the target's whole output (`engine_helpers.summary`: token ids,
 finish and stop reasons, text, every logprob as a Python float, with `==`)
@@ -40,9 +42,8 @@ FEATURES = {
 
 
 def _others(kind: str) -> list[tuple[list[int], SamplingParams]]:
-    """Seven neighbours of mixed lengths: greedy ones (the overlap stays on), or ones that want
-    prompt logprobs (each step is collected before the next is planned), or both, with a
-    repetition penalty on some."""
+    """Seven neighbours of mixed lengths: greedy ones, or ones that want prompt logprobs
+    (their rows come back with the step), or both, with a repetition penalty on some."""
     out = []
     for i in range(7):
         p = prompt(100 + i, [3, 25, 70][i % 3], VOCAB)
@@ -55,7 +56,7 @@ def _others(kind: str) -> list[tuple[list[int], SamplingParams]]:
 
 CELLS = {  # name: (neighbours, engine arguments)
     "among greedy neighbours": ("greedy", {}),
-    "among neighbours that need their tokens first": ("feedback", {}),
+    "among neighbours with prompt logprobs": ("feedback", {}),
     "among both, prompt in chunks of 24": ("both", dict(max_num_batched_tokens=24)),
 }
 

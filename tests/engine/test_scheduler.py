@@ -159,12 +159,30 @@ def _out(plan, tok=7):
                         for q in plan.seqs if q.prompt_targets})
 
 
+class HostGrammar:
+    """A grammar that allows everything: it advances on the host, so under a scheduler
+    without `grammar_after_launch` its request waits for each token."""
+    ready, pending, error = True, False, None
+
+    def accept(self, token_id):
+        return True
+
+    def is_terminated(self):
+        return False
+
+
+def waits_for_tokens(rid, n, max_tokens=5):
+    r = req(rid, n, max_tokens=max_tokens)
+    r.grammar = HostGrammar()
+    return r
+
+
 def test_plans_ahead_with_placeholders_for_pending_tokens():
     """Async scheduling: the next plan is made before the previous step's tokens arrive."""
     from detent.scheduler.outputs import PLACEHOLDER
     s = make(budget=64)
     a, b = req("a", 5, max_tokens=3), req("b", 3, max_tokens=1)
-    c = req("c", 4, max_tokens=5, prompt_logprobs=1)  # its prompt logprobs come with the step: it waits
+    c = waits_for_tokens("c", 4)  # its grammar needs each token on the host: it waits
     for r in (a, b, c):
         s.add(r)
     p1 = s.schedule()
@@ -191,7 +209,7 @@ def test_num_left_out_counts_the_generating_requests_a_plan_leaves_out():
     from detent.scheduler.outputs import SchedulerOutput
     s = make(budget=32, max_len=128)
     a, b = req("a", 5, max_tokens=3), req("b", 3, max_tokens=1)
-    c = req("c", 4, max_tokens=5, prompt_logprobs=1)
+    c = waits_for_tokens("c", 4)
     for r in (a, b, c):
         s.add(r)
     p1 = s.schedule()
@@ -356,3 +374,42 @@ def test_the_numpy_mirrors_equal_the_lists_and_a_view_keeps_its_values_as_tokens
     assert r.output_array.tolist() == r.output_token_ids == list(range(100, 140))
     assert all(v.tolist() == list(range(100, 100 + i)) for i, v in enumerate(views))
     assert r.prompt_array.tolist() == r.prompt_token_ids and not r.prompt_array.flags.writeable
+
+
+def test_a_grammar_request_plans_ahead_when_the_runner_samples_after_launch():
+    s = Scheduler(SchedulerLimits(8, 64, 64), 32, BS, grammar_after_launch=True)
+    c = waits_for_tokens("c", 4)
+    s.add(c)
+    p1, p2 = s.schedule(), s.schedule()
+    assert [q.request_id for q in p1.seqs] == [q.request_id for q in p2.seqs] == ["c"]
+    assert p2.seqs[0].sample.pending == 1 and p2.seqs[0].sample.grammar is c.grammar
+
+
+def test_prompt_logprob_rows_are_planned_ahead_once_each():
+    """A prompt's chunks are planned before the earlier ones' rows come back (async
+    scheduling): each row is planned once, in order, also when the request is preempted
+    with a chunk on the device; a retracted chunk's rows are planned again."""
+    s = make(budget=8, max_len=64)
+    c = req("c", 20, max_tokens=2, prompt_logprobs=1)
+    s.add(c)
+    p1, p2 = s.schedule(), s.schedule()  # rows 0-7 and 8-15, neither collected yet
+    rows = [(q.prompt_rows_start, len(q.prompt_targets)) for p in (p1, p2) for q in p.seqs]
+    assert rows == [(0, 8), (8, 8)]
+    assert p2.seqs[0].prompt_targets == tuple(c.prompt_token_ids[9:17])
+    s._preempt(c)  # p2's rows are still on the device: the recompute starts after them
+    s.update(p1, _out(p1))
+    p3, p4 = s.schedule(), s.schedule()  # recomputes tokens 0-7 and 8-15 (p2 not back yet): no rows
+    s.update(p2, _out(p2))
+    assert [(q.start, q.prompt_targets) for p in (p3, p4) for q in p.seqs] == [(0, ()), (8, ())]
+    assert len(c.prompt_logprobs) == 16
+    s.update(p3, _out(p3))
+    p5 = s.schedule()  # 16-19: rows 16-18, then the first sample
+    assert [len(q.prompt_targets) for q in p5.seqs] == [3]
+    s.retract(p5)  # never computed: the request recomputes, and those rows are planned again
+    s.update(p4, _out(p4))
+    planned = []
+    while not c.prompt_logprobs[16:]:
+        p = s.schedule()
+        planned += [(q.start, q.prompt_rows_start, len(q.prompt_targets)) for q in p.seqs]
+        s.update(p, _out(p))
+    assert planned == [(0, 16, 0), (8, 16, 0), (16, 16, 3)] and len(c.prompt_logprobs) == 19

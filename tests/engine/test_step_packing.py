@@ -21,7 +21,7 @@ def test_every_view_of_a_step_is_16_byte_aligned_for_odd_and_even_token_counts(m
     def prepare(plan, prev=None):
         b = real(plan, prev)
         views = {"input_ids": b.input_ids, "positions": b.positions, "slot_mapping": b.attn.slot_mapping,
-                 "sample_rows": b.sample_rows, "prompt_rows": b.prompt_rows, "prompt_targets": b.prompt_targets}
+                 "sample_rows": b.sample_rows, "prompt_rows": b.prompt_rows}
         seen.append((b.attn.num_tokens, {k: v.data_ptr() % 16 for k, v in views.items() if v.numel()}))
         return b
     monkeypatch.setattr(runner, "prepare", prepare)
