@@ -48,3 +48,32 @@ def test_grammar_requests_overlap_on_the_gpu_and_equal_serial():
     assert_valid([r for r in got if r[0] != "plain"])
     assert all(same(result_of(a), result_of(b)) for (_, a), (_, b) in zip(got, serial))
     assert len(calls) >= 20, len(calls)
+
+
+def test_prompt_logprobs_overlap_on_the_gpu_and_equal_serial():
+    """Steps with prompt-logprob rows are launched without waiting for the device (the rows
+    come back in collect), and every output equals the serial run's."""
+    prompts = [[(7 * i + 3 * k) % (VOCAB - 3) + 2 for k in range(40 + 60 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, logprobs=2, prompt_logprobs=3, ignore_eos=True)
+              for i in range(4)]
+
+    def outputs(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [sorted((t, lp.logprob) for t, lp in d.items())
+                                                for d in o.prompt_logprobs[1:]]) for o in outs]
+    serial = outputs(_llm(False))
+    llm = _llm(True)
+    runner = llm.llm_engine.runner
+    real, with_rows = runner.launch, []
+
+    def launch(plan, prev=None):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = real(plan, prev)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        with_rows.append(any(s.prompt_targets for s in plan.seqs))
+        return handle
+    runner.launch = launch
+    assert outputs(llm) == serial
+    assert sum(with_rows) >= 2
