@@ -92,7 +92,9 @@ def dotted(path: tuple) -> str:
     out = ""
     for p in path:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or "body"
+    # a key holding a lone surrogate (server/body.py refuses it by this path) is escaped: as
+    # itself it would make the error body unencodable, a 500 in place of the 400
+    return (out or "body").encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _show(v: Any) -> str:

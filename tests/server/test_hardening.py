@@ -107,6 +107,9 @@ def test_every_numeric_field_is_bounded(server, path, extra, param, needle):
     (CMPL, {"prompt": "ok", "max_tokens": 2, "model": "\ud800"}, "model"),
     (CMPL, {"prompt": "ok", "max_tokens": 2, "stop": ["\udc00"]}, "stop[0]"),
     ("/v1/tokenize", {"prompt": "a\ud800"}, "prompt"),
+    # in a key: the error names it escaped (as itself the 400's body could not be encoded: a 500)
+    (CMPL, {"prompt": "ok", "max_tokens": 2, "x\ud800": 1}, "x\\ud800"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "\udfff": 1}], "max_tokens": 2}, "messages[0].\\udfff"),
 ])
 def test_lone_surrogates_are_400(server, path, body, param):
     _err(_post(server, path, body), 400, "surrogate", param=param)
