@@ -58,7 +58,7 @@ def tool_constraint(tools: list[dict] | None, choice: Any,
         schema, mode = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}, "required"
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         mode = choice["function"].get("name")
-        if mode not in fns:
+        if not isinstance(mode, str) or mode not in fns:  # a list or object name is unhashable
             raise bad_request(f"tool_choice names function {mode!r}, which is not among the tools "
                               f"({', '.join(fns)})", "tool_choice")
         schema = fns[mode]

@@ -229,3 +229,14 @@ def test_requests_sharing_a_request_id_are_served_each_as_if_alone(server, path,
         assert r.status_code == 200, r.text
         assert r.json()["id"] == "dup" and text(r) == text(solo)  # greedy: the solo run's output
     _healthy(server)
+
+
+@pytest.mark.parametrize("extra", [
+    {"tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}},
+    {"tool_choice": {"type": "function", "function": {"name": {"n": 1}}}},
+])
+def test_a_tool_choice_naming_a_function_by_a_non_string_is_400(server, extra):
+    """The fuzz found a list or object name a 500 (unhashable, looked up among the tools' names)."""
+    body = {"messages": MSG, "max_tokens": 2, "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    _err(_post(server, CHAT, {**body, **extra}), 400, "tool_choice", param="tool_choice")
+    _healthy(server)
