@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from detent.engine import cut_at_final_message, open_final_message
 from detent.sampling.params import SamplingParams, StructuredOutputs
@@ -20,7 +20,7 @@ from detent.server.params import (FieldNames, bad_words_ids, check_counts, check
                                   check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.reasoning import END, ReasoningParser
-from detent.server.serving import ServerState, SSEResponse
+from detent.server.serving import JSONResponse, ServerState, SSEResponse
 from detent.server.tools import tool_constraint
 
 
@@ -180,7 +180,7 @@ def _output_shape(req: ChatCompletionRequest, state: ServerState, structured: St
     return ChatOutput(reasoner, True, req.include_reasoning, tool_mode, auto, tools), structured
 
 
-def _stream(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan, ctx: dict) -> AsyncIterator[str]:
+def _stream(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan, ctx: dict) -> AsyncIterator[bytes]:
     ctx = {**ctx, "object": "chat.completion.chunk"}
     return sse_events(_chunks(req, gen, plan, ctx), gen, ctx, req.stream_options)
 

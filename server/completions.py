@@ -6,7 +6,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, completion_logprobs, prompt_logprobs_json, usage
@@ -14,7 +14,7 @@ from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
                                   resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import CompletionRequest
-from detent.server.serving import ServerState, SSEResponse
+from detent.server.serving import JSONResponse, ServerState, SSEResponse
 
 
 def _split(p: Any) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -128,7 +128,7 @@ def _choice(req, state, tok, index, text0, ids, out, c) -> dict[str, Any]:
 
 
 def _stream(req: CompletionRequest, state: ServerState, gen: Generation,
-            prompts: list[tuple[str | None, list[int]]], tok: TokenText, ctx: dict) -> AsyncIterator[str]:
+            prompts: list[tuple[str | None, list[int]]], tok: TokenText, ctx: dict) -> AsyncIterator[bytes]:
     return sse_events(_chunks(req, state, gen, prompts, tok, ctx), gen, ctx, req.stream_options)
 
 

@@ -57,7 +57,7 @@ def usage_options(stream_options: Any) -> tuple[bool, bool]:
 
 
 async def sse_events(chunks: AsyncIterator[dict], gen: "Generation", ctx: dict,
-                     stream_options: Any) -> AsyncIterator[str]:
+                     stream_options: Any) -> AsyncIterator[bytes]:
     """An OpenAI event stream: each chunk (carrying the request's usage so far under
     continuous_usage_stats), then the usage chunk when asked for; an error after the
     stream started is reported in-band; always ends [DONE]."""
@@ -74,7 +74,7 @@ async def sse_events(chunks: AsyncIterator[dict], gen: "Generation", ctx: dict,
         yield sse(e.body())
     except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
         yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 class Generation:

@@ -29,7 +29,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from detent.server.chat import ChatPlan, choice_steps, prepare_chat
 from detent.server.errors import APIError
@@ -37,7 +37,7 @@ from detent.server.generation import Generation
 from detent.server.protocol import ChatCompletionRequest, ResponsesRequest
 from detent.server.responses_input import NAMES, to_chat_request
 from detent.server.responses_output import OutputEvents, ResponseHead, output_items, output_logprobs
-from detent.server.serving import ServerState, SSEResponse, sse
+from detent.server.serving import JSONResponse, ServerState, SSEResponse, sse
 
 
 async def create_response(req: ResponsesRequest, request: Request, state: ServerState) -> Response:
@@ -59,10 +59,10 @@ async def create_response(req: ResponsesRequest, request: Request, state: Server
 
 
 async def _events(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan,
-                  head: ResponseHead) -> AsyncIterator[str]:
+                  head: ResponseHead) -> AsyncIterator[bytes]:
     seq = itertools.count()
 
-    def event(e: dict[str, Any]) -> str:
+    def event(e: dict[str, Any]) -> bytes:
         return sse({**e, "sequence_number": next(seq)}, event=e["type"])
 
     start = head.body("in_progress", [])

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse as _JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import StreamingResponse
 
@@ -150,10 +151,26 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def sse(obj: Any, event: str | None = None) -> str:
+# A lone UTF-16 surrogate in a response string is written as its JSON escape ("\\ud800"),
+# the same string to a JSON parser: as itself it cannot be encoded, and the response was a
+# 500 or a stream cut off mid-body. Requests cannot carry one (server/body.py), but the
+# model's JSON can: a tool call whose arguments hold "\\ud800" parses to one.
+_LONE_SURROGATES = "backslashreplace"
+
+
+class JSONResponse(_JSONResponse):
+    """Starlette's JSON response, always encodable (_LONE_SURROGATES): the generation routes' bodies."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", _LONE_SURROGATES)
+
+
+def sse(obj: Any, event: str | None = None) -> bytes:
     """One server-sent event; `event` names it (the Responses API's events are named by their type)."""
     head = f"event: {event}\n" if event is not None else ""
-    return f"{head}data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode(
+        "utf-8", _LONE_SURROGATES)
 
 
 class SSEResponse(StreamingResponse):
@@ -164,7 +181,7 @@ class SSEResponse(StreamingResponse):
     generator is closed so its `finally` aborts the engine requests.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None,
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", **(headers or {})})

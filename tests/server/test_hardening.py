@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import API_KEY
+from server_helpers import API_KEY, token_ids
 
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -239,4 +239,32 @@ def test_a_tool_choice_naming_a_function_by_a_non_string_is_400(server, extra):
     """The fuzz found a list or object name a 500 (unhashable, looked up among the tools' names)."""
     body = {"messages": MSG, "max_tokens": 2, "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
     _err(_post(server, CHAT, {**body, **extra}), 400, "tool_choice", param="tool_choice")
+    _healthy(server)
+
+
+def _sse_data(text: str) -> list[str]:
+    return [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_whose_json_holds_a_lone_surrogate_escape_is_answered(server, stream):
+    """The model's JSON may escape a lone surrogate ("\\ud800"): json.loads makes it one, which
+    the response could not encode (a 500, or a stream cut off mid-body). It is written back
+    as the same escape. Forced with golden_token_ids through tool_choice "required"."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}]
+    forced = token_ids(server, '[{"name": "f", "parameters": {"a": "x\\ud800"}}]')
+    body = {"messages": MSG, "tools": tools, "tool_choice": "required", "golden_token_ids": forced,
+            "max_tokens": len(forced), "stream": stream}
+    r = _post(server, CHAT, body)
+    assert r.status_code == 200, r.text
+    if stream:
+        data = _sse_data(r.text)
+        assert data[-1] == "[DONE]", r.text[-500:]
+        args = "".join(tc["function"].get("arguments") or "" for d in data[:-1]
+                       for c in json.loads(d)["choices"] for tc in c["delta"].get("tool_calls") or [])
+    else:
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        args = call["function"]["arguments"]
+    assert json.loads(args) == {"a": "x\ud800"}
     _healthy(server)
