@@ -45,6 +45,7 @@ _LAZY = {
     # the request log and its re-execution (docs/verify.md)
     "RecordError": "detent.engine.log_record",
     "parse_record": "detent.engine.log_record",
+    "check_tuple": "detent.engine.log_record",
     "request_record": "detent.engine.log_record",
     "server_record": "detent.engine.log_record",
     "Finding": "detent.engine.replay",

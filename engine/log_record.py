@@ -193,3 +193,22 @@ def parse_record(obj: Any) -> Record:
     if plp is not None:
         _positions(plp, "prompt_logprobs")
     return Record(rid, list(ids), params, obj["selection"], obj["tuple_hash"], obj["deployment_hash"], facts, obj)
+
+
+def check_tuple(t: dict) -> None:
+    """A server record's `tuple` as re-execution reads it to name the pins that differ
+    (engine/replay.py): RecordError naming the first part that is not an object where a
+    commitment tuple has one (families, their pins, knobs and sites, a site's pins and knobs)."""
+    def obj(v: Any, where: str) -> dict:
+        if not isinstance(v, dict):
+            raise RecordError(where, f"must be an object, got {type(v).__name__}")
+        return v
+
+    for fam, ent in obj(t.get("families", {}), "tuple.families").items():
+        ent = obj(ent, f"tuple.families.{fam}")
+        for part in ("pins", "knobs"):
+            obj(ent.get(part, {}), f"tuple.families.{fam}.{part}")
+        for site, sv in obj(ent.get("sites", {}), f"tuple.families.{fam}.sites").items():
+            sv = obj(sv, f"tuple.families.{fam}.sites.{site}")
+            for part in ("pins", "knobs"):
+                obj(sv.get(part, {}), f"tuple.families.{fam}.sites.{site}.{part}")

@@ -20,8 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from detent.engine import (Finding, RecordError, compare_output, parse_record, refusal_reason, skip_reason,
-                           verify_report)
+from detent.engine import (Finding, RecordError, check_tuple, compare_output, parse_record, refusal_reason,
+                           skip_reason, verify_report)
 from detent.server.body import parse_json, receive_body
 from detent.server.errors import APIError, bad_request
 from detent.server.generation import Generation
@@ -36,15 +36,16 @@ def _records(body: Any, limit: int) -> tuple[list[Any], dict[str, dict]]:
     for i, item in enumerate(items):
         where = f"[{i}]" if isinstance(body, list) else "body"
         kind = item.get("type") if isinstance(item, dict) else None
-        if kind == "server":
-            if isinstance(item.get("tuple"), dict) and isinstance(item.get("tuple_hash"), str):
-                tuples[item["tuple_hash"]] = item["tuple"]
-            continue
         try:
+            if kind == "server":
+                if isinstance(item.get("tuple"), dict) and isinstance(item.get("tuple_hash"), str):
+                    check_tuple(item["tuple"])  # a refusal names the pins that differ from it
+                    tuples[item["tuple_hash"]] = item["tuple"]
+                continue
             requests.append(parse_record(item))
         except RecordError as e:
-            raise bad_request(f"{where}: not a request record of the request log: {e}",
-                              f"{where}.{e.field}" if isinstance(body, list) else e.field) from None
+            raise bad_request(f"{where}: not a {'server' if kind == 'server' else 'request'} record of the request "
+                              f"log: {e}", f"{where}.{e.field}" if isinstance(body, list) else e.field) from None
     if not requests:
         raise bad_request("the body holds no request record to re-execute")
     if len(requests) > limit:

@@ -228,6 +228,23 @@ def test_post_verify_malformed_record_is_a_400(logged, edit, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+@pytest.mark.parametrize("families, param", [
+    ([1], "[0].tuple.families"),
+    ({"gemm": [1]}, "[0].tuple.families.gemm"),
+    ({"gemm": {"pins": [1]}}, "[0].tuple.families.gemm.pins"),
+    ({"gemm": {"sites": {"k=1": 5}}}, "[0].tuple.families.gemm.sites.k=1"),
+])
+def test_post_verify_malformed_server_record_is_a_400(logged, families, param):
+    """The fuzz found a server record whose tuple is not shaped like one a 500 (read to name
+    the pins that differ from it, for a record of another tuple)."""
+    s, log, _ = logged
+    rec = copy.deepcopy(next(x for x in _records(log, ENGINE_REQUESTS) if x["type"] == "request"))
+    rec["tuple_hash"] = "0" * 64
+    r = _post(s, [{"type": "server", "tuple_hash": "0" * 64, "tuple": {"families": families}}, rec])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "server record" in r.json()["error"]["message"], r.json()
+
+
 def test_post_verify_bounds_and_bodies(logged):
     s, log, _ = logged
     reqs = [x for x in _records(log, ENGINE_REQUESTS) if x["type"] == "request"]
