@@ -46,6 +46,8 @@ _LAZY = {
     "RecordError": "detent.engine.log_record",
     "parse_record": "detent.engine.log_record",
     "check_tuple": "detent.engine.log_record",
+    # a request's structured-output spec is bounded before the server validates it
+    "check_spec_size": "detent.sampling.grammar_limits",
     "request_record": "detent.engine.log_record",
     "server_record": "detent.engine.log_record",
     "Finding": "detent.engine.replay",

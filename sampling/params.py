@@ -137,7 +137,7 @@ class StructuredOutputs:
                 raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
             try:
                 re.compile(self.regex)
-            except re.error as e:
+            except (re.error, OverflowError, RecursionError) as e:  # a{4294967295}; groups nested 1,000 deep
                 raise ValueError(f"structured_outputs.regex does not compile: {e}") from None
         elif kind == "grammar":
             if not isinstance(self.grammar, str) or not self.grammar.strip():
@@ -177,6 +177,8 @@ def _check_schema(schema: Any) -> dict:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        except RecursionError:  # JSON text in a string: the body's depth bound never saw its nesting
+            raise ValueError("structured_outputs.json is nested too deeply to parse") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
     import jsonschema
@@ -185,6 +187,8 @@ def _check_schema(schema: Any) -> dict:
     except jsonschema.exceptions.SchemaError as e:
         where = "/".join(str(p) for p in e.path) or "(root)"
         raise ValueError(f"structured_outputs.json is not a valid JSON Schema at {where}: {e.message}") from None
+    except RecursionError:
+        raise ValueError("structured_outputs.json is nested too deeply to check against its meta-schema") from None
     if isinstance(schema, bool):
         raise ValueError("structured_outputs.json must be a JSON Schema object, got a boolean schema")
     return schema

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from detent.engine import check_spec_size
 from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs, tokenize_bad_words
 from detent.server.errors import APIError, bad_request
 from detent.server.limits import ServerLimits
@@ -58,6 +59,7 @@ def structured_outputs(req: _Sampling, names: FieldNames = FieldNames()) -> Stru
                           + ", ".join(p for p, _, _ in found), found[1][0])
     param, kind, value = found[0]
     try:
+        check_spec_size(kind, value)  # the engine's bound, before validating (on the event loop) costs its time
         return StructuredOutputs(**{kind: value})
     except (ValueError, TypeError) as e:
         raise bad_request(f"invalid {param}: {e}", param) from None

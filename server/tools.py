@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from detent.engine import check_spec_size
 from detent.sampling.params import StructuredOutputs
 from detent.server.errors import bad_request
 from detent.server.tool_parsers import PARSERS
@@ -66,6 +67,7 @@ def tool_constraint(tools: list[dict] | None, choice: Any,
         raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', "
                           f"'function': {{'name': ...}}}}, got {choice!r}", "tool_choice")
     try:
+        check_spec_size("json", schema)  # as server/params.py: bounded before it is validated
         return StructuredOutputs(json=schema), mode
     except (ValueError, TypeError) as e:
         raise bad_request(f"invalid tool parameters schema: {e}", "tools") from None

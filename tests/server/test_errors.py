@@ -86,9 +86,27 @@ def test_invalid_sampling_400(server, field, value):
     ({"structured_outputs": {"grammar": "root ::= ("}}, "grammar"),
     ({"guided_choice": []}, "choice"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "only one"),
+    # each of these was a 500 (OverflowError, RecursionError) found by fuzzing
+    ({"guided_regex": "a{4294967295}"}, "does not compile"),
+    ({"guided_regex": "(" * 1000 + ")" * 1000}, "does not compile"),
+    ({"guided_json": "[" * 50_000}, "nested too deeply"),  # JSON text in a string: no body depth bound
+    ({"guided_json": '{"items": ' * 300 + "{}" + "}" * 300}, "nested too deeply"),
 ])
 def test_invalid_structured_outputs_400(server, extra, needle):
     _check(_post(server, CHAT, {"messages": MSG, "max_tokens": 3, **extra}), 400, needle)
+    _good(server)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"guided_json": {"type": "nonsense", "description": "x" * 70_000}}, "guided_json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "nonsense", "description": "x" * 70_000}}}], "tool_choice": "required"}, "tools"),
+])
+def test_a_structured_output_spec_over_the_size_bound_is_refused_before_it_is_validated(server, extra, param):
+    """Validating a spec runs on the event loop (a 5 MB schema's meta-schema check took 18 s,
+    every route waiting): the engine's size bound (max_spec_bytes) is checked first. This spec
+    is invalid too; the size is what the 400 names."""
+    _check(_post(server, CHAT, {"messages": MSG, "max_tokens": 3, **extra}), 400, "max_spec_bytes", param=param)
     _good(server)
 
 
