@@ -59,7 +59,7 @@ def structured_outputs(req: _Sampling, names: FieldNames = FieldNames()) -> Stru
                           + ", ".join(p for p, _, _ in found), found[1][0])
     param, kind, value = found[0]
     try:
-        check_spec_size(kind, value)  # the engine's bound, before validating (on the event loop) costs its time
+        check_spec_size(kind, value)  # the engine's bound, first: validating runs on the event loop, in time ~ size
         return StructuredOutputs(**{kind: value})
     except (ValueError, TypeError) as e:
         raise bad_request(f"invalid {param}: {e}", param) from None
