@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from detent.engine import (Finding, RecordError, compare_output, describe_difference, parse_record, refusal_reason,
-                           skip_reason, verify_report)
+from detent.engine import (Finding, RecordError, check_tuple, compare_output, describe_difference, parse_record,
+                           refusal_reason, skip_reason, verify_report)
 
 
 def read_log(path: str) -> tuple[list[Any], dict[str, dict], list[str]]:
@@ -42,7 +42,11 @@ def read_log(path: str) -> tuple[list[Any], dict[str, dict], list[str]]:
             continue
         if isinstance(obj, dict) and obj.get("type") == "server":
             if isinstance(obj.get("tuple"), dict):
-                tuples[obj.get("tuple_hash")] = obj["tuple"]
+                try:  # refusals walk it to name the pins that differ
+                    check_tuple(obj["tuple"])
+                    tuples[obj.get("tuple_hash")] = obj["tuple"]
+                except RecordError as e:
+                    notes.append(f"line {no}: a server record whose tuple is malformed ({e}), left out")
             continue
         try:
             records.append(parse_record(obj))

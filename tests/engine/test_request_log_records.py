@@ -208,6 +208,23 @@ def test_read_log_names_bad_lines_and_leaves_out_an_unfinished_last_one(pinned_r
     assert notes == ["line 6: an unfinished last line (the server stopped while writing it), left out"]
 
 
+def test_read_log_leaves_out_a_server_record_whose_tuple_is_malformed(pinned_records, tmp_path):
+    """A hand-edited server record's tuple is walked to name differing pins: one whose parts
+    are not objects is a note, not a crash of `detent verify`, and the record it would have
+    named is refused without pins."""
+    from detent.engine import refusal_reason
+    from detent.verify_log import read_log
+    records, fp = pinned_records
+    other = {**records[0].raw, "tuple_hash": "f" * 16}
+    path = tmp_path / "log.jsonl"
+    bad = {"type": "server", "tuple_hash": "f" * 16, "tuple": {"families": {"gemm": {"pins": [1]}}}}
+    path.write_text("\n".join([json.dumps(bad), json.dumps(other)]) + "\n")
+    got, tuples, notes = read_log(str(path))
+    assert tuples == {} and notes == ["line 1: a server record whose tuple is malformed "
+                                      "(tuple.families.gemm.pins: must be an object, got list), left out"]
+    assert "no server record of the log holds that tuple" in refusal_reason(got[0], fp, tuples)
+
+
 def test_non_finite_logprobs_round_trip_as_strings():
     """logprobs_mode="processed" reports -inf for the tokens top-k masked: the record writes
     "-inf" (JSON has no infinity), reads it back, and compares it equal to a re-execution."""
