@@ -96,7 +96,9 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
     /v1/responses, whose requests become chat requests, come through here)."""
     model = state.check_model(req.model)
     check_counts(req, state.limits, 1)
-    tool_so, tool_mode = tool_constraint(req.tools, req.tool_choice, state.tool_parser)
+    # a forced call's schema is validated like any structured output: on the preprocessing pool
+    tool_so, tool_mode = (await state.preprocess.run(tool_constraint, req.tools, req.tool_choice, state.tool_parser)
+                          if req.tools else tool_constraint(req.tools, req.tool_choice, state.tool_parser))
     kwargs = client_template(req, state.limits.trust_request_chat_template)
     if req.tools:
         kwargs["tools"] = req.tools  # the template describes them to the model
@@ -108,7 +110,7 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
     ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message, kwargs,
                                 names.messages)
     check_prompt_ids(ids, None, names.messages)
-    structured = structured_outputs(req, names)
+    structured = await structured_outputs(req, state.preprocess, names)
     if tool_so is not None:
         if structured is not None:
             raise bad_request("tool_choice forces a tool call; it cannot be combined with another "

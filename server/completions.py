@@ -55,7 +55,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of must equal n ({req.n}) when given, got {req.best_of}", "best_of")
     prompts = await _prompts(texts, ids_list, state, req.add_special_tokens)
-    structured = structured_outputs(req)
+    structured = await structured_outputs(req, state.preprocess)
     prompt_lp = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_lp = max(prompt_lp or 0, req.logprobs)

@@ -32,8 +32,17 @@ class FieldNames:
     reasoning_effort: str = "reasoning_effort"
 
 
-def structured_outputs(req: _Sampling, names: FieldNames = FieldNames()) -> StructuredOutputs | None:
-    """The one structured-output constraint a request asks for (validated: a bad one is a 400)."""
+async def structured_outputs(req: _Sampling, preprocess,
+                             names: FieldNames = FieldNames()) -> StructuredOutputs | None:
+    """The one structured-output constraint a request asks for, validated on the
+    preprocessing pool (a bad one is a 400): checking a spec (jsonschema's
+    meta-schema, re.compile, xgrammar's grammar parser) costs time in its size."""
+    found = _spec(req, names)
+    return None if found is None else await preprocess.run(_validated, *found)
+
+
+def _spec(req: _Sampling, names: FieldNames) -> tuple[str, str, Any] | None:
+    """(param, kind, value) of the request's one structured-output constraint, or None."""
     found: list[tuple[str, str, Any]] = []  # (param, kind, value)
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
@@ -57,9 +66,12 @@ def structured_outputs(req: _Sampling, names: FieldNames = FieldNames()) -> Stru
     if len(found) > 1:
         raise bad_request("only one structured-output constraint per request, got "
                           + ", ".join(p for p, _, _ in found), found[1][0])
-    param, kind, value = found[0]
+    return found[0]
+
+
+def _validated(param: str, kind: str, value: Any) -> StructuredOutputs:
     try:
-        check_spec_size(kind, value)  # the engine's bound, first: validating runs on the event loop, in time ~ size
+        check_spec_size(kind, value)  # the engine's bound, first: validating costs time in the size
         return StructuredOutputs(**{kind: value})
     except (ValueError, TypeError) as e:
         raise bad_request(f"invalid {param}: {e}", param) from None

@@ -49,16 +49,28 @@ def test_max_tokens_against_context():
 
 
 def test_structured_outputs_sources():
+    """Each source of a constraint; the spec is validated on the preprocessing pool, off the loop."""
+    ran = []
+
+    class Pool:
+        async def run(self, fn, *args):
+            ran.append(fn.__name__)
+            return await asyncio.to_thread(fn, *args)
+
+    def so(req):
+        return asyncio.run(structured_outputs(req, Pool()))
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                                 "response_format": {"type": "json_schema", "json_schema": {
                                                     "name": "a", "schema": {"type": "object"}}}})
-    assert structured_outputs(req).json == {"type": "object"}
+    assert so(req).json == {"type": "object"}
     req = CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})
-    assert structured_outputs(req).choice == ["a", "b"]
+    assert so(req).choice == ["a", "b"]
     req = CompletionRequest.model_validate({"prompt": "x", "guided_regex": "[", "top_k": 3})
     with pytest.raises(APIError) as e:
-        structured_outputs(req)
+        so(req)
     assert e.value.param == "guided_regex"
+    assert so(CompletionRequest.model_validate({"prompt": "x"})) is None
+    assert ran == ["_validated"] * 3  # every spec on the pool; no hop without one
 
 
 def test_kv_usage_from_stats():
