@@ -387,9 +387,8 @@ class LLMEngine:
     def _needs_tokens_first(self, handle) -> bool:
         """Must `handle`'s tokens reach the host before the next plan is made?"""
         reqs = self.scheduler.requests
-        after = self.scheduler.grammar_after_launch
         return any(s.sample is not None and s.request_id in reqs
-                   and reqs[s.request_id].needs_token_feedback(after) for s in handle.plan.seqs)
+                   and self.scheduler.waits_for_token(reqs[s.request_id]) for s in handle.plan.seqs)
 
     def _finish_step(self, handle) -> list[RequestOutput]:
         """Collect a launched step, advance the requests, emit their outputs."""

@@ -96,7 +96,7 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
 
-    def needs_token_feedback(self, grammar_after_launch: bool = False) -> bool:
+    def needs_token_feedback(self, grammar_after_launch: bool) -> bool:
         """Its next step cannot be planned before the host has its last token: a
         grammar advances on it (on the host), unless the runner samples grammar
         rows after the launch (`grammar_after_launch`: the step's forward is

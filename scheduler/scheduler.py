@@ -253,7 +253,12 @@ class Scheduler:
         p = req.params
         last = (req.num_tokens + req.num_pending >= self.limits.max_model_len
                 or (p.max_tokens is not None and req.num_output_tokens + req.num_pending >= p.max_tokens))
-        return not last and not req.needs_token_feedback(self.grammar_after_launch)
+        return not last and not self.waits_for_token(req)
+
+    def waits_for_token(self, req: Request) -> bool:
+        """Must `req`'s pending token reach the host before its next step is planned
+        (`Request.needs_token_feedback`, under this scheduler's runner)?"""
+        return req.needs_token_feedback(self.grammar_after_launch)
 
     def _plan(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
