@@ -10,7 +10,7 @@
 #       every load sends its own prompts: benchmarks/workloads/README.md)
 #   tune-W-A | tune-W-B | tune-W-C:  `detent tune` on the whole workload (W-A: 600 turns), timed, into
 #              /tmp/arms/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
-#              600 s a device call may take)
+#              600 s a device call may take; TUNE_BUDGET=S for less, when the call installs too)
 #   vllm:      `vllm serve` from the peer bundle (PYTHONPATH=VLLM_PATH, default /tmp/vsite), same
 #              deployment facts, then the same client and rates (serve_arms.py --vllm-url)
 #   vllm-bi:   the same with VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant mode), stored as arm vllm-bi
@@ -56,7 +56,8 @@ for PART in "$@"; do
             timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms pinned-default --tag @2 ;;
         tune-W-A|tune-W-B|tune-W-C)  # W-C: with FA4 on the path (its attention candidates)
             W=${PART#tune-}
-            timed "$PART" 590 detent tune --model $M $FACTS --workload $W --cost kernels --time-budget 570 \
+            B=${TUNE_BUDGET:-570}  # less when the call also installs (its 600 s holds both)
+            timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --cost kernels --time-budget "$B" \
                 -o /tmp/arms/tuple-$W.json ;;
         vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)
             BI=0; TAG=""
