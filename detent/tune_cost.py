@@ -15,15 +15,14 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any, Protocol
 
+from detent.engine import STEP_KIND_FIELDS
 from detent.selection import CommitmentTuple
 from detent.selection.facts import site_key
-from detent.server.metrics import STEP_KIND_COUNTERS
 from detent.tune_engine import TupleInstaller, check_objective, run_offline
 
-# positions in LLMEngine.stats()["steps_by_kind"][kind], named as the server's counters name them
-_COUNTER = {stem: i for i, (stem, _) in enumerate(STEP_KIND_COUNTERS)}
-STEPS, LAUNCH = _COUNTER["engine_steps"], _COUNTER["engine_step_launch_seconds"]
-ROWS, ROW_SECONDS = _COUNTER["engine_step_decode_rows"], _COUNTER["engine_step_decode_row_seconds"]
+# positions in LLMEngine.stats()["steps_by_kind"][kind]
+STEPS, LAUNCH, ROWS, ROW_SECONDS = map(STEP_KIND_FIELDS.index,
+                                       ("steps", "launch_seconds", "decode_rows", "decode_row_seconds"))
 
 
 class CostModel(Protocol):
@@ -36,7 +35,7 @@ def row_weighted_ms(before: dict, after: dict, add_launch: bool) -> float:
     from a server as row_weighted_ms; within 0.4 ms of its mean TPOT at 20 req/s).
 
     The engine times a step from the return of its launch (or the previous step's end, if later)
-    to its end (engine/llm_engine.py `_count_step`). Under async scheduling that is the step's
+    to its end (engine/step_stats.py `StepStats.on_collect`). Under async scheduling that is the step's
     whole cycle; on a synchronous step loop (CPU, or CUDA without async scheduling) it leaves
     the launch out, and on CPU the launch is the whole forward. With `add_launch`, each step
     kind's mean launch time is added for each of its decode rows: exact where a kind's steps

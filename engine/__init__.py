@@ -15,8 +15,10 @@ _LAZY = {
     "CompletionOutput": "detent.engine.outputs",
     "Logprob": "detent.engine.outputs",
     "LLMEngine": "detent.engine.llm_engine",
-    "STEP_KINDS": "detent.engine.llm_engine",
-    "HOST_PARTS": "detent.engine.llm_engine",
+    # the step accounting: stats()["steps_by_kind"] and ["host_seconds"], the server's per-kind series
+    "STEP_KINDS": "detent.engine.step_stats",
+    "STEP_KIND_FIELDS": "detent.engine.step_stats",
+    "HOST_PARTS": "detent.engine.step_stats",
     "EngineConfig": "detent.engine.config",
     "EngineLimits": "detent.engine.config",
     "SELECTION_MODES": "detent.engine.config",

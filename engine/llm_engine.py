@@ -52,25 +52,11 @@ from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
 from detent.engine.profiler import StepProfiler
 from detent.engine.startup import build_runner, freeze_gc_heap
+from detent.engine.step_stats import HOST_PARTS, KIND_HOST_PARTS, StepStats, step_kind
 from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams, tokenize_bad_words
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
-
-
-STEP_KINDS = ("decode", "mixed", "prefill")
-
-
-# where the step loop's host time goes (stats()["host_seconds"], /metrics engine_host_seconds):
-# taking in new requests, planning, launching, waiting for results, advancing the requests,
-# building their outputs; the engine core process adds its pipe traffic (engine/core_process.py)
-HOST_PARTS = ("inbox", "schedule", "launch", "wait", "update", "outputs", "ipc_in", "ipc_out")
-
-
-def step_kind(plan) -> str:
-    """"decode" (every row one token), "prefill" (no one-token row) or "mixed"."""
-    ones = sum(1 for s in plan.seqs if s.num_tokens == 1)
-    return "decode" if ones == len(plan.seqs) else "mixed" if ones else "prefill"
 
 
 class LLMEngine:
@@ -114,32 +100,9 @@ class LLMEngine:
         self._pending_ids: set[str] = set()  # added, not yet drained
         self._live_ids: set[str] = set()  # drained, not yet finished
         self._num_steps = 0
-        # per step kind ("decode": one-token rows only, "mixed": prompt chunks beside one-token
-        # rows, "prefill": prompt chunks only): [steps, seconds, tokens, seconds waited, seconds
-        # launching]. A step's seconds run from its launch, or from the previous step's end if
-        # later, to its end (under async scheduling the time the pipeline spent on it; a step
-        # collected after the next one's launch also holds that launch's host time); waited: the
-        # host's wait for its results (near 0: the host, not the device, set the pace); launching:
-        # the host's time in runner.launch (input copies, graph replays, eager kernels), and of
-        # that, preparing the inputs and the model call (the rest: sampling, prompt logprobs);
-        # then how many of the steps replayed one whole graph (a decode graph or a whole-step
-        # graph) and how many the piecewise graphs (the rest ran eagerly); on CUDA, the
-        # device's span of the steps (their first to last kernel, CUDA events) and the device's
-        # idle time before each (from the previous step's end); last, the steps' decode rows (one-
-        # token rows that sample) and those rows times their step's seconds: a request's time per
-        # output token is the mean of its steps' seconds, so the mean over requests weighs each
-        # step by its decode rows (benchmarks/serve_load.py reads the ratio of the two); then the
-        # running requests past their prompt that the step left out though they could have run
-        # (Scheduler.num_left_out: each waits one step longer for its next token)
-        self._step_kinds: dict[str, list] = {k: [0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0, 0.0, 0]
-                                             for k in STEP_KINDS}
-        # (kind's counters, start event, end event, work left after it) of collected steps
-        self._device_pending: deque = deque()
-        self._device_last = None  # (end event, work left after it) of the last step counted
+        self.step_stats = StepStats()  # stats()["steps_by_kind"]
         # the host parts the step kinds do not already count (launch and wait are theirs: host_time)
-        self.host_seconds = dict.fromkeys((p for p in HOST_PARTS if p not in ("launch", "wait")), 0.0)
-        self._launched_at: dict[int, float] = {}
-        self._last_done = 0.0
+        self.host_seconds = dict.fromkeys((p for p in HOST_PARTS if p not in KIND_HOST_PARTS), 0.0)
         self._inflight = None  # the launched step not yet collected (async scheduling)
         self.profiler = None  # engine/profiler.py StepProfiler, made by the first /start_profile
         self.async_scheduling = (self.state.device.type == "cuda" if config.async_scheduling is None
@@ -306,7 +269,7 @@ class LLMEngine:
             error = self._sample_deferred(handle) if handle is not None else None
             results += self._emit_all(groups)
             if error is not None:
-                self._launched_at.pop(id(handle), None)
+                self.step_stats.drop(handle)
                 results += self._undo(handle.plan, error)
                 handle = None
             if handle is not None:
@@ -331,17 +294,8 @@ class LLMEngine:
                 else:
                     with self.profiler.annotate(f"detent.step.{kind}"):
                         handle = self.runner.launch(plan, prev)
-                self._launched_at[id(handle)] = t1 = time.perf_counter()
-                c = self._step_kinds[kind]
-                c[4] += t1 - t0
-                split = getattr(handle, "launch_split", None)  # ModelRunner's StepHandle; not every runner's
-                if split is not None:
-                    c[5] += split[0]
-                    c[6] += split[1]
-                path = getattr(handle, "forward_path", None)
-                c[7] += path in ("decode_graph", "whole_graph")
-                c[8] += path == "pieces"
-                c[13] += self.scheduler.num_left_out(plan)
+                t1 = time.perf_counter()
+                self.step_stats.on_launch(kind, handle, t0, t1, self.scheduler.num_left_out(plan))
                 return handle, prev
             except Exception as e:  # noqa: BLE001 - judged by _undo: one request's, or re-raised
                 if prev is not None:
@@ -372,7 +326,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - judged by _undo: one request's, or re-raised
             return e
         finally:  # part of the step's launch
-            self._step_kinds[step_kind(handle.plan)][4] += time.perf_counter() - t0
+            self.step_stats.add_launch_time(handle.plan, time.perf_counter() - t0)
         return None
 
     def _probe_target(self):
@@ -402,7 +356,7 @@ class LLMEngine:
         waited = t1 - t0
         progressed = self.scheduler.update(handle.plan, out)  # every stop decided here
         self._num_steps += 1
-        self._count_step(handle, waited)
+        self.step_stats.on_collect(handle, waited, busy=bool(self.scheduler.running or self.scheduler.waiting))
         groups = {self.outputs.parent_of[req.request_id]: None for req in progressed}
         self.host_seconds["update"] += time.perf_counter() - t1
         return groups
@@ -412,36 +366,6 @@ class LLMEngine:
         outs = [self._emit(g) for g in groups]
         self.host_seconds["outputs"] += time.perf_counter() - t0
         return outs
-
-    def _count_step(self, handle, waited: float) -> None:
-        done = time.perf_counter()
-        start = max(self._launched_at.pop(id(handle), done), self._last_done)
-        self._last_done = done
-        c = self._step_kinds[step_kind(handle.plan)]
-        rows = sum(1 for s in handle.plan.seqs if s.num_tokens == 1 and s.sample is not None)
-        c[0] += 1
-        c[1] += done - start
-        c[2] += handle.plan.num_batched_tokens
-        c[3] += waited
-        c[11] += rows
-        c[12] += rows * (done - start)
-        events = getattr(handle, "events", None)
-        if events is not None:
-            busy = bool(self.scheduler.running or self.scheduler.waiting)
-            self._device_pending.append((c, *events, busy))
-        self._count_device_time()
-
-    def _count_device_time(self) -> None:
-        """Device span and idle time of the collected steps whose events have completed, in
-        order (a step collected without waiting, e.g. a prompt chunk that samples nothing, is
-        counted at a later step; never waited for). The idle time before a step counts only
-        when the step before it left work (the engine had no request in between otherwise)."""
-        while self._device_pending and self._device_pending[0][2].query():
-            c, start, end, busy = self._device_pending.popleft()
-            c[9] += start.elapsed_time(end) / 1e3
-            if self._device_last is not None and self._device_last[1]:
-                c[10] += max(0.0, self._device_last[0].elapsed_time(start) / 1e3)
-            self._device_last = (end, busy)
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
         """Finish these requests (finish_reason "error", with the message); the engine goes on."""
@@ -470,15 +394,13 @@ class LLMEngine:
             "prefix_cache_hits": bm.hits,
             "num_preemptions": sch.num_preemptions,
             "num_steps": self._num_steps,
-            "steps_by_kind": {k: tuple(v) for k, v in self._step_kinds.items()},
+            "steps_by_kind": self.step_stats.as_dict(),
             "host_seconds": self.host_time(),
         }
 
     def host_time(self) -> dict[str, float]:
         """The step loop's host seconds by part (HOST_PARTS); launch and wait summed over the step kinds."""
-        kinds = list(self._step_kinds.values())
-        derived = {"launch": sum(k[4] for k in kinds), "wait": sum(k[3] for k in kinds)}
-        return {p: derived[p] if p in derived else self.host_seconds[p] for p in HOST_PARTS}
+        return self.step_stats.host_time(self.host_seconds)
 
     def update_weights(self, named_tensors) -> int:
         """Copy new weights (checkpoint names) into the model in place; see engine/weight_update.py."""

@@ -34,7 +34,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from detent.engine import HOST_PARTS, STEP_KINDS
+from detent.engine import HOST_PARTS, STEP_KIND_FIELDS, STEP_KINDS
 
 PREFIX = "detent:"
 ENGINE = "0"
@@ -105,29 +105,35 @@ HISTOGRAMS = {
     "request_prefill_kv_computed_tokens": ("Histogram of new KV tokens computed during prefill "
                                            "(excluding cached tokens).", "1-2-5"),
 }
-STEP_KIND_COUNTERS = (("engine_steps", "Engine steps by kind (decode, mixed, prefill)."),
-                      ("engine_step_time_seconds", "Time the step pipeline spent on steps, by kind."),
-                      ("engine_step_tokens", "Tokens computed in steps, by kind."),
-                      ("engine_step_wait_seconds", "Time the engine waited for steps' results, by kind "
-                       "(near 0: the host set the pace)."),
-                      ("engine_step_launch_seconds", "Host time spent launching steps, by kind."),
-                      ("engine_step_launch_prepare_seconds", "Of the launch time, preparing the step's inputs "
-                       "(flattening, one host-to-device copy), by kind."),
-                      ("engine_step_launch_forward_seconds", "Of the launch time, the model call (graph replays, "
-                       "eager kernels between pieces), by kind; the rest is sampling and prompt logprobs."),
-                      ("engine_step_whole_graph_steps", "Steps whose model call replayed one CUDA graph (a decode "
-                       "graph or a whole-step graph), by kind."),
-                      ("engine_step_piecewise_steps", "Steps whose model call replayed the piecewise CUDA graphs "
-                       "(attention eager between them), by kind; the rest ran eagerly."),
-                      ("engine_step_device_seconds", "CUDA: the device's span of the steps (from the stream "
+# engine field (`STEP_KIND_FIELDS`, the positions of stats()["steps_by_kind"][kind]) -> its series (stem, help)
+STEP_KIND_SERIES = {
+    "steps": ("engine_steps", "Engine steps by kind (decode, mixed, prefill)."),
+    "seconds": ("engine_step_time_seconds", "Time the step pipeline spent on steps, by kind."),
+    "tokens": ("engine_step_tokens", "Tokens computed in steps, by kind."),
+    "wait_seconds": ("engine_step_wait_seconds", "Time the engine waited for steps' results, by kind "
+                     "(near 0: the host set the pace)."),
+    "launch_seconds": ("engine_step_launch_seconds", "Host time spent launching steps, by kind."),
+    "prepare_seconds": ("engine_step_launch_prepare_seconds", "Of the launch time, preparing the step's inputs "
+                        "(flattening, one host-to-device copy), by kind."),
+    "forward_seconds": ("engine_step_launch_forward_seconds", "Of the launch time, the model call (graph replays, "
+                        "eager kernels between pieces), by kind; the rest is sampling and prompt logprobs."),
+    "whole_graph_steps": ("engine_step_whole_graph_steps", "Steps whose model call replayed one CUDA graph (a "
+                          "decode graph or a whole-step graph), by kind."),
+    "piecewise_steps": ("engine_step_piecewise_steps", "Steps whose model call replayed the piecewise CUDA graphs "
+                        "(attention eager between them), by kind; the rest ran eagerly."),
+    "device_seconds": ("engine_step_device_seconds", "CUDA: the device's span of the steps (from the stream "
                        "reaching a step's first work to its last, CUDA events), by kind."),
-                      ("engine_step_device_idle_seconds", "CUDA: the device's idle time before the steps (from "
-                       "the previous step's end to the step's start), by kind."),
-                      ("engine_step_decode_rows", "One-token rows that sampled (decode rows) in steps, by kind."),
-                      ("engine_step_decode_row_seconds", "Decode rows times their step's time, by kind: over "
-                       "engine_step_decode_rows, the step time a generated token waited for on average."),
-                      ("engine_step_rows_left_out", "Running requests past their prompt that steps left out "
-                       "though they could have run (each waits a step longer for its next token), by kind."))
+    "device_idle_seconds": ("engine_step_device_idle_seconds", "CUDA: the device's idle time before the steps (from "
+                            "the previous step's end to the step's start), by kind."),
+    "decode_rows": ("engine_step_decode_rows", "One-token rows that sampled (decode rows) in steps, by kind."),
+    "decode_row_seconds": ("engine_step_decode_row_seconds", "Decode rows times their step's time, by kind: over "
+                           "engine_step_decode_rows, the step time a generated token waited for on average."),
+    "rows_left_out": ("engine_step_rows_left_out", "Running requests past their prompt that steps left out "
+                      "though they could have run (each waits a step longer for its next token), by kind."),
+}
+# the series in the engine's field order, the i-th advanced by position i of a steps_by_kind tuple
+# (a field without a series fails here; tests/engine/test_step_stats.py checks there is no other series)
+STEP_KIND_COUNTERS = tuple(STEP_KIND_SERIES[f] for f in STEP_KIND_FIELDS)
 # counters advanced by the engine's cumulative counts (LLMEngine.stats() keys of the same names)
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 

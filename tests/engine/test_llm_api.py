@@ -14,6 +14,7 @@ import pytest
 from detent.engine import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from detent.engine.config import EngineConfig
 from detent.engine.llm_engine import LLMEngine
+from detent.engine.step_stats import KindCounters
 from engine_helpers import bundle, make_llm, prompt, text_llm
 
 G = dict(temperature=0, ignore_eos=True)
@@ -180,67 +181,34 @@ def test_steps_are_counted_by_kind_with_their_tokens():
     eng.add_request("b", prompt(2, 6, 160), SamplingParams(max_tokens=2, **G))  # beside a's decodes: mixed
     while eng.has_unfinished_requests():
         eng.step()
-    kinds = eng.stats()["steps_by_kind"]
-    assert kinds["prefill"][0] == 2 and kinds["prefill"][2] == 40
-    assert kinds["mixed"][0] == 1 and kinds["mixed"][2] == 6 + 1
-    assert sum(k[0] for k in kinds.values()) == eng.stats()["num_steps"]
-    assert sum(k[2] for k in kinds.values()) == 40 + 3 + 6 + 1  # every token computed once
-    assert all(k[1] >= 0 and 0 <= k[3] and 0 <= k[4] for k in kinds.values()) and kinds["decode"][4] > 0
+    kinds = {k: KindCounters(*v) for k, v in eng.stats()["steps_by_kind"].items()}
+    assert kinds["prefill"].steps == 2 and kinds["prefill"].tokens == 40
+    assert kinds["mixed"].steps == 1 and kinds["mixed"].tokens == 6 + 1
+    assert sum(k.steps for k in kinds.values()) == eng.stats()["num_steps"]
+    assert sum(k.tokens for k in kinds.values()) == 40 + 3 + 6 + 1  # every token computed once
+    assert all(k.seconds >= 0 and 0 <= k.wait_seconds and 0 <= k.launch_seconds for k in kinds.values())
+    assert kinds["decode"].launch_seconds > 0
     # the launch's parts: preparing the inputs and the model call, within the launch's time
-    assert all(0 < k[5] and 0 < k[6] and k[5] + k[6] <= k[4] for k in kinds.values())
+    assert all(0 < k.prepare_seconds and 0 < k.forward_seconds
+               and k.prepare_seconds + k.forward_seconds <= k.launch_seconds for k in kinds.values())
     # on the CPU no step replays a graph and none has CUDA events (tests/gpu/test_gpu_mixed_graph.py
     # counts the GPU's)
-    assert all(k[7] == 0 and k[8] == 0 and k[9] == 0.0 and k[10] == 0.0 for k in kinds.values())
+    assert all(k.whole_graph_steps == 0 and k.piecewise_steps == 0 and k.device_seconds == 0.0
+               and k.device_idle_seconds == 0.0 for k in kinds.values())
     # decode rows: a's tokens 2-4 (one of them in b's mixed step) and b's token 2; each row
     # carries its step's seconds
-    assert (sum(k[11] for k in kinds.values()), kinds["mixed"][11], kinds["prefill"][11]) == (4, 1, 0)
-    assert abs(kinds["mixed"][12] - kinds["mixed"][1]) < 1e-12  # one row in the one mixed step
-    assert 0 < kinds["decode"][12] <= kinds["decode"][11] * kinds["decode"][1]
-    assert all(k[13] == 0 for k in kinds.values())  # no step left a generating request out
+    assert (sum(k.decode_rows for k in kinds.values()), kinds["mixed"].decode_rows,
+            kinds["prefill"].decode_rows) == (4, 1, 0)
+    assert abs(kinds["mixed"].decode_row_seconds - kinds["mixed"].seconds) < 1e-12  # one row in the one mixed step
+    assert 0 < kinds["decode"].decode_row_seconds <= kinds["decode"].decode_rows * kinds["decode"].seconds
+    assert all(k.rows_left_out == 0 for k in kinds.values())  # no step left a generating request out
     # the step loop's host time by part: planning, launching and advancing took time; no pipe here
     host = eng.stats()["host_seconds"]
     assert set(host) == {"inbox", "schedule", "launch", "wait", "update", "outputs", "ipc_in", "ipc_out"}
     assert all(host[p] > 0 for p in ("schedule", "launch", "update", "outputs")) and host["ipc_out"] == 0.0
-    assert abs(host["launch"] - sum(k[4] for k in kinds.values())) < 1e-9  # the launches the kinds count
-
-
-class _Event:
-    """A stand-in for a CUDA timing event: a device time in seconds, completed or not."""
-
-    def __init__(self, t: float, done: bool = True):
-        self.t, self.done = t, done
-
-    def query(self) -> bool:
-        return self.done
-
-    def elapsed_time(self, other: "_Event") -> float:  # milliseconds, as torch.cuda.Event's
-        return (other.t - self.t) * 1e3
-
-
-def test_device_spans_and_idle_gaps_are_counted_in_order_once_their_events_complete():
-    """steps_by_kind fields 9-10 (CUDA events; stand-ins here): a step's span, and the device's
-    idle time before it, counted only after the step before left work; a step whose events
-    have not completed waits for a later count, never for the device."""
-    from types import SimpleNamespace
-    b = bundle("llama")
-    eng = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_gpu_blocks=64),
-                    model=b.model, model_config=b.config)
-    one = SimpleNamespace(seqs=(SimpleNamespace(num_tokens=1, sample=object()),), num_batched_tokens=1)  # a decode
-    kinds = eng._step_kinds["decode"]
-
-    def count(t0, t1, done=True, busy=True):
-        eng.scheduler.running[:] = [object()] if busy else []
-        eng._count_step(SimpleNamespace(plan=one, events=(_Event(t0), _Event(t1, done))), 0.0)
-        eng.scheduler.running[:] = []
-
-    count(0.0, 0.010)  # span 10 ms; nothing before it
-    count(0.012, 0.020, done=False)  # not complete: counted later
-    assert (round(kinds[9], 6), round(kinds[10], 6)) == (0.010, 0.0)
-    eng._device_pending[0][2].done = True
-    count(0.020, 0.025, busy=False)  # counts both: spans 8 + 5 ms, idle 2 ms before the second
-    assert (round(kinds[9], 6), round(kinds[10], 6)) == (0.023, 0.002)
-    count(5.0, 5.004)  # the engine had no work after the last step: its 4.975 s gap is not idle time
-    assert (round(kinds[9], 6), round(kinds[10], 6)) == (0.027, 0.002)
+    # the launches and waits the kinds count
+    assert abs(host["launch"] - sum(k.launch_seconds for k in kinds.values())) < 1e-9
+    assert abs(host["wait"] - sum(k.wait_seconds for k in kinds.values())) < 1e-9
 
 
 def test_add_and_abort_from_another_thread():

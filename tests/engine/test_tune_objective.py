@@ -11,9 +11,9 @@ import tempfile
 
 import pytest
 
+from detent.engine import STEP_KIND_FIELDS
 from detent.selection import default_tuple
 from detent.selection.compiler.tune_space import family_assignment
-from detent.server.metrics import STEP_KIND_COUNTERS
 from detent.tune import tune
 from detent.tune_cost import LAUNCH, ROW_SECONDS, ROWS, STEPS, EngineCost, profile_workload, row_weighted_ms
 from detent.tune_engine import TupleInstaller, engine_facts, run_offline
@@ -121,7 +121,7 @@ def test_time_takes_the_prompt_cheap_assignment_and_tpot_the_decode_cheap_one(ll
 
 
 def _snapshot(**kinds):
-    out = {k: [0.0] * len(STEP_KIND_COUNTERS) for k in ("decode", "mixed", "prefill")}
+    out = {k: [0.0] * len(STEP_KIND_FIELDS) for k in ("decode", "mixed", "prefill")}
     for kind, fields in kinds.items():
         for i, v in fields.items():
             out[kind][i] = v
@@ -152,7 +152,8 @@ def test_the_engine_counts_decode_rows_on_cpu_and_the_engine_cost_reads_them(llm
     assert sum(v[ROW_SECONDS] for v in d.values()) > 0
     # a synchronous step loop (CPU): the engine times a step from its launch's return, so the launch
     # (here the whole forward) is outside the step seconds and row_weighted_ms must add it
-    assert not eng.async_scheduling and sum(v[1] for v in d.values()) < sum(v[LAUNCH] for v in d.values())
+    seconds = STEP_KIND_FIELDS.index("seconds")
+    assert not eng.async_scheduling and sum(v[seconds] for v in d.values()) < sum(v[LAUNCH] for v in d.values())
     assert row_weighted_ms(before, after, add_launch=True) > row_weighted_ms(before, after, add_launch=False)
     with tempfile.TemporaryDirectory() as tmp:
         inst = TupleInstaller(llm, tmp)

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from detent.engine.step_stats import KindCounters
 from detent.kernels import registry
 from paged_cases import PagedCase
 
@@ -221,7 +222,7 @@ def test_an_fa4_deployment_replays_whole_step_graphs_with_the_eager_bits():
                 for o in outs]
 
     def replayed():  # mixed steps that replayed one whole-step graph
-        return llm.llm_engine.stats()["steps_by_kind"]["mixed"][7]
+        return KindCounters(*llm.llm_engine.stats()["steps_by_kind"]["mixed"]).whole_graph_steps
 
     set_mode(llm, "pinned+attention.impl=fa4", graphs=False)
     eager, before = run(), replayed()

@@ -10,12 +10,22 @@ import pytest
 import torch
 
 from detent.engine.mixed_graph import MixedGraphRunner
+from detent.engine.step_stats import KindCounters
 from detent.models.config import ModelConfig
 from detent.models.loader import load_model
 
 from test_gpu_cuda_graph import BS, CFG, tiny_mixed_steps
 
 pytestmark = pytest.mark.gpu
+
+
+def _kinds(llm) -> dict[str, KindCounters]:
+    return {k: KindCounters(*v) for k, v in llm.llm_engine.stats()["steps_by_kind"].items()}
+
+
+def _device_time(kinds: dict[str, KindCounters]) -> float:
+    """The device's span of the steps and its idle time before them, over every kind."""
+    return sum(k.device_seconds + k.device_idle_seconds for k in kinds.values())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -65,17 +75,18 @@ def test_engine_outputs_with_and_without_mixed_graphs(mode):
         mg = getattr(llm.llm_engine.runner, "mixed_graphs", None)
         assert (mg is not None and mg.disabled is None) == bool(mixed), getattr(mg, "disabled", None)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        spans_before = sum(k[9] + k[10] for k in llm.llm_engine.stats()["steps_by_kind"].values())
+        spans_before = _device_time(_kinds(llm))
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        kinds = llm.llm_engine.stats()["steps_by_kind"]
+        kinds = _kinds(llm)
         mixed_steps = kinds["mixed"]
-        assert mixed_steps[0] > 0 and (mixed_steps[7] > 0) == bool(mixed), mixed_steps  # steps that replayed one graph
+        # steps that replayed one graph
+        assert mixed_steps.steps > 0 and (mixed_steps.whole_graph_steps > 0) == bool(mixed), mixed_steps
         # the device's span and idle time (CUDA events): every kind that ran has a span, and the
         # second generate's spans and gaps fit inside its wall time
-        assert all(k[9] > 0 for k in kinds.values() if k[0]), kinds
-        assert sum(k[9] + k[10] for k in kinds.values()) - spans_before <= wall * 1.05 + 0.05
+        assert all(k.device_seconds > 0 for k in kinds.values() if k.steps), kinds
+        assert _device_time(kinds) - spans_before <= wall * 1.05 + 0.05
         return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
                 for o in outs]
 
@@ -115,7 +126,7 @@ def test_graphs_larger_than_max_model_len_start_and_keep_the_bits():
         assert (mg is not None and mg.disabled is None) == bool(mixed), getattr(mg, "disabled", None)
         outs = llm.generate(prompts, params, use_tqdm=False)
         if mixed:
-            assert llm.llm_engine.stats()["steps_by_kind"]["mixed"][7] > 0  # some steps replayed a graph
+            assert _kinds(llm)["mixed"].whole_graph_steps > 0  # some steps replayed a graph
         return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
                 for o in outs]
 
