@@ -30,22 +30,10 @@ import os
 import sys
 
 
-UNK, BOS, EOS = "<unk>", "<s>", "</s>"  # no word holds them (see above)
-
-
 def write(d: str, big: bool = False, vocab: int = 128256) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from detent.models.tiny import write_wordlevel_tokenizer
 
-    os.makedirs(d, exist_ok=True)
-    words = {f"t{i}": i for i in range(3, vocab)}
-    words.update({UNK: 0, BOS: 1, EOS: 2})
-    tok = Tokenizer(models.WordLevel(words, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
-    tok.save(os.path.join(d, "tokenizer.json"))
-    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-                   "unk_token": UNK, "model_max_length": 8192, "clean_up_tokenization_spaces": False}, f)
+    write_wordlevel_tokenizer(d, vocab)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
            "hidden_size": 8192 if big else 4096, "intermediate_size": 28672 if big else 14336,
            "num_attention_heads": 64 if big else 32, "num_key_value_heads": 8,

@@ -378,3 +378,25 @@ def test_chat_takes_vllm_s_tools_template_and_continue_final_message(tmp_path):
         llm.chat([{"role": "user", "content": "Hi"}], p, use_tqdm=False, chat_template="{{ 'no content' }}",
                  continue_final_message=True)
     llm.shutdown()
+
+
+def test_a_tiny_llama_with_a_word_level_tokenizer_needs_no_embedded_model(tmp_path, monkeypatch):
+    """write_tiny_llama(tokenizer="wordlevel") (the GPU tune test's model): "t<i>" is token i,
+    and the engine serves it with the embedded model's package out of reach."""
+    import detent.models.resolve as resolve
+    from detent.models.tiny import write_tiny_llama
+
+    def no_package(*_a, **_k):
+        raise AssertionError("the word-level model read the embedded model's package")
+
+    monkeypatch.setattr(resolve, "resolve_model", no_package)
+    path = write_tiny_llama(str(tmp_path / "tiny"), tokenizer="wordlevel")
+    llm = LLM(model=path, device="cpu", dtype="float32", max_model_len=256, num_gpu_blocks=40)
+    tok = llm.get_tokenizer()
+    assert tok.encode("t5 t100 t49151", add_special_tokens=False) == [5, 100, 49151]
+    assert tok.decode([5, 100]) == "t5 t100"
+    out = llm.generate("t5 t100 t7", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and out[0].prompt_token_ids[-3:] == [5, 100, 7]
+    llm.shutdown()
+    with pytest.raises(ValueError, match="tokenizer"):
+        write_tiny_llama(str(tmp_path / "x"), tokenizer="gpt2")
