@@ -14,7 +14,7 @@ import os
 import sys
 
 from detent.engine import MIXED_GRAPH_MAX_TOKENS, MIXED_GRAPH_MIN_TOKENS, SELECTION_MODES
-from detent.server.vllm_flags import add_vllm_flags, resolve_model, server_tokenizer
+from detent.server.vllm_flags import add_vllm_flags, expand_config, resolve_model, server_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     _limit_flags(p)
     add_vllm_flags(p)
-    a = p.parse_args(argv)
+    a = p.parse_args(expand_config(p, sys.argv[1:] if argv is None else list(argv)))
     resolve_model(p, a)
     if a.request_log is not None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 import os
 from typing import Any
 
@@ -32,6 +33,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it (same as --model)")
     p.add_argument("--version", action="version", version=f"detent-serve {__version__}")
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="read flags from a YAML file whose keys are flag names (dashes or underscores) and values "
+                        "their arguments (true/false for switches); flags on the command line win")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory the engine may use, KV cache included (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true", help="GPU: run every step eagerly, no CUDA graphs")
@@ -116,6 +120,73 @@ def server_tokenizer(tok, a: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             raise ValueError("--chat-template: this model has no tokenizer to render chats with")
         tok.chat_template = a.chat_template
     return tok, sampling_defaults(a.generation_config, tok)
+
+
+def expand_config(p: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with `--config FILE`'s flags put in, after a leading MODEL and before the
+    rest, so that the command line's own flags win (vLLM's order)."""
+    at = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    if not at:
+        return argv
+    if len(at) > 1:
+        p.error("--config is given more than once")
+    i = at[0]
+    if argv[i] == "--config":
+        if i + 1 == len(argv):
+            p.error("argument --config: expected one argument")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
+    flags = config_flags(p, path)
+    head = 1 if rest and not rest[0].startswith("-") else 0
+    if head:
+        flags.pop("model", None)  # MODEL on the command line wins over the file's
+    return rest[:head] + [arg for args in flags.values() for arg in args] + rest[head:]
+
+
+def config_flags(p: argparse.ArgumentParser, path: str) -> dict[str, list[str]]:
+    """A YAML config file's keys as the command-line arguments they stand for, by flag dest
+    (`true` is the switch, `false` its `--no-` form where there is one, a list the
+    arguments of a flag that takes several, else the JSON text); a key that names no
+    flag, or a value a flag cannot take, is an argparse error naming it."""
+    import yaml
+    if not path.endswith((".yaml", ".yml")):
+        p.error(f"--config {path!r}: the config file must be YAML (.yaml or .yml)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except OSError as e:
+        p.error(f"--config {path!r}: {e.strerror}")
+    except yaml.YAMLError as e:
+        p.error(f"--config {path!r} is not valid YAML: {e}")
+    if cfg is None:
+        cfg = {}
+    if not isinstance(cfg, dict):
+        p.error(f"--config {path!r}: the file must map flag names to values, not be a {type(cfg).__name__}")
+    actions = p._option_string_actions
+    out: dict[str, list[str]] = {}
+    for key, value in cfg.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if action is None or flag == "--config":
+            p.error(f"--config {path!r}: unknown key {key!r} (there is no flag {flag})")
+        if value is None:
+            p.error(f"--config {path!r}: key {key!r} has no value")
+        if action.nargs == 0:
+            if not isinstance(value, bool):
+                p.error(f"--config {path!r}: {key!r} is a switch: give true or false, not {value!r}")
+            no = "--no-" + flag[2:]
+            args = [flag] if value else [no] if no in actions else []
+        elif isinstance(value, bool):
+            p.error(f"--config {path!r}: {key!r} takes a value, not {str(value).lower()}")
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
+            args = [flag, *map(str, value)] if value else []
+        elif isinstance(value, (list, dict)):
+            args = [f"{flag}={json.dumps(value)}"]
+        else:
+            args = [f"{flag}={value}"]
+        out[action.dest] = args
+    return out
 
 
 def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

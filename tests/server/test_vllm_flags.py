@@ -160,3 +160,53 @@ def test_attention_backend_flag_reaches_the_engine():
         assert engine_kwargs(parse_args(["--attention-backend", name]))["attention_backend"] == name
     with pytest.raises(SystemExit):
         parse_args(["--attention-backend", "FLASHINFER"])
+
+
+def _config(tmp_path, text: str, name: str = "serve.yaml") -> str:
+    f = tmp_path / name
+    f.write_text(text)
+    return str(f)
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """argparse's exit 2 for `argv`; its message."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    """`vllm serve --config FILE.yaml`: keys are flag names, dashes or underscores."""
+    cfg = _config(tmp_path, "model: some/model\nmax_model_len: 512\nmax-num-seqs: 8\nenforce-eager: true\n"
+                            "enable_prefix_caching: false\ntrust-remote-code: false\ngpu-memory-utilization: 0.5\n"
+                            "served-model-name: [a, b]\napi-key: -starts-with-a-dash\n"
+                            "profiler-config: {profiler: torch, torch_profiler_dir: /tmp/p}\n")
+    a = parse_args(["--config", cfg])
+    assert (a.model, a.max_model_len, a.max_num_seqs, a.enforce_eager, a.enable_prefix_caching) == \
+        ("some/model", 512, 8, True, False)
+    assert (a.gpu_memory_utilization, a.served_model_name, a.api_key) == (0.5, ["a", "b"], "-starts-with-a-dash")
+    assert a.profiler.dir == "/tmp/p"
+    a = parse_args(["other/model", f"--config={cfg}", "--max-model-len", "256", "--enable-prefix-caching",
+                    "--served-model-name", "c"])
+    assert (a.model, a.max_model_len, a.enable_prefix_caching, a.served_model_name) == \
+        ("other/model", 256, True, ["c"])
+    assert parse_args(["--config", cfg, "--model", "third/model"]).model == "third/model"
+    assert parse_args(["--config", _config(tmp_path, "", "empty.yml")]).model is None
+
+
+def test_config_file_key_that_is_no_flag_refuses_startup(tmp_path, capsys):
+    for text, why in (("max-modle-len: 5\n", "unknown key 'max-modle-len'"),
+                      ("config: other.yaml\n", "unknown key 'config'"),
+                      ("enforce-eager: 1\n", "'enforce-eager' is a switch"),
+                      ("max-model-len: true\n", "'max-model-len' takes a value"),
+                      ("max-model-len:\n", "'max-model-len' has no value"),
+                      ("max-model-len: many\n", "--max-model-len: invalid int value: 'many'"),
+                      ("- max-model-len\n", "must map flag names to values"),
+                      ("a: [\n", "is not valid YAML"),
+                      ("trust-remote-code: true\n", "Detent runs no remote code")):
+        assert why in _refused(capsys, ["--config", _config(tmp_path, text)]), text
+    assert "must be YAML" in _refused(capsys, ["--config", _config(tmp_path, "{}", "serve.json")])
+    assert "No such file" in _refused(capsys, ["--config", str(tmp_path / "none.yaml")])
+    cfg = _config(tmp_path, "seed: 1\n")
+    assert "more than once" in _refused(capsys, ["--config", cfg, "--config", cfg])
