@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from detent.engine import MIXED_GRAPH_MAX_TOKENS, MIXED_GRAPH_MIN_TOKENS, SELECTION_MODES
 from detent.server.vllm_flags import add_vllm_flags, expand_config, resolve_model, server_tokenizer
@@ -222,10 +223,35 @@ def cache_config(a: argparse.Namespace, limits) -> dict[str, str]:
             "num_gpu_blocks": str(limits.kv_cache_tokens // limits.block_size + 1)}  # the null block too
 
 
-def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:
+def uvicorn_options(a: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config's arguments from the flags, the app aside."""
+    level = a.uvicorn_log_level or a.log_level
+    return dict(host=a.host, port=a.port, log_level=level,
+                access_log=level == "debug" and not a.disable_uvicorn_access_log,
+                timeout_graceful_shutdown=a.graceful_timeout, ssl_keyfile=a.ssl_keyfile,
+                ssl_certfile=a.ssl_certfile, ssl_ca_certs=a.ssl_ca_certs, ssl_cert_reqs=a.ssl_cert_reqs)
+
+
+def check_tls(options: dict[str, Any]) -> None:
+    """Loads the TLS certificate and key as uvicorn will, so that a bad one refuses startup
+    before the model loads, not after."""
+    import uvicorn
+    from uvicorn.config import create_ssl_context
+
+    c = uvicorn.Config(None, **options)
+    if c.is_ssl:
+        create_ssl_context(certfile=c.ssl_certfile, keyfile=c.ssl_keyfile, password=c.ssl_keyfile_password,
+                           ssl_version=c.ssl_version, cert_reqs=c.ssl_cert_reqs, ca_certs=c.ssl_ca_certs,
+                           ciphers=c.ssl_ciphers)
+
+
+def serve(state, options: dict[str, Any]) -> None:
+    """Serves `state` with uvicorn under `options` (uvicorn_options) until SIGTERM/SIGINT."""
     import uvicorn
 
     from detent.server.app import build_app
+
+    graceful_timeout = options["timeout_graceful_shutdown"]
 
     class Server(uvicorn.Server):
         draining = False
@@ -245,16 +271,16 @@ def serve(state, host: str, port: int, log_level: str = "info", graceful_timeout
                                           "the server is shutting down (SIGTERM): this stream was ended before "
                                           "it finished")
 
-    config = uvicorn.Config(build_app(state), host=host, port=port, loop="uvloop", lifespan="on",
-                            log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=graceful_timeout, log_config=_uvicorn_log_config())
+    config = uvicorn.Config(build_app(state), loop="uvloop", lifespan="on", log_config=_uvicorn_log_config(),
+                            **options)
     server = Server(config)
     # The engine thread runs Python between torch calls; with the default 5 ms
     # GIL switch interval every event-loop wake-up (accept, read, write) can
     # wait that long behind it, and at 64 streams requests queued for seconds
     # before their handler ran (benchmarks/serve.py, docs/performance.md).
     sys.setswitchinterval(0.001)
-    print(f"detent-serve: serving {state.model_name!r} on http://{host}:{port} "
+    print(f"detent-serve: serving {state.model_name!r} on {'https' if config.is_ssl else 'http'}://"
+          f"{config.host}:{config.port} "
           f"(tuple {state.tuple_hash[:16]}, deployment {state.deployment_hash[:16]}, {state.selection})",
           file=sys.stderr, flush=True)
     server.run()
@@ -298,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         import uvicorn  # noqa: F401
 
         import detent.server.app  # noqa: F401
+        check_tls(uvicorn_options(a))
         state = build_state(a)
     except Exception as e:  # a bad tuple, model, flag or install: say why and refuse to start
         print(f"detent-serve: refusing to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -305,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     from detent.engine import freeze_startup_heap
     freeze_startup_heap()  # the API process's startup heap, as the core freezes its own
     try:
-        serve(state, a.host, a.port, a.uvicorn_log_level or a.log_level, a.graceful_timeout)
+        serve(state, uvicorn_options(a))
     except BaseException:
         # the engine core is a child process this one waits for at exit: stop it, or a failure
         # here leaves the server alive and unable to serve

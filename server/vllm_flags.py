@@ -11,6 +11,7 @@ import argparse
 import codecs
 import json
 import os
+import ssl
 from typing import Any
 
 from detent.server.reasoning import PARSERS as REASONING_PARSERS
@@ -62,6 +63,13 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's own log level (default: --log-level)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access-log line per request (uvicorn writes them only at --uvicorn-log-level debug)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM), if not in --ssl-certfile")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
+    p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=(0, 1, 2),
+                   help="client certificates: 0 not asked for (default), 1 optional, 2 required (ssl.CERT_*)")
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log one line per request at INFO: id, endpoint, prompt tokens, sampling parameters")
     p.add_argument("--disable-log-stats", action="store_true",
@@ -215,6 +223,9 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not a.enable_chunked_prefill:
         p.error("--no-enable-chunked-prefill: Detent always chunks long prompts (--max-num-batched-tokens), and a "
                 "request's bits are the same however its prompt is chunked; drop the flag")
+    for name in ("ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs"):
+        if getattr(a, name) and not a.ssl_certfile:
+            p.error(f"--{name.replace('_', '-')} needs --ssl-certfile (without it the server speaks plain HTTP)")
     for name, least in (("block_size", 1), ("num_gpu_blocks_override", 1), ("max_logprobs", 0)):
         v = getattr(a, name)
         if v is not None and v < least:

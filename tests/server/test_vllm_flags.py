@@ -3,13 +3,16 @@ it does under vLLM, or stops startup saying why."""
 from __future__ import annotations
 
 import json
+import shutil
+import ssl
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
-from server_helpers import API_KEY, launch, real_argv
+from server_helpers import API_KEY, Server, launch, real_argv
 
 from detent import __version__
 from detent.server.cli import engine_kwargs, parse_args
@@ -210,3 +213,54 @@ def test_config_file_key_that_is_no_flag_refuses_startup(tmp_path, capsys):
     assert "No such file" in _refused(capsys, ["--config", str(tmp_path / "none.yaml")])
     cfg = _config(tmp_path, "seed: 1\n")
     assert "more than once" in _refused(capsys, ["--config", cfg, "--config", cfg])
+
+
+def test_uvicorn_flags_reach_uvicorns_config():
+    import uvicorn
+
+    from detent.server.cli import uvicorn_options
+    o = uvicorn_options(parse_args(["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-ca-certs", "ca.pem",
+                                    "--ssl-cert-reqs", "2"]))
+    assert (o["ssl_certfile"], o["ssl_keyfile"], o["ssl_ca_certs"], o["ssl_cert_reqs"]) == ("c.pem", "k.pem", "ca.pem", 2)
+    uvicorn.Config(None, **o)  # every key is one of uvicorn's
+    o = uvicorn_options(parse_args([]))
+    assert (o["ssl_certfile"], o["ssl_keyfile"], o["ssl_cert_reqs"], o["access_log"]) == (None, None, 0, False)
+    # uvicorn logs each request only at debug; --disable-uvicorn-access-log: never
+    assert uvicorn_options(parse_args(["--uvicorn-log-level", "debug"]))["access_log"] is True
+    assert uvicorn_options(parse_args(["--log-level", "debug", "--disable-uvicorn-access-log"]))["access_log"] is False
+    for bad in (["--ssl-keyfile", "k.pem"], ["--ssl-ca-certs", "ca.pem"], ["--ssl-cert-reqs", "2"],
+                ["--ssl-certfile", "c.pem", "--ssl-cert-reqs", "3"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_a_certificate_that_does_not_load_refuses_startup_before_the_model(tmp_path):
+    (tmp_path / "cert.pem").write_text("not a certificate\n")
+    r = _run("serve", "--model", str(tmp_path / "no-such-model"), "--ssl-certfile", str(tmp_path / "cert.pem"))
+    assert r.returncode == 2 and "refusing to start: SSLError" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="makes its certificate with the openssl command")
+def test_ssl_flags_serve_https(tiny_model, tmp_path):
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    s = Server(real_argv(tiny_model, "--max-model-len", "256", "--ssl-keyfile", key, "--ssl-certfile", cert))
+    tls = ssl.create_default_context(cafile=cert)
+    url = s.url.replace("http://", "https://")
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert s.proc.poll() is None and time.time() < deadline, s.output()[-3000:]
+            try:
+                r = httpx.get(url + "/v1/models", verify=tls, timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == tiny_model
+        with pytest.raises(httpx.TransportError):
+            httpx.get(s.url + "/v1/models", timeout=5)  # plain HTTP: no answer from a TLS socket
+        assert f"on {url}" in s.output()
+    finally:
+        assert s.stop() == 0, s.output()[-3000:]
