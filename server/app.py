@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from detent.server import chat, completions, responses
 from detent.server.errors import (APIError, http_exception_handler, request_validation_handler, short_reason,
@@ -21,6 +22,18 @@ from detent.server.verify import add_verify_route
 from detent.server.weights import add_weight_routes
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+HASH_HEADERS = ("x-detent-tuple-hash", "x-detent-deployment-hash")
+# vLLM's CORS defaults: any origin, method and header, no credentials
+CORS_DEFAULTS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}
+
+
+def route_path(scope, root_path: str) -> str:
+    """The path the routes see: behind --root-path, without that prefix when the proxy kept
+    it (as Starlette strips it)."""
+    path = scope.get("path", "")
+    if root_path and (path == root_path or path.startswith(root_path + "/")):
+        return path[len(root_path):]
+    return path
 
 
 class DetentASGIMiddleware:
@@ -32,8 +45,8 @@ class DetentASGIMiddleware:
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
-        self.headers = [(b"x-detent-tuple-hash", state.tuple_hash.encode()),
-                        (b"x-detent-deployment-hash", state.deployment_hash.encode())]
+        self.headers = [(name.encode(), value.encode())
+                        for name, value in zip(HASH_HEADERS, (state.tuple_hash, state.deployment_hash))]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -50,7 +63,7 @@ class DetentASGIMiddleware:
             await send(msg)
 
         key = self.state.api_key
-        path = scope.get("path", "")
+        path = route_path(scope, self.state.root_path)
         if key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *PROFILE_PATHS)):
             auth = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
             scheme, _, given = auth.partition(" ")
@@ -83,7 +96,9 @@ def build_app(state: ServerState) -> FastAPI:
         if state.request_log is not None:
             state.request_log.close()
 
-    app = FastAPI(title="Detent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="Detent", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if state.openapi else None)
+    app.root_path = state.root_path  # as vLLM sets it: routes match with the prefix or without
     app.state.detent = state
 
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -169,6 +184,9 @@ def build_app(state: ServerState) -> FastAPI:
     add_weight_routes(app, state)
     add_verify_route(app, state)
     add_profile_routes(app, state)
-    wrapped = DetentASGIMiddleware(app, state)
+    # CORS outside the API key: a browser's preflight carries no key (vLLM's key check lets it
+    # through too), and a 401 carries the CORS headers a page needs to read it, as the hash headers
+    wrapped = CORSMiddleware(DetentASGIMiddleware(app, state), **(state.cors or CORS_DEFAULTS),
+                             expose_headers=list(HASH_HEADERS))
     wrapped.fastapi = app  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]

@@ -212,7 +212,15 @@ def build_state(a: argparse.Namespace):
         allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
         log_stats=not a.disable_log_stats, engine_fingerprint=fp, request_log=request_log,
         sampling_defaults=defaults, profiler_config=a.profiler, cache_config=cache_config(a, limits),
-        reasoning_parser=a.reasoning_parser, tool_parser=a.tool_call_parser if a.enable_auto_tool_choice else None)
+        reasoning_parser=a.reasoning_parser, tool_parser=a.tool_call_parser if a.enable_auto_tool_choice else None,
+        **app_options(a))
+
+
+def app_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The ServerState fields that shape the HTTP app (server/app.py)."""
+    return dict(root_path=a.root_path, openapi=not a.disable_fastapi_docs,
+                cors=dict(allow_origins=a.allowed_origins, allow_methods=a.allowed_methods,
+                          allow_headers=a.allowed_headers, allow_credentials=a.allow_credentials))
 
 
 def cache_config(a: argparse.Namespace, limits) -> dict[str, str]:

@@ -53,6 +53,11 @@ class ServerState:
     cache_config: dict[str, str] = field(default_factory=dict)  # the KV cache, for detent:cache_config_info
     reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
     tool_parser: str | None = None  # --tool-call-parser, under --enable-auto-tool-choice (server/tool_parsers.py)
+    # the HTTP app (server/app.py): --root-path, --disable-fastapi-docs, and CORSMiddleware's arguments
+    # (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; None: vLLM's defaults)
+    root_path: str = ""
+    openapi: bool = True
+    cors: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.preprocess is None:

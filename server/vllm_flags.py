@@ -63,6 +63,19 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's own log level (default: --log-level)")
+    p.add_argument("--root-path", default="",
+                   help="the path prefix a path-based proxy serves this server under (FastAPI's root_path); routes "
+                        "answer with it or without it")
+    p.add_argument("--allowed-origins", type=json_list, default=["*"], metavar="JSON",
+                   help='CORS: the origins a browser page may call from, a JSON list (default ["*"])')
+    p.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+                   help='CORS: the methods such a page may use (default ["*"])')
+    p.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+                   help='CORS: the request headers such a page may send (default ["*"])')
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: such a page may send credentials (cookies, HTTP authentication)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no GET /openapi.json (Detent serves no /docs or /redoc pages)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per request (uvicorn writes them only at --uvicorn-log-level debug)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
@@ -128,6 +141,17 @@ def server_tokenizer(tok, a: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             raise ValueError("--chat-template: this model has no tokenizer to render chats with")
         tok.chat_template = a.chat_template
     return tok, sampling_defaults(a.generation_config, tok)
+
+
+def json_list(text: str) -> list[str]:
+    """A JSON list of strings: the CORS flags' argument, as vLLM takes it."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"give a JSON list of strings, such as '[\"*\"]', not {text!r}")
+    return value
 
 
 def expand_config(p: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -223,6 +247,9 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not a.enable_chunked_prefill:
         p.error("--no-enable-chunked-prefill: Detent always chunks long prompts (--max-num-batched-tokens), and a "
                 "request's bits are the same however its prompt is chunked; drop the flag")
+    if a.root_path and (not a.root_path.startswith("/") or a.root_path.endswith("/")):
+        p.error(f"--root-path {a.root_path!r}: give the proxy's path prefix, starting with / and not ending with "
+                "one (e.g. /llm)")
     for name in ("ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs"):
         if getattr(a, name) and not a.ssl_certfile:
             p.error(f"--{name.replace('_', '-')} needs --ssl-certfile (without it the server speaks plain HTTP)")

@@ -264,3 +264,90 @@ def test_ssl_flags_serve_https(tiny_model, tmp_path):
         assert f"on {url}" in s.output()
     finally:
         assert s.stop() == 0, s.output()[-3000:]
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _client(**state: object):
+    """The app over the fake engine, behind the API key; ServerState fields from `state`."""
+    from fake_engine import FakeEngine, FakeTokenizer
+    from starlette.testclient import TestClient
+
+    from detent.server.app import build_app
+    from detent.server.async_engine import AsyncEngine
+    from detent.server.serving import ServerState
+    return TestClient(build_app(ServerState(
+        engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"], model_root="x",
+        max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64, api_key=API_KEY, **state)))
+
+
+def test_a_cors_preflight_needs_no_api_key_and_the_request_still_does():
+    """A browser page on another origin: its preflight (OPTIONS, no key) is answered with vLLM's
+    default CORS headers; the request itself still needs the key."""
+    from detent.server.cli import app_options
+    assert app_options(parse_args([]))["cors"] == dict(allow_origins=["*"], allow_methods=["*"], allow_headers=["*"],
+                                                       allow_credentials=False)
+    origin = {"Origin": "http://page.example"}
+    with _client(**app_options(parse_args([]))) as c:
+        r = c.options("/v1/chat/completions", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                       "Access-Control-Request-Headers": "authorization,content-type"})
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "*" and "POST" in r.headers["access-control-allow-methods"]
+        assert r.headers["access-control-allow-headers"] == "authorization,content-type"
+        r = c.post("/v1/chat/completions", headers=origin, json=CHAT)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"  # the page can read why
+        r = c.post("/v1/chat/completions", headers={**origin, **AUTH}, json=CHAT)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert {"x-detent-tuple-hash", "x-detent-deployment-hash"} <= \
+            set(r.headers["access-control-expose-headers"].lower().split(", "))
+        assert r.headers["x-detent-tuple-hash"] == "a" * 64
+
+
+def test_cors_flags_choose_what_a_page_may_do():
+    from detent.server.cli import app_options
+    a = parse_args(["--allowed-origins", '["http://page.example"]', "--allowed-methods", '["POST"]',
+                    "--allowed-headers", '["authorization"]', "--allow-credentials"])
+    assert app_options(a)["cors"] == dict(allow_origins=["http://page.example"], allow_methods=["POST"],
+                                          allow_headers=["authorization"], allow_credentials=True)
+    with _client(**app_options(a)) as c:
+        asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        r = c.options("/v1/chat/completions", headers={"Origin": "http://page.example", **asks})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://page.example"
+        assert r.headers["access-control-allow-credentials"] == "true"
+        for other in ({"Origin": "http://other.example", **asks},
+                      {"Origin": "http://page.example", **asks, "Access-Control-Request-Method": "DELETE"}):
+            r = c.options("/v1/chat/completions", headers=other)
+            assert r.status_code == 400, other
+        r = c.post("/v1/chat/completions", headers={"Origin": "http://other.example", **AUTH}, json=CHAT)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    for bad in (["--allowed-origins", "http://page.example"], ["--allowed-methods", '"POST"'],
+                ["--allowed-headers", "[1]"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_root_path_serves_behind_a_path_prefix_and_keeps_the_api_key():
+    from detent.server.cli import app_options
+    assert app_options(parse_args(["--root-path", "/llm"]))["root_path"] == "/llm"
+    with _client(root_path="/llm") as c:
+        for path in ("/llm/v1/models", "/v1/models"):  # a proxy that passes the prefix on, one that strips it
+            assert c.get(path).status_code == 401
+            assert c.get(path, headers=AUTH).json()["data"][0]["id"] == "m"
+        assert c.post("/llm/v1/chat/completions", headers=AUTH, json=CHAT).status_code == 200
+        assert c.get("/llm/health").status_code == 200
+    with _client() as c:
+        assert c.get("/llm/v1/models", headers=AUTH).status_code == 404
+    for bad in ("llm", "/llm/", "/"):
+        with pytest.raises(SystemExit):
+            parse_args(["--root-path", bad])
+
+
+def test_disable_fastapi_docs():
+    from detent.server.cli import app_options
+    with _client(**app_options(parse_args([]))) as c:
+        assert c.get("/openapi.json").json()["info"]["title"] == "Detent"
+    with _client(**app_options(parse_args(["--disable-fastapi-docs"]))) as c:
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert c.get(path).status_code == 404, path
