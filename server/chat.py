@@ -129,8 +129,7 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
                              structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults,
                              bad_words=await bad_words_ids(req, state.preprocess))
-    tok = TokenText(lambda t: state.tokenizer.decode(t, skip_special_tokens=False), req.return_tokens_as_token_ids)
-    return ChatPlan(model, ids, params, shape, k, tok)
+    return ChatPlan(model, ids, params, shape, k, state.token_text(req.return_tokens_as_token_ids))
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:

@@ -77,8 +77,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
                      texts=[t for t, _ in prompts])
     gen.reports_output = not _echo_only(req)
     await gen.start()
-    tok = TokenText(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=False),
-                    req.return_tokens_as_token_ids)
+    tok = state.token_text(req.return_tokens_as_token_ids)
     ctx = dict(id=rid, object="text_completion", created=int(time.time()), model=model,
                system_fingerprint=state.system_fingerprint)
     if req.stream:

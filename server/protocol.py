@@ -78,7 +78,7 @@ class _Extensions(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     request_id: str | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

@@ -18,6 +18,7 @@ from starlette.responses import StreamingResponse
 from detent.server.async_engine import AsyncEngine
 from detent.server.body import parse_json, receive_body
 from detent.server.errors import APIError, validation_error
+from detent.server.formatting import TokenText
 from detent.server.limits import ServerLimits
 from detent.server.metrics import Metrics, metric_label
 from detent.server.preprocess import Preprocessor
@@ -53,6 +54,7 @@ class ServerState:
     cache_config: dict[str, str] = field(default_factory=dict)  # the KV cache, for detent:cache_config_info
     reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
     tool_parser: str | None = None  # --tool-call-parser, under --enable-auto-tool-choice (server/tool_parsers.py)
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the request field's default
     # the HTTP app (server/app.py): --root-path, --disable-fastapi-docs, and CORSMiddleware's arguments
     # (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; None: vLLM's defaults)
     root_path: str = ""
@@ -82,6 +84,11 @@ class ServerState:
         """The verifiability record every response carries."""
         return {"tuple_hash": self.tuple_hash, "deployment_hash": self.deployment_hash,
                 "selection": self.selection}
+
+    def token_text(self, as_ids: bool | None) -> TokenText:
+        """Logprobs' token strings; `as_ids`: the request's return_tokens_as_token_ids (None: the server's)."""
+        return TokenText(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+                         self.return_tokens_as_token_ids if as_ids is None else as_ids)
 
     @property
     def system_fingerprint(self) -> str:

@@ -101,6 +101,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split chat output at <think>...</think> into `reasoning` and `content` (qwen3: none "
                         "when chat_template_kwargs.enable_thinking is false)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:ID', unless a request sets return_tokens_as_token_ids")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice 'auto' (the default with tools): the model may write tool calls in its text, "
                         "read by --tool-call-parser")

@@ -351,3 +351,21 @@ def test_disable_fastapi_docs():
     with _client(**app_options(parse_args(["--disable-fastapi-docs"]))) as c:
         for path in ("/openapi.json", "/docs", "/redoc"):
             assert c.get(path).status_code == 404, path
+
+
+def test_return_tokens_as_token_ids_sets_the_default_a_request_overrides():
+    assert parse_args([]).return_tokens_as_token_ids is False
+    flag = parse_args(["--return-tokens-as-token-ids"]).return_tokens_as_token_ids
+    for server_default in (False, flag):
+        with _client(return_tokens_as_token_ids=server_default) as c:
+            for field in (None, False, True):
+                extra = {} if field is None else {"return_tokens_as_token_ids": field}
+                cmpl = c.post("/v1/completions", headers=AUTH,
+                              json={"prompt": "ab", "max_tokens": 3, "logprobs": 1, **extra}).json()
+                chat = c.post("/v1/chat/completions", headers=AUTH,
+                              json={**CHAT, "logprobs": True, "top_logprobs": 1, **extra}).json()
+                tokens = cmpl["choices"][0]["logprobs"]["tokens"] + \
+                    [t["token"] for t in chat["choices"][0]["logprobs"]["content"]]
+                as_ids = server_default if field is None else field
+                assert len(tokens) == 5 and all(t.startswith("token_id:") == as_ids for t in tokens), \
+                    (server_default, field, tokens)
