@@ -213,7 +213,7 @@ def build_state(a: argparse.Namespace):
         log_stats=not a.disable_log_stats, engine_fingerprint=fp, request_log=request_log,
         sampling_defaults=defaults, profiler_config=a.profiler, cache_config=cache_config(a, limits),
         reasoning_parser=a.reasoning_parser, tool_parser=a.tool_call_parser if a.enable_auto_tool_choice else None,
-        return_tokens_as_token_ids=a.return_tokens_as_token_ids,
+        return_tokens_as_token_ids=a.return_tokens_as_token_ids, force_include_usage=a.enable_force_include_usage,
         **app_options(a))
 
 

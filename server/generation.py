@@ -49,8 +49,11 @@ def output_error(out: Any) -> APIError | None:
     return None
 
 
-def usage_options(stream_options: Any) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats); as vLLM, the second counts only with the first."""
+def usage_options(stream_options: Any, force: bool = False) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); as vLLM, the second counts only with the first, and
+    `force` (--enable-force-include-usage) turns both on."""
+    if force:
+        return True, True
     if stream_options is None:
         return False, False
     return stream_options.include_usage, stream_options.include_usage and stream_options.continuous_usage_stats
@@ -61,7 +64,7 @@ async def sse_events(chunks: AsyncIterator[dict], gen: "Generation", ctx: dict,
     """An OpenAI event stream: each chunk (carrying the request's usage so far under
     continuous_usage_stats), then the usage chunk when asked for; an error after the
     stream started is reported in-band; always ends [DONE]."""
-    include_usage, continuous = usage_options(stream_options)
+    include_usage, continuous = usage_options(stream_options, gen.state.force_include_usage)
     try:
         async for chunk in chunks:
             if continuous:

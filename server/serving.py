@@ -55,6 +55,7 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
     tool_parser: str | None = None  # --tool-call-parser, under --enable-auto-tool-choice (server/tool_parsers.py)
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the request field's default
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream carries usage (server/generation.py)
     # the HTTP app (server/app.py): --root-path, --disable-fastapi-docs, and CORSMiddleware's arguments
     # (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; None: vLLM's defaults)
     root_path: str = ""

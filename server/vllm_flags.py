@@ -103,6 +103,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                         "when chat_template_kwargs.enable_thinking is false)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name each token 'token_id:ID', unless a request sets return_tokens_as_token_ids")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream carries usage, in each chunk and a last usage chunk, whatever its "
+                        "stream_options say")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice 'auto' (the default with tools): the model may write tool calls in its text, "
                         "read by --tool-call-parser")

@@ -369,3 +369,24 @@ def test_return_tokens_as_token_ids_sets_the_default_a_request_overrides():
                 as_ids = server_default if field is None else field
                 assert len(tokens) == 5 and all(t.startswith("token_id:") == as_ids for t in tokens), \
                     (server_default, field, tokens)
+
+
+def _events(r) -> list[dict]:
+    assert r.status_code == 200, r.text
+    data = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_enable_force_include_usage_puts_usage_in_every_stream():
+    """As vLLM: usage in every chunk and a last usage chunk, whatever stream_options say."""
+    for flags, forced in (([], False), (["--enable-force-include-usage"], True)):
+        with _client(force_include_usage=parse_args(flags).enable_force_include_usage) as c:
+            for options in (None, {"include_usage": False}, {"include_usage": True}):
+                extra = {} if options is None else {"stream_options": options}
+                for path, body in (("/v1/completions", {"prompt": "ab", "max_tokens": 3}), ("/v1/chat/completions", CHAT)):
+                    events = _events(c.post(path, headers=AUTH, json={**body, "stream": True, **extra}))
+                    with_usage = forced or (options or {}).get("include_usage", False)
+                    last = events[-1]
+                    assert (last["choices"] == [] and last["usage"]["total_tokens"] > 0) == with_usage, (path, options)
+                    assert all((e.get("usage") is not None) == forced for e in events[:-1]), (path, options, events)
