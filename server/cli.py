@@ -209,7 +209,7 @@ def build_state(a: argparse.Namespace):
         max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
-        allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests,
+        allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests, max_log_len=a.max_log_len,
         log_stats=not a.disable_log_stats, engine_fingerprint=fp, request_log=request_log,
         sampling_defaults=defaults, profiler_config=a.profiler, cache_config=cache_config(a, limits),
         reasoning_parser=a.reasoning_parser, tool_parser=a.tool_call_parser if a.enable_auto_tool_choice else None,
@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt=LOG_DATEFMT)
-    if a.enable_log_requests:  # asked for by name: shown even under a quieter --log-level
-        logging.getLogger("detent.server.requests").setLevel(logging.INFO)
+    if a.enable_log_requests:  # asked for by name: shown even under a quieter --log-level (and the prompts at debug)
+        logging.getLogger("detent.server.requests").setLevel(min(logging.INFO, logging.getLogger().level))
     try:
         if not a.disable_log_stats:
             from detent.server.stats_log import interval_s

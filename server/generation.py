@@ -104,6 +104,11 @@ class Generation:
             log.info("request %s: %d prompt(s), %d prompt tokens, n=%d max_tokens=%s temperature=%s top_p=%s "
                      "top_k=%s seed=%s", self.base_id, len(self.prompts), self.prompt_tokens, p.n,
                      [q.max_tokens for q in self.params], p.temperature, p.top_p, p.top_k, p.seed)
+            if log.isEnabledFor(logging.DEBUG):  # the prompts, as vLLM logs them: cut to --max-log-len
+                cut = self.state.max_log_len
+                for i, (ids, text) in enumerate(zip(self.prompts, self.texts)):
+                    log.debug("request %s details: prompt: %r, prompt_token_ids: %s", self.rid(i),
+                              text if text is None or cut is None else text[:cut], ids if cut is None else ids[:cut])
         try:
             for i, (ids, p) in enumerate(zip(self.prompts, self.params)):
                 self._streams.append(await self.state.engine.add(self.engine_id(i), ids, p))

@@ -48,6 +48,7 @@ class ServerState:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # --generation-config (server/generation_config.py)
     log_stats: bool = False  # the periodic stats line (server/stats_log.py); --disable-log-stats: off
     log_requests: bool = False  # --enable-log-requests: one INFO line per request (server/generation.py)
+    max_log_len: int | None = None  # --max-log-len: prompt characters and token ids a DEBUG request line shows
     engine_fingerprint: Any = None  # LLMEngine.fingerprint(): hashes, facts, tuple (request log, /v1/verify)
     request_log: Any = None  # --request-log: server/request_log.RequestLog
     profiler_config: Any = None  # --profiler-config: engine/profiler.ProfilerConfig (server/profile.py)

@@ -85,6 +85,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                    help="client certificates: 0 not asked for (default), 1 optional, 2 required (ssl.CERT_*)")
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log one line per request at INFO: id, endpoint, prompt tokens, sampling parameters")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests at --log-level debug, where each prompt is logged: at most this "
+                        "many of its characters and token ids (default: all)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, requests, KV usage, prefix-cache hits; every "
                         "$DETENT_LOG_STATS_INTERVAL s, default 10)")
@@ -258,7 +261,7 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for name in ("ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs"):
         if getattr(a, name) and not a.ssl_certfile:
             p.error(f"--{name.replace('_', '-')} needs --ssl-certfile (without it the server speaks plain HTTP)")
-    for name, least in (("block_size", 1), ("num_gpu_blocks_override", 1), ("max_logprobs", 0)):
+    for name, least in (("block_size", 1), ("num_gpu_blocks_override", 1), ("max_logprobs", 0), ("max_log_len", 0)):
         v = getattr(a, name)
         if v is not None and v < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}, got {v}")

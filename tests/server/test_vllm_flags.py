@@ -3,6 +3,7 @@ it does under vLLM, or stops startup saying why."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import ssl
 import subprocess
@@ -390,3 +391,21 @@ def test_enable_force_include_usage_puts_usage_in_every_stream():
                     last = events[-1]
                     assert (last["choices"] == [] and last["usage"]["total_tokens"] > 0) == with_usage, (path, options)
                     assert all((e.get("usage") is not None) == forced for e in events[:-1]), (path, options, events)
+
+
+def test_max_log_len_cuts_the_logged_prompt(caplog):
+    """With --enable-log-requests, vLLM logs each prompt at DEBUG: its text and token ids, each
+    cut to --max-log-len."""
+    caplog.set_level(logging.DEBUG, logger="detent.server.requests")
+    assert parse_args([]).max_log_len is None
+    for cut, want in ((None, "prompt: 'hello world', prompt_token_ids: [0, 107, 104, 111, 111, 114, 35, 122, 114, "
+                             "117, 111, 103]"),
+                      (parse_args(["--max-log-len", "3"]).max_log_len, "prompt: 'hel', prompt_token_ids: [0, 107, 104]")):
+        caplog.clear()
+        with _client(log_requests=True, max_log_len=cut) as c:
+            r = c.post("/v1/completions", headers=AUTH, json={"prompt": "hello world", "max_tokens": 1, "request_id": "r"})
+            assert r.status_code == 200
+        lines = [rec.getMessage() for rec in caplog.records if rec.name == "detent.server.requests"]
+        assert f"request r-0 details: {want}" in lines, lines
+    with pytest.raises(SystemExit):
+        parse_args(["--max-log-len", "-1"])
