@@ -36,6 +36,7 @@ _LAZY = {
     "build_engine": "detent.engine.core_process",
     "freeze_startup_heap": "detent.engine.core_process",
     "load_tokenizer": "detent.engine.loader",
+    "model_directory": "detent.engine.loader",
     # `continue_final_message` (LLM.chat and the server's chat requests share it)
     "open_final_message": "detent.models.tokenizer",
     "cut_at_final_message": "detent.models.tokenizer",

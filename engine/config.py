@@ -86,6 +86,9 @@ class EngineConfig:
     # RL sampling contract: every request must carry a seed and sample (temperature > 0);
     # see engine/rl_contract.py
     rl: bool = False
+    # the tokenizer (and its chat template) from this directory or HF cache name instead of the model's,
+    # as vLLM's `tokenizer` (models/resolve.py resolve_tokenizer)
+    tokenizer: str | None = None
     # the default tuple's attention (the SelIR knob attention.impl, docs/selir.md), by Detent's name
     # or vLLM's (ATTENTION_BACKENDS); None: the default tuple's own (triton_paged). Pinned selection
     # without `tuple` only: a tuple names its attention itself

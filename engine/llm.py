@@ -28,7 +28,7 @@ class LLM:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
                  load_format: str = "auto", seed: int = 0, **kwargs: Any):
-        """Extra keyword arguments: gpu_memory_utilization, kv_cache_memory_bytes,
+        """Extra keyword arguments: tokenizer, gpu_memory_utilization, kv_cache_memory_bytes,
         num_gpu_blocks, max_logprobs, enforce_eager, async_scheduling, freeze_gc, warmup, rl (see EngineConfig).
         vLLM-only ones (attention_config, compilation_config, ...) are a ValueError saying what
         Detent uses instead (engine/vllm_args.py)."""

@@ -5,7 +5,8 @@ Accepted, in this order: None (the embedded SmolLM2 GGUF), a local
 directory with config.json, a local .gguf file, a preset name
 (`detent.models.presets`), or a Hugging Face repo id "ORG/NAME" found in the
 offline HF cache (`$HF_HUB_CACHE` / `$HUGGINGFACE_HUB_CACHE`, else `$HF_HOME/hub`, else
-~/.cache/huggingface/hub). Nothing is downloaded.
+~/.cache/huggingface/hub). Nothing is downloaded. `resolve_tokenizer` finds
+a tokenizer given apart from its model (`tokenizer=`) the same way.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class ResolvedModel:
     load_format: str  # "safetensors" or "dummy": what to pass to load_model
     name: str  # the served model name
     source: str  # "embedded", "local", "hf-cache", "preset"
+    directory: str | None = None  # the directory of its config.json (None: a preset's dummy weights)
 
 
 def hf_hub_cache() -> str:
@@ -70,7 +72,7 @@ def _from_dir(d: str, load_format: str, name: str, source: str) -> ResolvedModel
     cfg = ModelConfig.from_hf(d)
     fmt = "dummy" if load_format == "dummy" else "safetensors"
     return ResolvedModel(cfg, d if fmt == "safetensors" else None, d if _has_tokenizer(d) else None,
-                         fmt, name, source)
+                         fmt, name, source, d)
 
 
 def _from_gguf(gguf_path: str, load_format: str, name: str, source: str) -> ResolvedModel:
@@ -113,6 +115,22 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, load_format: st
         if spec.strip().lower() == DEFAULT_PRESET:
             return resolve_model(None, load_format)
     raise ModelNotFound(_not_found_message(spec, path, repos))
+
+
+def resolve_tokenizer(name_or_path: str | os.PathLike) -> str:
+    """The directory of the tokenizer `name_or_path` names, as `resolve_model` finds a model's:
+    a local directory, or a Hugging Face repo id "ORG/NAME" in the offline cache; it must
+    hold tokenizer.json."""
+    spec = os.fspath(name_or_path)
+    path = os.path.expanduser(spec)
+    d = path if os.path.isdir(path) else find_in_hf_cache(spec) if spec.count("/") == 1 else None
+    if d is None:
+        where = f" nor a Hugging Face repo in {hf_hub_cache()}" if spec.count("/") == 1 else ""
+        raise ModelNotFound(f"tokenizer {spec!r}: not a directory ({os.path.abspath(path)}){where}")
+    if not _has_tokenizer(d):
+        raise ModelNotFound(f"tokenizer {spec!r}: no tokenizer.json in {d} (Detent reads fast-tokenizer files; "
+                            f"save one with transformers' tokenizer.save_pretrained)")
+    return d
 
 
 def _preset_dummy(name: str, tokenizer: str | None) -> ResolvedModel:

@@ -145,7 +145,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               device=a.device, enable_prefix_caching=a.enable_prefix_caching, load_format=a.load_format,
               seed=a.seed, max_model_len=a.max_model_len, async_scheduling=a.async_scheduling, rl=a.rl,
               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-              warmup=a.warm_start, attention_backend=a.attention_backend)
+              warmup=a.warm_start, attention_backend=a.attention_backend, tokenizer=a.tokenizer)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_mixed_batched_tokens", "mixed_token_align",
                  "mixed_graph_max_tokens", "block_size"):
         if getattr(a, name) is not None:
@@ -173,7 +173,7 @@ def build_state(a: argparse.Namespace):
         core = CoreProcess(functools.partial(build_engine, **kw))
         try:
             info = core.wait_ready()
-            tok, defaults = server_tokenizer(load_tokenizer(a.model, a.load_format), a)
+            tok, defaults = server_tokenizer(load_tokenizer(a.model, a.load_format, a.tokenizer), a)
         except BaseException:
             core.stop(10)
             raise

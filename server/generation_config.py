@@ -1,8 +1,9 @@
 """--generation-config: default sampling parameters from a model's
 generation_config.json, as `vllm serve` takes them.
 
-"auto" (the default, as vLLM's) reads the file beside the model's tokenizer,
-"vllm" takes none, a directory reads its generation_config.json. The
+"auto" (the default, as vLLM's) reads the model directory's file (the
+model's, also under --tokenizer), "vllm" takes none, a directory reads its
+generation_config.json. The
 values a request does not set come from it: temperature, top_p, top_k,
 min_p, repetition_penalty, and max_new_tokens as the default max_tokens
 (still capped by the context). A request's own values always win.
@@ -20,16 +21,15 @@ KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p
         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def sampling_defaults(value: str, tokenizer: Any) -> dict[str, Any]:
-    """The defaults `value` names; ValueError (the server refuses to start) if the
-    directory or its file is missing or a value is out of SamplingParams' range."""
+def sampling_defaults(value: str, model_dir: str | None) -> dict[str, Any]:
+    """The defaults `value` names ("auto": `model_dir`'s); ValueError (the server refuses to
+    start) if the directory or its file is missing or a value is out of SamplingParams' range."""
     if value == "vllm":
         return {}
     if value == "auto":
-        folder = getattr(tokenizer, "path", None)
-        if folder is None:
+        if model_dir is None:
             return {}
-        path = os.path.join(folder, "generation_config.json")
+        path = os.path.join(model_dir, "generation_config.json")
         if not os.path.isfile(path):
             return {}
     else:

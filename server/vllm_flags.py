@@ -96,6 +96,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                         "steps, e.g. '{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/tmp/prof\", "
                         "\"delay_iterations\": 300, \"max_iterations\": 200}' (vLLM's keys)")
     p.add_argument("--trust-remote-code", action=_RefuseRemoteCode, help="refused: Detent runs no remote code")
+    p.add_argument("--tokenizer", default=None,
+                   help="load the tokenizer, and its chat template, from this directory or HF cache name instead of "
+                        "the model's")
     p.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' "
                         "(none) or a directory holding a generation_config.json")
@@ -143,12 +146,15 @@ def load_chat_template(value: str) -> str:
 def server_tokenizer(tok, a: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The server's tokenizer, rendering with --chat-template when given, and the
     --generation-config sampling defaults (server/generation_config.py)."""
+    from detent.engine import model_directory
     from detent.server.generation_config import sampling_defaults
     if a.chat_template is not None:
         if tok is None:
-            raise ValueError("--chat-template: this model has no tokenizer to render chats with")
+            raise ValueError("--chat-template: this model has no tokenizer to render chats with (give one with "
+                             "--tokenizer)")
         tok.chat_template = a.chat_template
-    return tok, sampling_defaults(a.generation_config, tok)
+    model_dir = model_directory(a.model, a.load_format) if a.generation_config == "auto" else None
+    return tok, sampling_defaults(a.generation_config, model_dir)
 
 
 def json_list(text: str) -> list[str]:

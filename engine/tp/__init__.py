@@ -29,14 +29,15 @@ class TPStartup:
 
 def start_tp(config) -> TPStartup:
     from detent.engine.config import EngineState
-    from detent.models import Tokenizer, resolve_model
+    from detent.engine.loader import tokenizer_for
+    from detent.models import resolve_model
 
     resolved = resolve_model(config.model, config.load_format)
     mc = resolved.config
     device = config.resolve_device()
     check_tp_compatible(mc, config.tensor_parallel_size, device)
     max_model_len_for(config, mc)  # refuse a bad max_model_len before spawning
-    tokenizer = Tokenizer.from_pretrained(resolved.tokenizer_source) if resolved.tokenizer_source else None
+    tokenizer = tokenizer_for(resolved, config.tokenizer)
     executor = TPExecutor(config, resolved)
     info = executor.infos[0]
     state = EngineState(torch.device(info.device), getattr(torch, info.dtype), info.max_model_len,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
 import ssl
 import subprocess
@@ -98,16 +100,15 @@ def test_chat_template_file_or_string(tmp_path):
 def test_generation_config_defaults(tmp_path):
     from detent.server.generation_config import sampling_defaults
 
-    class Tok:
-        path = str(tmp_path)
+    model_dir = str(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7, "do_sample": True, "eos_token_id": 2}))
     want = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 7}
-    assert sampling_defaults("auto", Tok()) == want == sampling_defaults(str(tmp_path), None)
-    assert sampling_defaults("vllm", Tok()) == {}
+    assert sampling_defaults("auto", model_dir) == want == sampling_defaults(str(tmp_path), None)
+    assert sampling_defaults("vllm", model_dir) == {} == sampling_defaults("auto", None)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match="temperature"):
-        sampling_defaults("auto", Tok())
+        sampling_defaults("auto", model_dir)
     with pytest.raises(ValueError, match="generation_config.json"):
         sampling_defaults(str(tmp_path / "nope"), None)
     with pytest.raises(SystemExit):
@@ -409,3 +410,32 @@ def test_max_log_len_cuts_the_logged_prompt(caplog):
         assert f"request r-0 details: {want}" in lines, lines
     with pytest.raises(SystemExit):
         parse_args(["--max-log-len", "-1"])
+
+
+def test_tokenizer_flag_loads_the_tokenizer_and_its_chat_template_from_another_directory(tiny_model, tmp_path):
+    """`--tokenizer DIR`: the engine detokenizes, and the server tokenizes and renders chats, with
+    DIR's tokenizer (a word-level one here: "t<i>" is token i); --generation-config auto still
+    reads the model's directory, as vLLM's does."""
+    from detent.models.tiny import write_wordlevel_tokenizer
+    model, tok = tmp_path / "model", tmp_path / "tokenizer"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):  # no tokenizer of its own
+        (model / name).symlink_to(os.path.join(tiny_model, name))
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    write_wordlevel_tokenizer(str(tok), 49152)
+    template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    (tok / "chat_template.jinja").write_text(template)
+    (tok / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5}))
+    assert engine_kwargs(parse_args([str(model), "--tokenizer", str(tok)]))["tokenizer"] == str(tok)
+    with launch(real_argv(str(model), "--tokenizer", str(tok), "--max-model-len", "256")) as s:
+        assert httpx.get(s.url + "/tokenizer_info", timeout=30).json()["chat_template"] == template
+        r = httpx.post(s.url + "/tokenize", json={"prompt": "t7 t8", "add_special_tokens": False}, timeout=30)
+        assert r.json()["tokens"] == [7, 8]
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "t5 t6"}], "ignore_eos": True, "seed": 1, "temperature": 1.0})
+        body = r.json()
+        assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (2, 3), body
+        words = body["choices"][0]["message"]["content"].split()
+        assert len(words) == 3 and all(re.fullmatch(r"t\d+|<unk>|<s>|</s>", w) for w in words), words
+    r = _run("serve", str(model), "--tokenizer", str(tmp_path / "no-such-tokenizer"))
+    assert r.returncode == 2 and "refusing to start" in r.stderr and "no-such-tokenizer" in r.stderr, r.stderr[-2000:]
