@@ -439,3 +439,50 @@ def test_tokenizer_flag_loads_the_tokenizer_and_its_chat_template_from_another_d
         assert len(words) == 3 and all(re.fullmatch(r"t\d+|<unk>|<s>|</s>", w) for w in words), words
     r = _run("serve", str(model), "--tokenizer", str(tmp_path / "no-such-tokenizer"))
     assert r.returncode == 2 and "refusing to start" in r.stderr and "no-such-tokenizer" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_vllm_config_file_serves(tiny_model, tmp_path):
+    """`vllm serve --config serve.yaml --max-model-len 256 --log-level debug`, pasted: this change's
+    flags from a file, in a plain install; the command line's flags win."""
+    cfg = _config(tmp_path, f"""
+model: {tiny_model}
+max_model_len: 512
+api-key: {API_KEY}
+served-model-name: [tiny, tiny-alias]
+root-path: /llm
+allowed-origins: ["http://page.example"]
+allow-credentials: true
+return-tokens-as-token-ids: true
+enable-force-include-usage: true
+enable-log-requests: true
+max-log-len: 4
+disable-uvicorn-access-log: true
+disable-fastapi-docs: true
+enable-prefix-caching: false
+""")
+    with launch(real_argv("--config", cfg, "--max-model-len", "256", "--log-level", "debug")) as s:
+        models = httpx.get(s.url + "/llm/v1/models", headers=AUTH, timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["tiny", "tiny-alias"] and models[0]["max_model_len"] == 256
+        assert httpx.get(s.url + "/llm/v1/models", timeout=30).status_code == 401
+        r = httpx.options(s.url + "/llm/v1/chat/completions", timeout=30, headers={
+            "Origin": "http://page.example", "Access-Control-Request-Method": "POST"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://page.example"
+        assert r.headers["access-control-allow-credentials"] == "true"
+        assert httpx.get(s.url + "/openapi.json", timeout=30).status_code == 404
+        body = {**CHAT, "stream": True, "logprobs": True, "top_logprobs": 1, "ignore_eos": True}
+        events = _events(httpx.post(s.url + "/llm/v1/chat/completions", headers=AUTH, json=body, timeout=60))
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
+        assert all(e["usage"] is not None for e in events)
+        tokens = [t["token"] for e in events[:-1] for t in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]
+        assert len(tokens) == 2 and all(t.startswith("token_id:") for t in tokens), tokens
+        r = httpx.post(s.url + "/v1/completions", headers=AUTH, timeout=60,
+                       json={"prompt": "one two three four five six", "max_tokens": 1, "request_id": "cfg"})
+        assert r.status_code == 200, r.text
+        out = s.output()
+        line = next((ln for ln in out.splitlines() if "request cfg-0 details:" in ln), out[-3000:])
+        assert re.search(r"DEBUG detent\.server\.requests: request cfg-0 details: prompt: 'one ', "
+                         r"prompt_token_ids: \[\d+, \d+, \d+, \d+\]$", line), line
+        assert 'HTTP/1.1" ' not in out  # uvicorn's access log, at debug but for the flag
+        info = [ln for ln in httpx.get(s.url + "/metrics", timeout=10).text.splitlines()
+                if ln.startswith("detent:cache_config_info{")]
+        assert 'enable_prefix_caching="False"' in info[0], info
