@@ -223,7 +223,8 @@ def test_uvicorn_flags_reach_uvicorns_config():
     from detent.server.cli import uvicorn_options
     o = uvicorn_options(parse_args(["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-ca-certs", "ca.pem",
                                     "--ssl-cert-reqs", "2"]))
-    assert (o["ssl_certfile"], o["ssl_keyfile"], o["ssl_ca_certs"], o["ssl_cert_reqs"]) == ("c.pem", "k.pem", "ca.pem", 2)
+    assert (o["ssl_certfile"], o["ssl_keyfile"], o["ssl_ca_certs"], o["ssl_cert_reqs"]) == \
+        ("c.pem", "k.pem", "ca.pem", 2)
     uvicorn.Config(None, **o)  # every key is one of uvicorn's
     o = uvicorn_options(parse_args([]))
     assert (o["ssl_certfile"], o["ssl_keyfile"], o["ssl_cert_reqs"], o["access_log"]) == (None, None, 0, False)
@@ -386,7 +387,8 @@ def test_enable_force_include_usage_puts_usage_in_every_stream():
         with _client(force_include_usage=parse_args(flags).enable_force_include_usage) as c:
             for options in (None, {"include_usage": False}, {"include_usage": True}):
                 extra = {} if options is None else {"stream_options": options}
-                for path, body in (("/v1/completions", {"prompt": "ab", "max_tokens": 3}), ("/v1/chat/completions", CHAT)):
+                for path, body in (("/v1/completions", {"prompt": "ab", "max_tokens": 3}),
+                                   ("/v1/chat/completions", CHAT)):
                     events = _events(c.post(path, headers=AUTH, json={**body, "stream": True, **extra}))
                     with_usage = forced or (options or {}).get("include_usage", False)
                     last = events[-1]
@@ -399,12 +401,14 @@ def test_max_log_len_cuts_the_logged_prompt(caplog):
     cut to --max-log-len."""
     caplog.set_level(logging.DEBUG, logger="detent.server.requests")
     assert parse_args([]).max_log_len is None
+    three = parse_args(["--max-log-len", "3"]).max_log_len
     for cut, want in ((None, "prompt: 'hello world', prompt_token_ids: [0, 107, 104, 111, 111, 114, 35, 122, 114, "
                              "117, 111, 103]"),
-                      (parse_args(["--max-log-len", "3"]).max_log_len, "prompt: 'hel', prompt_token_ids: [0, 107, 104]")):
+                      (three, "prompt: 'hel', prompt_token_ids: [0, 107, 104]")):
         caplog.clear()
         with _client(log_requests=True, max_log_len=cut) as c:
-            r = c.post("/v1/completions", headers=AUTH, json={"prompt": "hello world", "max_tokens": 1, "request_id": "r"})
+            r = c.post("/v1/completions", headers=AUTH,
+                       json={"prompt": "hello world", "max_tokens": 1, "request_id": "r"})
             assert r.status_code == 200
         lines = [rec.getMessage() for rec in caplog.records if rec.name == "detent.server.requests"]
         assert f"request r-0 details: {want}" in lines, lines
@@ -473,7 +477,8 @@ enable-prefix-caching: false
         events = _events(httpx.post(s.url + "/llm/v1/chat/completions", headers=AUTH, json=body, timeout=60))
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
         assert all(e["usage"] is not None for e in events)
-        tokens = [t["token"] for e in events[:-1] for t in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]
+        tokens = [t["token"] for e in events[:-1]
+                  for t in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]
         assert len(tokens) == 2 and all(t.startswith("token_id:") for t in tokens), tokens
         r = httpx.post(s.url + "/v1/completions", headers=AUTH, timeout=60,
                        json={"prompt": "one two three four five six", "max_tokens": 1, "request_id": "cfg"})
