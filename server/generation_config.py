@@ -1,12 +1,12 @@
 """--generation-config: default sampling parameters from a model's
 generation_config.json, as `vllm serve` takes them.
 
-"auto" (the default, as vLLM's) reads the model directory's file (the
-model's, also under --tokenizer), "vllm" takes none, a directory reads its
-generation_config.json. The
-values a request does not set come from it: temperature, top_p, top_k,
-min_p, repetition_penalty, and max_new_tokens as the default max_tokens
-(still capped by the context). A request's own values always win.
+"auto" (the default, as vLLM's) reads the file in the model's directory
+(the model's under --tokenizer too), "vllm" takes none, a directory reads
+its generation_config.json. The values a request does not set come from
+it: temperature, top_p, top_k, min_p, repetition_penalty, and
+max_new_tokens as the default max_tokens (still capped by the context). A
+request's own values always win.
 """
 from __future__ import annotations
 

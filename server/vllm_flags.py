@@ -84,7 +84,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=(0, 1, 2),
                    help="client certificates: 0 not asked for (default), 1 optional, 2 required (ssl.CERT_*)")
     p.add_argument("--enable-log-requests", action="store_true",
-                   help="log one line per request at INFO: id, endpoint, prompt tokens, sampling parameters")
+                   help="log one line per request at INFO: id, endpoint, prompt tokens, sampling parameters (and "
+                        "at --log-level debug each prompt)")
     p.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests at --log-level debug, where each prompt is logged: at most this "
                         "many of its characters and token ids (default: all)")
@@ -190,11 +191,15 @@ def expand_config(p: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     return rest[:head] + [arg for args in flags.values() for arg in args] + rest[head:]
 
 
+# the flags whose argument is JSON: a YAML list or mapping under their key is given as its JSON text
+JSON_FLAGS = ("--allowed-origins", "--allowed-methods", "--allowed-headers", "--profiler-config")
+
+
 def config_flags(p: argparse.ArgumentParser, path: str) -> dict[str, list[str]]:
     """A YAML config file's keys as the command-line arguments they stand for, by flag dest
     (`true` is the switch, `false` its `--no-` form where there is one, a list the
-    arguments of a flag that takes several, else the JSON text); a key that names no
-    flag, or a value a flag cannot take, is an argparse error naming it."""
+    arguments of a flag that takes several or a JSON flag's JSON text); a key that names
+    no flag, or a value its flag cannot take, is an argparse error naming it."""
     import yaml
     if not path.endswith((".yaml", ".yml")):
         p.error(f"--config {path!r}: the config file must be YAML (.yaml or .yml)")
@@ -228,6 +233,9 @@ def config_flags(p: argparse.ArgumentParser, path: str) -> dict[str, list[str]]:
         elif isinstance(value, list) and action.nargs in ("+", "*"):
             args = [flag, *map(str, value)] if value else []
         elif isinstance(value, (list, dict)):
+            if flag not in JSON_FLAGS:
+                kind = "list" if isinstance(value, list) else "mapping"
+                p.error(f"--config {path!r}: {key!r} takes one value, not a {kind}")
             args = [f"{flag}={json.dumps(value)}"]
         else:
             args = [f"{flag}={value}"]
@@ -261,6 +269,8 @@ def resolve_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not a.enable_chunked_prefill:
         p.error("--no-enable-chunked-prefill: Detent always chunks long prompts (--max-num-batched-tokens), and a "
                 "request's bits are the same however its prompt is chunked; drop the flag")
+    if a.config is not None:  # an abbreviation (--conf FILE) that expand_config did not see
+        p.error(f"--config: spell the flag out in full (got {a.config!r})")
     if a.root_path and (not a.root_path.startswith("/") or a.root_path.endswith("/")):
         p.error(f"--root-path {a.root_path!r}: give the proxy's path prefix, starting with / and not ending with "
                 "one (e.g. /llm)")

@@ -205,6 +205,7 @@ def test_config_file_key_that_is_no_flag_refuses_startup(tmp_path, capsys):
                       ("config: other.yaml\n", "unknown key 'config'"),
                       ("enforce-eager: 1\n", "'enforce-eager' is a switch"),
                       ("max-model-len: true\n", "'max-model-len' takes a value"),
+                      ("api-key: [k1, k2]\n", "'api-key' takes one value, not a list"),
                       ("max-model-len:\n", "'max-model-len' has no value"),
                       ("max-model-len: many\n", "--max-model-len: invalid int value: 'many'"),
                       ("- max-model-len\n", "must map flag names to values"),
@@ -215,6 +216,7 @@ def test_config_file_key_that_is_no_flag_refuses_startup(tmp_path, capsys):
     assert "No such file" in _refused(capsys, ["--config", str(tmp_path / "none.yaml")])
     cfg = _config(tmp_path, "seed: 1\n")
     assert "more than once" in _refused(capsys, ["--config", cfg, "--config", cfg])
+    assert "spell the flag out in full" in _refused(capsys, ["--conf", cfg])
 
 
 def test_uvicorn_flags_reach_uvicorns_config():
