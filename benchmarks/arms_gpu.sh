@@ -10,7 +10,8 @@
 #       every load sends its own prompts: benchmarks/workloads/README.md)
 #   tune-W-A | tune-W-B | tune-W-C:  `detent tune` on the whole workload (W-A: 600 turns), timed, into
 #              /tmp/arms/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
-#              600 s a device call may take; TUNE_BUDGET=S for less, when the call installs too)
+#              600 s a device call may take; TUNE_BUDGET=S for less, when the call installs too;
+#              TUNE_ARGS: more `detent tune` arguments, e.g. "--num-requests 16" for the workload's head)
 #   vllm:      `vllm serve` from the peer bundle (PYTHONPATH=VLLM_PATH, default /tmp/vsite), same
 #              deployment facts, then the same client and rates (serve_arms.py --vllm-url)
 #   vllm-bi:   the same with VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant mode), stored as arm vllm-bi
@@ -58,7 +59,7 @@ for PART in "$@"; do
             W=${PART#tune-}
             B=${TUNE_BUDGET:-570}  # less when the call also installs (its 600 s holds both)
             timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --cost kernels --time-budget "$B" \
-                -o /tmp/arms/tuple-$W.json ;;
+                ${TUNE_ARGS:-} -o /tmp/arms/tuple-$W.json ;;
         vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)
             BI=0; TAG=""
             [ "$PART" = vllm-bi ] && BI=1 && TAG=-bi
