@@ -39,6 +39,8 @@ def add_subparsers(sub) -> None:
                        "error (docs/verify.md).")
     v.add_argument("log", nargs="?", default=None, help="a request log written by detent-serve --request-log")
     v.add_argument("--model", default=None, help="LOG: the model to re-execute on (default: the embedded SmolLM2)")
+    v.add_argument("--tokenizer", default=None, help="LOG: the tokenizer, when the deployment served one other than "
+                   "the model's (detent-serve --tokenizer): stop strings and output text are decoded with it")
     v.add_argument("--tuple", default=None, help="LOG: commitment tuple (t.json; default: the default tuple)")
     v.add_argument("--selection", default=None, choices=SELECTION_MODES,
                    help="LOG: selection mode (default: the one the log's requests ran under)")
@@ -140,8 +142,8 @@ def _verify_log(args: argparse.Namespace) -> int:
         print(f"detent verify: error: {args.log} holds no request record", file=sys.stderr)
         return 2
     if args.url:
-        given = [f for f, v in (("--model", args.model), ("--tuple", args.tuple), ("--selection", args.selection))
-                 if v is not None]
+        given = [f for f, v in (("--model", args.model), ("--tokenizer", args.tokenizer), ("--tuple", args.tuple),
+                                ("--selection", args.selection)) if v is not None]
         if given:
             print(f"detent verify: error: {', '.join(given)} choose the in-process engine; with --url the "
                   "server re-executes the log under its own", file=sys.stderr)
@@ -160,8 +162,8 @@ def _verify_log(args: argparse.Namespace) -> int:
         from detent.engine import LLM
         selection = args.selection or next((r.selection for r in records if hasattr(r, "selection")), "pinned")
         try:
-            llm = LLM(model=args.model, tuple=args.tuple, selection=selection, load_format=args.load_format,
-                      **engine_args(records))
+            llm = LLM(model=args.model, tokenizer=args.tokenizer, tuple=args.tuple, selection=selection,
+                      load_format=args.load_format, **engine_args(records))
         except (ValueError, OSError) as e:  # a tuple for other facts, a model that does not load
             print(f"detent verify: error: cannot build the engine to re-execute on: {type(e).__name__}: {e}",
                   file=sys.stderr)

@@ -120,6 +120,22 @@ def test_verify_offline_passes_on_the_servers_own_log(logged, tiny_model, tmp_pa
     assert rep["counts"]["equal"] == ENGINE_REQUESTS and rep["equal"]
 
 
+def test_verify_offline_takes_the_deployments_tokenizer(logged, tiny_model, tmp_path, capsys):
+    """`detent verify LOG --model M --tokenizer T`, for a deployment served with `--tokenizer`: here a
+    copy of the model without its tokenizer files. Without the flag the engine has no tokenizer, so the
+    tokens match and the text does not; with it every record is equal. With --url the server
+    re-executes under its own, so the flag is refused there."""
+    import shutil
+    _, log, _ = logged
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model, bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    assert main(["verify", log, "--model", str(bare)]) == 1
+    assert "text differ" in capsys.readouterr().out
+    assert main(["verify", log, "--model", str(bare), "--tokenizer", tiny_model]) == 0, capsys.readouterr().out
+    assert main(["verify", log, "--url", "http://127.0.0.1:9", "--tokenizer", tiny_model]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+
+
 def _tampered(log: str, tmp_path) -> tuple[str, str]:
     lines = _records(log, ENGINE_REQUESTS)
     rec = next(x for x in lines if x["type"] == "request" and x["prompt"] == "Seeded sampling")
