@@ -161,19 +161,13 @@ def bench(port: int, model_dir: str, args: list[str], n: int, dataset: str, seed
     return keep
 
 
-# Detent's step-kind series in /metrics (server/metrics.py STEP_KIND_COUNTERS) and their keys here
-STEP_SERIES = {"detent:engine_steps": "steps", "detent:engine_step_time_seconds": "seconds",
-               "detent:engine_step_tokens": "tokens", "detent:engine_step_wait_seconds": "wait_seconds",
-               "detent:engine_step_launch_seconds": "launch_seconds",
-               "detent:engine_step_launch_prepare_seconds": "prepare_seconds",
-               "detent:engine_step_launch_forward_seconds": "forward_seconds",
-               "detent:engine_step_whole_graph_steps": "whole_graph_steps",
-               "detent:engine_step_piecewise_steps": "piecewise_steps",
-               "detent:engine_step_device_seconds": "device_seconds",
-               "detent:engine_step_device_idle_seconds": "device_idle_seconds",
-               "detent:engine_step_decode_rows": "decode_rows",
-               "detent:engine_step_decode_row_seconds": "decode_row_seconds",
-               "detent:engine_step_rows_left_out": "rows_left_out"}
+def _step_series() -> dict[str, str]:
+    """Detent's per-step-kind metric families -> the engine's counter names (server/metrics.py)."""
+    from detent.server.metrics import PREFIX, STEP_KIND_SERIES
+    return {PREFIX + stem: field for field, (stem, _) in STEP_KIND_SERIES.items()}
+
+
+STEP_SERIES = _step_series()
 
 
 def _metric_families(url: str) -> list:
