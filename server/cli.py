@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
         import uvicorn  # noqa: F401
 
         import detent.server.app  # noqa: F401
-        check_tls(uvicorn_options(a))
+        options = uvicorn_options(a)
+        check_tls(options)
         state = build_state(a)
     except Exception as e:  # a bad tuple, model, flag or install: say why and refuse to start
         print(f"detent-serve: refusing to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     from detent.engine import freeze_startup_heap
     freeze_startup_heap()  # the API process's startup heap, as the core freezes its own
     try:
-        serve(state, uvicorn_options(a))
+        serve(state, options)
     except BaseException:
         # the engine core is a child process this one waits for at exit: stop it, or a failure
         # here leaves the server alive and unable to serve
