@@ -96,8 +96,10 @@ def build_app(state: ServerState) -> FastAPI:
         if state.request_log is not None:
             state.request_log.close()
 
-    app = FastAPI(title="Detent", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json" if state.openapi else None)
+    # vLLM serves the schema and its two pages unless --disable-fastapi-docs
+    docs = state.openapi
+    app = FastAPI(title="Detent", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.root_path = state.root_path  # as vLLM sets it: routes match with the prefix or without
     app.state.detent = state
 

@@ -75,7 +75,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-credentials", action="store_true",
                    help="CORS: such a page may send credentials (cookies, HTTP authentication)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
-                   help="no GET /openapi.json (Detent serves no /docs or /redoc pages)")
+                   help="no GET /openapi.json, /docs or /redoc")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per request (uvicorn writes them only at --uvicorn-log-level debug)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")

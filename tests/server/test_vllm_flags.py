@@ -353,6 +353,9 @@ def test_disable_fastapi_docs():
     from detent.server.cli import app_options
     with _client(**app_options(parse_args([]))) as c:
         assert c.get("/openapi.json").json()["info"]["title"] == "Detent"
+        for path in ("/docs", "/redoc"):  # vLLM's two pages, each naming the schema
+            page = c.get(path)
+            assert page.status_code == 200 and "/openapi.json" in page.text, path
     with _client(**app_options(parse_args(["--disable-fastapi-docs"]))) as c:
         for path in ("/openapi.json", "/docs", "/redoc"):
             assert c.get(path).status_code == 404, path
