@@ -236,7 +236,7 @@ def uvicorn_options(a: argparse.Namespace) -> dict[str, Any]:
     """uvicorn.Config's arguments from the flags, the app aside."""
     level = a.uvicorn_log_level or a.log_level
     return dict(host=a.host, port=a.port, log_level=level,
-                access_log=level == "debug" and not a.disable_uvicorn_access_log,
+                access_log=not a.disable_uvicorn_access_log,  # its lines are INFO: shown at info and debug
                 timeout_graceful_shutdown=a.graceful_timeout, ssl_keyfile=a.ssl_keyfile,
                 ssl_certfile=a.ssl_certfile, ssl_ca_certs=a.ssl_ca_certs, ssl_cert_reqs=a.ssl_cert_reqs)
 

@@ -77,7 +77,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no GET /openapi.json, /docs or /redoc")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
-                   help="no access-log line per request (uvicorn writes them only at --uvicorn-log-level debug)")
+                   help="no access-log line per request (uvicorn writes one at INFO by default, as in vLLM)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
     p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM), if not in --ssl-certfile")
     p.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")

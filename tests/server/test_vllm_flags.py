@@ -229,9 +229,9 @@ def test_uvicorn_flags_reach_uvicorns_config():
         ("c.pem", "k.pem", "ca.pem", 2)
     uvicorn.Config(None, **o)  # every key is one of uvicorn's
     o = uvicorn_options(parse_args([]))
-    assert (o["ssl_certfile"], o["ssl_keyfile"], o["ssl_cert_reqs"], o["access_log"]) == (None, None, 0, False)
-    # uvicorn logs each request only at debug; --disable-uvicorn-access-log: never
-    assert uvicorn_options(parse_args(["--uvicorn-log-level", "debug"]))["access_log"] is True
+    assert (o["ssl_certfile"], o["ssl_keyfile"], o["ssl_cert_reqs"], o["access_log"]) == (None, None, 0, True)
+    # an access-log line per request at INFO, as vLLM writes; --disable-uvicorn-access-log: never
+    assert uvicorn_options(parse_args(["--uvicorn-log-level", "warning"]))["log_level"] == "warning"
     assert uvicorn_options(parse_args(["--log-level", "debug", "--disable-uvicorn-access-log"]))["access_log"] is False
     for bad in (["--ssl-keyfile", "k.pem"], ["--ssl-ca-certs", "ca.pem"], ["--ssl-cert-reqs", "2"],
                 ["--ssl-certfile", "c.pem", "--ssl-cert-reqs", "3"]):
