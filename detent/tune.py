@@ -55,17 +55,21 @@ SIGNATURE_INPUTS = 512  # per call site: the most called runtime inputs a repin'
 CONFIRM_PROBE = 0.25  # with a deadline: the untimed run's share of the workload, timed to size the others
 MIN_CONFIRM = 0.1  # with a deadline: the smallest share the confirmation runs on; below it, it is skipped
 SEARCH_SHARE = 0.5  # with a deadline and a confirmation: the search's share of the time left after the profile
+CONFIRM_CANDIDATES = 2  # the search's winner and its cheapest runner-up making other selections
 
 
 def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = "engine",
          families: list[str] | None = None, repeats: int = 1, dedupe: bool = True,
          confirm: str | Callable[[TupleInstaller, Calls], Any] | None = None,
          profile_every: int = PROFILE_EVERY, deadline: float | None = None, objective: str = OBJECTIVES[0],
-         progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
+         confirm_candidates: int = CONFIRM_CANDIDATES, progress: Callable[[str], None] = lambda s: None,
+         **search: Any) -> Tuned:
     """dedupe: measure once for every set of assignments that select the same kernels and
     parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
     nothing at the default's value. profile_every: the profile records every step with prompt
-    rows and one decode-only step in this many, counted as many (1: every step, eagerly)."""
+    rows and one decode-only step in this many, counted as many (1: every step, eagerly).
+    confirm_candidates: how many of the search's tuples cheaper than the default, cheapest first,
+    the confirmation measures (the winner, then its runners-up: `confirmed`)."""
     check_objective(objective)
     facts = engine_facts(llm)
     base = default_tuple(facts)
@@ -123,34 +127,45 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         phase("search")
         if confirm is not None and res.chosen.hash != base.hash:
             check = EngineCost(inst, workload, repeats, objective) if confirm == "engine" else confirm(inst, calls)
-            res = confirmed(res, base, check, progress, deadline)
+            res = confirmed(res, base, check, progress, deadline, candidates=confirm_candidates)
             phase("confirm")
     return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"), phases, objective)
 
 
 def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], deadline: float | None = None,
-              clock: Callable[[], float] = time.perf_counter) -> TuneResult:
-    """The winner against the default on `model` (the default before and after it, after one
-    untimed run): the default stays unless the winner is cheaper than the default's cheaper run
-    by more than the default's two runs differ. Without a deadline, on the
-    whole workload. With one, the untimed run covers `CONFIRM_PROBE` of it and is timed; the
-    three timed runs take the largest share that fits before the deadline, with two tuple
-    switches (`model.max_install_s`, when the model knows it); below `MIN_CONFIRM`, the
-    confirmation is skipped and the default kept: an unconfirmed winner is not written."""
+              clock: Callable[[], float] = time.perf_counter, candidates: int = 1) -> TuneResult:
+    """The winner, and up to `candidates` - 1 of the search's runners-up (`res.alternates`),
+    against the default on `model`: the default before and after them, after one untimed run. The
+    cheapest of them is taken if it is cheaper than the default's cheaper run by more than the
+    default's two runs differ; else the default stays. A runner-up is there for where the search's
+    cost model and `model` disagree about the winner (lease 28's W-C: FlashAttention-4's attention
+    kernels measured 25% cheaper per decode row, its engine steps 4.5% dearer). Without a deadline,
+    on the whole workload. With one, the untimed run covers `CONFIRM_PROBE` of it and is timed;
+    the timed runs (two of the default's and one a candidate) take the largest share that fits
+    before the deadline with a tuple switch per candidate and one back (`model.max_install_s`,
+    when the model knows it), with fewer runners-up where that share would be under
+    `MIN_CONFIRM`; when even the winner alone falls under it, the confirmation is skipped and the
+    default kept: an unconfirmed winner is not written."""
     unit = getattr(model, "unit", "cost")
+    cands = [res.chosen] + [t for t in res.alternates if t.hash != res.chosen.hash][:max(candidates, 1) - 1]
     fraction = 1.0
     if deadline is None:
-        progress(f"confirming the tuned tuple against the default ({unit}; after one untimed run)")
+        progress(f"confirming {_confirming(len(cands))} against the default ({unit}; after one untimed run)")
         model.measure(base, 1.0)
     else:
-        progress(f"confirming the tuned tuple against the default ({unit}; {deadline - clock():.0f} s left; "
-                 f"after one untimed run on {CONFIRM_PROBE:.0%} of the workload, timed to size the others)")
+        progress(f"confirming {_confirming(len(cands))} against the default ({unit}; {deadline - clock():.0f} s "
+                 f"left; after one untimed run on {CONFIRM_PROBE:.0%} of the workload, timed to size the others)")
         t0 = clock()
         model.measure(base, CONFIRM_PROBE)
         run = max(clock() - t0 - getattr(model, "last_install_s", 0.0), 0.0) / CONFIRM_PROBE
         switch = getattr(model, "max_install_s", 0.0)
-        left = deadline - clock() - 2 * switch
-        fraction = 1.0 if 3 * run <= left else math.floor(100 * max(left, 0.0) / (3 * run)) / 100
+
+        def share(n: int) -> float:  # of the workload, for n candidates' runs and the default's two
+            left = deadline - clock() - (n + 1) * switch
+            return 1.0 if (n + 2) * run <= left else math.floor(100 * max(left, 0.0) / ((n + 2) * run)) / 100
+        while len(cands) > 1 and share(len(cands)) < MIN_CONFIRM:
+            cands.pop()
+        fraction = share(len(cands))
         if fraction < MIN_CONFIRM:
             why = (f"{max(deadline - clock(), 0.0):.0f} s left before the time budget's end; three runs of "
                    f"{MIN_CONFIRM:.0%} of the workload and two tuple switches need about "
@@ -160,23 +175,37 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
             res.chosen, res.kept_default = base, True
             return res
         if fraction < 1.0:
-            progress(f"  on the first {fraction:.0%} of the workload (a whole run takes about {run:.0f} s)")
+            progress(f"  on the first {fraction:.0%} of the workload (a whole run takes about {run:.0f} s)"
+                     + (f", {_confirming(len(cands))}" if len(cands) < 1 + len(res.alternates[:candidates - 1])
+                        else ""))
     first = float(model.measure(base, fraction))
-    tuned = float(model.measure(res.chosen, fraction))
+    costs = [float(model.measure(t, fraction)) for t in cands]
     last = float(model.measure(base, fraction))
     default = (first + last) / 2
-    # the default's drift between its two runs is this measurement's noise: a winner must beat
+    # the default's drift between its two runs is this measurement's noise: a candidate must beat
     # the default's cheaper run by more than it
     margin = abs(first - last)
-    keep = tuned >= min(first, last) - margin
-    progress(f"  default {first:.4g} / {last:.4g}, tuned {tuned:.4g}: "
-             + (f"kept the default (the tuned tuple must be under {min(first, last) - margin:.4g})" if keep
-                else f"tuned is {100 * (1 - tuned / default):.1f}% cheaper"))
+    best = min(range(len(cands)), key=lambda i: costs[i])
+    keep = costs[best] >= min(first, last) - margin
+    others = "".join(f", runner-up {i} {c:.4g}" for i, c in enumerate(costs[1:], 1))
+    progress(f"  default {first:.4g} / {last:.4g}, tuned {costs[0]:.4g}{others}: "
+             + (f"kept the default (a candidate must be under {min(first, last) - margin:.4g})" if keep
+                else f"{'tuned' if best == 0 else f'runner-up {best}'} is {100 * (1 - costs[best] / default):.1f}% "
+                     "cheaper"))
     res.confirmed = {"unit": unit, "fraction": fraction, "default": default, "default_first_last": [first, last],
-                     "margin": margin, "tuned": tuned, "kept_default": keep}
+                     "margin": margin, "tuned": costs[best], "kept_default": keep}
+    if len(cands) > 1:  # which was taken: 0 the search's winner, i its i-th runner-up
+        res.confirmed.update(candidates=[{"tuple_hash": t.hash, "cost": c} for t, c in zip(cands, costs)],
+                             taken=None if keep else best)
     if keep:
         res.chosen, res.kept_default = base, True
+    else:  # the search's own pick stays in `res.pick` (the report's search_pick)
+        res.chosen, res.kept_default = cands[best], False
     return res
+
+
+def _confirming(n: int) -> str:
+    return "the tuned tuple" if n == 1 else f"the tuned tuple and {n - 1} runner{'s' if n > 2 else ''}-up"
 
 
 def _signature_fn(space, facts: dict[str, Any], calls: Calls) -> Callable[[dict], Any]:

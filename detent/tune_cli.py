@@ -49,6 +49,10 @@ def add_subparsers(sub) -> None:
     p.add_argument("--confirm", choices=("engine", "none"), default=None, help="engine: measure the search's "
                    "winner against the default on the engine (the workload's steps) and keep the default unless "
                    "the winner is faster there (default with --cost kernels); none: take the search's word")
+    p.add_argument("--confirm-candidates", type=_positive, default=None, metavar="N",
+                   help="the confirmation measures the search's winner and up to N-1 runners-up that the search "
+                   "measured cheaper than the default, and takes the cheapest on the engine (default: the winner "
+                   "and one runner-up)")
     p.add_argument("--no-dedupe", dest="dedupe", action="store_false", help="measure every candidate, also "
                    "those that select the same kernels and parameters on the profiled calls as one measured before")
     p.add_argument("--profile-every", type=int, default=None, help="the profile records every step with prompt "
@@ -96,6 +100,13 @@ def load_workload(spec: str, *, vocab: int, num_requests: int | None, max_len: i
     return w.head(min(1.0, num_requests / len(reqs))) if num_requests else w
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = {"tensor_parallel_size": a.tp, "dtype": a.dtype, "device": a.device, "load_format": a.load_format,
           "max_model_len": a.max_model_len, "enable_prefix_caching": a.prefix_caching, "seed": a.seed}
@@ -111,7 +122,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 def _tune(a: argparse.Namespace) -> int:
     from detent.engine import LLM
     from detent.selection import programs
-    from detent.tune import PROFILE_EVERY, tune
+    from detent.tune import CONFIRM_CANDIDATES, PROFILE_EVERY, tune
     from detent.tune_cost import profile_summary
     from detent.tune_report import report_dict, write_plot, write_report
     from detent.workloads import NAMES
@@ -145,6 +156,7 @@ def _tune(a: argparse.Namespace) -> int:
         deadline = t_start + a.time_budget - WRITE_RESERVE_S if a.time_budget else None
         out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, dedupe=a.dedupe, progress=say,
                    confirm=None if confirm == "none" else confirm, profile_every=every, deadline=deadline,
+                   confirm_candidates=a.confirm_candidates or CONFIRM_CANDIDATES,
                    objective=a.objective, max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction,
                    refine=a.refine, interactions=a.interactions, seed=a.seed)
         res, prof = out.result, out.profile
@@ -175,8 +187,10 @@ def _tune(a: argparse.Namespace) -> int:
             print(f"not confirmed on the engine ({c['skipped']}): kept the default tuple; a larger --time-budget "
                   "or a smaller --num-requests leaves time for it")
         else:
+            runner = f" (the search's runner-up {c['taken']}; its winner measured {c['candidates'][0]['cost']:.4g})" \
+                if c.get("taken") else ""
             print(f"confirmed on the engine, {c['fraction']:.0%} of the workload: default {c['default']:.4g}, "
-                  f"tuned {c['tuned']:.4g} {c['unit']}" + (f"; kept the default (not under the default's cheaper run "
-                                                           f"by more than its drift, {c['margin']:.4g})"
-                                                           if c["kept_default"] else ""))
+                  f"tuned {c['tuned']:.4g} {c['unit']}{runner}"
+                  + (f"; kept the default (none under the default's cheaper run by more than its drift, "
+                     f"{c['margin']:.4g})" if c["kept_default"] else ""))
     return 0

@@ -73,6 +73,9 @@ class TuneResult:
     pick: str = "default"
     pick_cost: float | None = None
     pick_predicted: float | None = None
+    # the other tuples measured on the whole workload under the default's cost, cheapest first, each
+    # making selections of its own (no `same_as` entry): the confirmation's runners-up
+    alternates: list[CommitmentTuple] = field(default_factory=list)
 
     @property
     def delta(self) -> float:
@@ -228,11 +231,7 @@ class Search:
         byname = {s.family: s for s in spaces}
 
         def tuple_of(assign: dict[str, dict]) -> CommitmentTuple:
-            t = self.base
-            for f, a in assign.items():
-                if a != fams[f].default:
-                    t = with_family(t, byname[f], a)
-            return t
+            return _repinned(self.base, fams, byname, assign)
 
         def predicted(assign: dict[str, dict]) -> float:
             return base_cost + sum(fams[f].cost(a) - base_cost for f, a in assign.items() if a != fams[f].default)
@@ -290,9 +289,26 @@ class Search:
                 options[moved(c["assignments"])] = (c["measured"], c["label"], c["assignments"], c["predicted"])
         # the first of equals is taken, and the default is first
         cost, label, assign, predicted = min(options.values(), key=lambda o: o[0])
-        chosen = self.base
-        for f, a in assign.items():
-            if a != fams[f].default:
-                chosen = with_family(chosen, byname[f], a)
+        chosen = _repinned(self.base, fams, byname, assign)
+        # runners-up: every other measured option and every family's other repins measured whole
+        ranked = [(o[0], o[2]) for o in options.values()]
+        ranked += [(t["costs"][1.0], {f: t["assignment"]}) for f, r in fams.items() for t in r.tried
+                   if 1.0 in t["costs"] and "same_as" not in t and t["assignment"] != r.default]
+        alternates, seen = [], {chosen.hash, self.base.hash}
+        for c, a in sorted(ranked, key=lambda x: x[0]):
+            t = _repinned(self.base, fams, byname, a)
+            if c < base_cost and t.hash not in seen:
+                seen.add(t.hash)
+                alternates.append(t)
         return TuneResult(base_cost, fams, checks, chosen, label == "default", base_costs, cut=self.cut,
-                          pick=label, pick_cost=cost, pick_predicted=predicted)
+                          pick=label, pick_cost=cost, pick_predicted=predicted, alternates=alternates)
+
+
+def _repinned(base: CommitmentTuple, fams: dict[str, FamilyResult], byname: dict[str, FamilySpace],
+              assign: dict[str, dict]) -> CommitmentTuple:
+    """`base` with each family of `assign` that moves from its default repinned."""
+    t = base
+    for f, a in assign.items():
+        if a != fams[f].default:
+            t = with_family(t, byname[f], a)
+    return t

@@ -45,7 +45,7 @@ def test_the_winner_is_confirmed_against_the_default_on_a_second_cost_model(llm,
     fake = FakeCost(facts)  # its default: the default tuple's assignments
     check = Confirm(base.hash, tuned, drift)
     out = tune(llm, workload(), cost=lambda inst, calls: fake, confirm=lambda inst, calls: check,
-               max_candidates=64, refine=0, interactions=0)
+               max_candidates=64, refine=0, interactions=0, confirm_candidates=1)
     res = out.result
     assert check.seen == [(True, 1.0), (True, 1.0), (False, 1.0), (True, 1.0)]  # untimed, default, tuned, default
     assert res.confirmed == {"unit": "cost", "fraction": 1.0, "default": 10.0 + drift / 2,
@@ -55,6 +55,51 @@ def test_the_winner_is_confirmed_against_the_default_on_a_second_cost_model(llm,
     assert (res.chosen.hash == base.hash) is keeps_default
     if not keeps_default:  # the search's combined winner
         assert all(family_assignment(res.chosen, f) == r.chosen for f, r in res.families.items())
+
+
+class Refutes:
+    """A confirmation cost that refutes the first tuple other than the default it is given (the
+    search's winner comes first): 12, against the default's 10 and 8 for any other tuple."""
+
+    def __init__(self, base_hash: str):
+        self.base_hash, self.seen = base_hash, []
+
+    def measure(self, t: CommitmentTuple, fraction: float) -> float:
+        self.seen.append(t)
+        if t.hash == self.base_hash:
+            return 10.0
+        return 12.0 if t.hash == next(x.hash for x in self.seen if x.hash != self.base_hash) else 8.0
+
+
+@pytest.mark.parametrize("candidates", [1, 2, 3])
+def test_a_runner_up_is_taken_when_the_engine_refutes_the_searchs_winner(llm, candidates):
+    # the search's cost model (fake) and the engine disagree about its winner, as lease 28's W-C kernel
+    # search and engine did about FlashAttention-4. With one candidate the default stays; with more, the
+    # search's cheapest runners-up (measured under the default's cost, other selections) are measured
+    # between the default's two runs, and the cheapest of them is taken
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    fake = FakeCost(facts)
+    check = Refutes(base.hash)
+    out = tune(llm, workload(), cost=lambda inst, calls: fake, confirm=lambda inst, calls: check,
+               max_candidates=64, refine=0, interactions=0, confirm_candidates=candidates)
+    res = out.result
+    winner = check.seen[2]
+    assert all(family_assignment(winner, f) == r.chosen for f, r in res.families.items())  # the search's pick
+    alternates = res.alternates
+    hashes = [t.hash for t in alternates]
+    assert len(hashes) >= 2 and len(set(hashes)) == len(hashes) and not {base.hash, winner.hash} & set(hashes)
+    search_cost = [100.0 + sum(fake.family_cost(f, family_assignment(t, f)) for f in res.families)
+                   for t in alternates]
+    assert search_cost == sorted(search_cost) and search_cost[-1] < res.base_cost  # cheapest first, under it
+    assert [t.hash for t in check.seen] == [base.hash, base.hash, winner.hash, *hashes[:candidates - 1], base.hash]
+    c = res.confirmed
+    if candidates == 1:
+        assert res.kept_default and res.chosen.hash == base.hash and c["tuned"] == 12.0 and "taken" not in c
+    else:
+        assert not res.kept_default and res.chosen.hash == hashes[0] and c["taken"] == 1 and c["tuned"] == 8.0
+        assert [x["cost"] for x in c["candidates"]] == [12.0] + [8.0] * (candidates - 1)
+        assert res.pick == "combined best"  # the search's own pick, as its report names it
 
 
 class Clocked:
@@ -95,6 +140,22 @@ def test_a_deadline_sizes_the_confirmation_and_skips_it_when_too_little_fits(llm
         assert m.seen == [(True, CONFIRM_PROBE), (True, fraction), (False, fraction), (True, fraction)]
         assert res.confirmed["fraction"] == fraction and not res.kept_default and res.chosen.hash == winner.hash
         assert m.now <= CONFIRM_PROBE * 100.0 + 10.0 + left
+
+
+@pytest.mark.parametrize("left, measured, fraction", [(455.0, 2, 1.0), (85.0, 2, 0.13), (55.0, 1, 0.11)])
+def test_a_deadline_drops_runners_up_before_it_shrinks_the_share_below_a_tenth(llm, left, measured, fraction):
+    # a whole run 100 s, a switch 10 s. The winner and one runner-up take four timed runs and three
+    # switches: 55 s holds them only at 6% of the workload, so the runner-up is dropped and the winner
+    # alone runs on 11%; 85 s holds both at 13%; 455 s both on the whole workload
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    space = family_space(facts, "attention")
+    winner, runner = [with_family(base, space, a) for a in space.legal if a != family_assignment(base, "attention")][:2]
+    m = Clocked(base.hash, run=100.0, install=10.0)
+    res = confirmed(TuneResult(10.0, {}, [], winner, False, alternates=[runner]), base, m, lambda s: None,
+                    deadline=CONFIRM_PROBE * 100.0 + 10.0 + left, clock=lambda: m.now, candidates=2)
+    assert m.seen[1:] == [(True, fraction)] + [(False, fraction)] * measured + [(True, fraction)] and res.confirmed["fraction"] == fraction and not res.kept_default
+    assert m.now <= CONFIRM_PROBE * 100.0 + 10.0 + left
 
 
 def test_kernel_cost_search_confirmed_on_the_engine(llm):
