@@ -23,14 +23,19 @@ METRICS = [f"{m}_p{p}_ms" for m in ("tpot", "ttft") for p in (50, 90, 99)]
 ORDER = ("stock", "conservative", "pinned-default", "pinned-tuned", "vllm", "vllm-bi")
 
 
+def workload_of(res: dict) -> dict[str, str]:
+    """load -> its workload, from every arm that served it (a folder need not hold stock)."""
+    return {ld: r["workload"] for arm in res["arms"].values() for ld, r in arm.items()}
+
+
 def arms_by_load(res: dict) -> tuple[list[str], dict[str, dict[str, dict]]]:
     """(the loads in order, arm -> load -> result), with pinned-tuned resolved per load."""
-    stock = res["arms"].get("stock", {})
-    loads = sorted(stock)  # A1..A4, B1..B3, C1, C2: workload, then load
+    wl = workload_of(res)
+    loads = sorted(wl)  # A1..A4, B1..B3, C1, C2: workload, then load
     table: dict[str, dict[str, dict]] = {}
     for arm in ORDER:
         if arm == "pinned-tuned":
-            row = {ld: res["arms"].get(f"tuned-{stock[ld]['workload']}", {}).get(ld) for ld in loads}
+            row = {ld: res["arms"].get(f"tuned-{wl[ld]}", {}).get(ld) for ld in loads}
         else:
             row = {ld: res["arms"].get(arm, {}).get(ld) for ld in loads}
         row = {ld: r for ld, r in row.items() if r}
@@ -47,7 +52,7 @@ def geomean_ratio(table: dict, arm: str, metric: str) -> float | None:
 
 
 def drift(res: dict, loads: list[str]) -> dict[str, dict[str, float]]:
-    stock = res["arms"].get("stock", {})
+    wl = workload_of(res)
     out: dict[str, dict[str, float]] = {}
     for w in res.get("tuples", {}):
         row = res["arms"].get(f"tuned-{w}", {})
@@ -55,7 +60,7 @@ def drift(res: dict, loads: list[str]) -> dict[str, dict[str, float]]:
             continue
         out[w] = {}
         for ld in loads:
-            own = res["arms"].get(f"tuned-{stock[ld]['workload']}", {}).get(ld)
+            own = res["arms"].get(f"tuned-{wl[ld]}", {}).get(ld)
             if ld in row and own and own["tpot_p50_ms"] > 0:
                 out[w][ld] = row[ld]["tpot_p50_ms"] / own["tpot_p50_ms"]
     return out
@@ -129,7 +134,7 @@ def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, 
                   "|---|---:|---|"]
         for w, ratio in tvd["workloads"].items():
             cells = [f"{ld}: {p['median']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]" for ld, p in tvd["loads"].items()
-                     if p and res["arms"]["stock"].get(ld, {}).get("workload") == w]
+                     if p and workload_of(res).get(ld) == w]
             lines.append(f"| {w} | {ratio:.4f} | {'; '.join(cells)} |")
         if tvd.get("default_repeat"):
             lines += ["", "The default run twice, second / first p50 TPOT (the run-to-run drift): "
@@ -145,6 +150,9 @@ def figures(out_dir: str, res: dict, loads: list[str], table: dict, mat: dict) -
         import matplotlib.pyplot as plt
     except ImportError:
         print("arms_report: matplotlib is not installed: no figures (pip install 'detent[bench]')")
+        return []
+    if "stock" not in table:  # every figure is a ratio to stock's run
+        print("arms_report: no stock arm in this folder: no figures")
         return []
     arms = [a for a in table if a != "stock"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4))
@@ -177,11 +185,11 @@ def figures(out_dir: str, res: dict, loads: list[str], table: dict, mat: dict) -
         grid = [[mat[w].get(ld, float("nan")) for ld in loads] for w in rows]
         fig, ax = plt.subplots(figsize=(1.1 * len(loads) + 2, 0.8 * len(rows) + 1.5))
         im = ax.imshow(grid, cmap="Reds", vmin=1.0)
-        stock = res["arms"]["stock"]
+        wl = workload_of(res)
         for i, w in enumerate(rows):
             for j, ld in enumerate(loads):
                 ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
-                if stock[ld]["workload"] == w:
+                if wl[ld] == w:
                     ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2))
         ax.set_xticks(range(len(loads)), loads)
         ax.set_yticks(range(len(rows)), [f"tuple of {w}" for w in rows])

@@ -57,3 +57,18 @@ def test_tuned_against_default_per_workload_and_load(tmp_path):
     md = (tmp_path / "arms.md").read_text()
     assert "second / first p50 TPOT (the run-to-run drift): W-A 0.9999, W-C 1.0500" in md
     assert "| W-A | 1.0000 | A1: -0.100 [-0.100, -0.100] |" in md and "| W-C | 1.1000 | C1: +0.400" in md
+
+
+def test_a_folder_without_stock_still_compares_tuned_with_default(tmp_path):
+    # lease 28 served W-C's default and tuned arms before its stock arm: the report had no loads and
+    # raised KeyError 'stock'. The loads come from every arm; only the ratios to stock need stock
+    res = {"lambda_max": {}, "tuples": {"W-C": "c.json"}, "arms": {
+        "pinned-default": {"C1": _load("W-C", 4.0, [4.0, 4.0]), "C2": _load("W-C", 20.0, [20.0, 20.0])},
+        "tuned-W-C": {"C1": _load("W-C", 4.4, [4.4, 4.4]), "C2": _load("W-C", 20.0, [20.0, 20.0])},
+    }}
+    (tmp_path / "arms.json").write_text(json.dumps(res))
+    rep = arms_report.report(str(tmp_path))
+    assert rep["loads"] == ["C1", "C2"] and rep["figures"] == []
+    assert math.isclose(rep["tuned_vs_default"]["workloads"]["W-C"], math.sqrt(1.1))
+    assert rep["geomean_ratio_to_stock"]["pinned-default"]["tpot_p50_ms"] is None
+    assert "| C1 | pinned-tuned | 4.40 |" in (tmp_path / "arms.md").read_text()
