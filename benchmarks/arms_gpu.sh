@@ -5,8 +5,9 @@
 # tokenizer, W-A and W-C at 64 requests):
 #   stock | pinned-default | conservative | tuned-W-A | tuned-W-B | tuned-W-C:  serve_arms.py run --arms PART
 #   pinned-default-again:  the default once more (--tag @2), for the report's run-to-run drift
-#       (stock first: its lambda_max sets the others' rates; tuned-W-C and tuned-W-A take lease 20's
-#       W-C and lease 22's W-A tuple, each tuned on its whole workload, unless /tmp/arms has one;
+#       (stock first: its lambda_max sets the others' rates; tuned-W-X takes the last lease's tuple
+#       unless /tmp/arms has one: W-C's and W-B's from lease 28 (W-C whole, under the tpot objective:
+#       the default's assignments; W-B its first 16 documents, FA4), W-A's from lease 22 (whole);
 #       every load sends its own prompts: benchmarks/workloads/README.md)
 #   tune-W-A | tune-W-B | tune-W-C:  `detent tune` on the whole workload (W-A: 600 turns), timed, into
 #              /tmp/arms/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
@@ -31,8 +32,10 @@ WL=${WORKLOADS:-W-A,W-C}
 A="--model $M $FACTS --num-requests 64 --workloads $WL --out $ARMS"
 mkdir -p "$OUT" "$ARMS" /tmp/arms
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M > /dev/null
-[ -f /tmp/arms/tuple-W-C.json ] || cp benchmarks/results/h200-2026-12-04-lease20/tune/tuple-W-C.json /tmp/arms/
-[ -f /tmp/arms/tuple-W-A.json ] || cp benchmarks/results/h200-2026-12-05-lease22/tune/tuple-W-A.json /tmp/arms/
+for T in h100-2026-12-06-lease28/tune/tuple-W-C.json h200-2026-12-05-lease22/tune/tuple-W-A.json \
+         h100-2026-12-06-lease28/tune/tuple-W-B.json; do
+    [ -f /tmp/arms/$(basename $T) ] || cp benchmarks/results/$T /tmp/arms/
+done
 source "$(dirname "$0")/gpu_timed.sh"
 TIMED_TAIL=12
 for PART in "$@"; do
