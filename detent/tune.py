@@ -106,8 +106,10 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         if cost == "engine":
             model = EngineCost(inst, workload, repeats, objective)
         elif cost == "kernels":
+            tpot = objective == "tpot"
             model = KernelCost(calls, facts, tmp, families=[s.family for s in spaces], reps=max(3, repeats),
-                               decode_rows=stats["decode_rows"] if objective == "tpot" else None)
+                               decode_rows=stats["decode_rows"] if tpot else None,
+                               loops=inst.profile_loops if tpot else None)
             progress(f"timing {len(model.inputs)} bucketed kernel calls per candidate")
         elif callable(cost):
             model = cost(inst, calls)

@@ -143,6 +143,16 @@ def _rank_end_profile(st) -> dict[str, int]:
     return _end_profile(st.runner)
 
 
+def _profile_rows(runner) -> int:
+    """The decode rows a running profile has counted so far (0 when none runs)."""
+    prof = runner._forward
+    return prof.rows if isinstance(prof, SampledProfile) else 0
+
+
+def _rank_profile_rows(st) -> int:
+    return _profile_rows(st.runner)
+
+
 class TupleInstaller:
     """Installs tuples on one engine; files go to `workdir`."""
 
@@ -153,6 +163,8 @@ class TupleInstaller:
         self.llm, self.workdir, self.profile_every = llm, workdir, profile_every
         self.objective = check_objective(objective)
         self.profile_stats: dict[str, int] = {}  # the last profile's (`end_profile`)
+        # the last profile per closed loop (detent/tune_cost.py `profile_workload`): (cap, calls, decode rows)
+        self.profile_loops: list[tuple[int | None, dict, int]] = []
         self.facts = engine_facts(llm)
         self.current: str | None = None  # hash of the installed tuple (and whether recording)
         self._n = 0
@@ -207,6 +219,13 @@ class TupleInstaller:
         self.current = None  # the next install leaves recording
         return stats
 
+    def profile_rows(self) -> int:
+        """The decode rows the running profile has counted so far (rank 0's)."""
+        eng = self.llm.llm_engine
+        if eng.dispatcher is None:
+            return eng.runner.collective_rpc(_rank_profile_rows)[0]
+        return _profile_rows(eng.runner)
+
     def calls(self) -> dict:
         """(family, site, runtime) -> weight (steps, or decode rows under "tpot"), as the installed
         dispatcher recorded them."""
@@ -216,7 +235,14 @@ class TupleInstaller:
         return dict(eng.dispatcher.calls)
 
 
-def run_offline(llm, workload, max_tokens_cap: int | None = None) -> tuple[float, int]:
+def closed_loops(workload) -> list[int | None]:
+    """The admission caps `run_offline` replays `workload` under: each closed-loop load's
+    concurrency (W-C: [1, 8]), or [None] (one batch) for a workload without one."""
+    return [load.concurrency for load in workload.loads if load.concurrency] or [None]
+
+
+def run_offline(llm, workload, max_tokens_cap: int | None = None,
+                caps: list[int | None] | None = None) -> tuple[float, int]:
     """Replay `workload` through the engine (each round of chat turns after the
     one before, so later turns hit the prefix cache); (wall seconds, output tokens).
 
@@ -224,10 +250,10 @@ def run_offline(llm, workload, max_tokens_cap: int | None = None) -> tuple[float
     load with the engine running at most that many requests at a time: with every request queued,
     that is the closed loop (a request starts when one ends), so the profile holds the small
     batches those loads decode in, not one batch of all of them. Its other loads (Poisson arrivals)
-    replay as one batch, as before."""
+    replay as one batch, as before. `caps`: only these of `closed_loops(workload)`."""
     from detent.engine import SamplingParams
 
-    caps = [load.concurrency for load in workload.loads if load.concurrency] or [None]
+    caps = closed_loops(workload) if caps is None else caps
     t0, tokens = time.perf_counter(), 0
     for cap in caps:
         llm.reset_prefix_cache()

@@ -100,20 +100,37 @@ def _call(family: str, site: dict, rt: dict, fn, kw: dict, device):
 
 class KernelCost:
     def __init__(self, calls: dict, facts: dict[str, Any], workdir: str, *, families=TIMED, max_inputs: int = 64,
-                 reps: int = 3, decode_rows: int | None = None):
-        """decode_rows: the profile's ("tpot"): the cost is then per decode row; None: the sum."""
+                 reps: int = 3, decode_rows: int | None = None, loops: list[tuple[Any, dict, int]] | None = None):
+        """decode_rows: the profile's ("tpot"): the cost is then per decode row; None: the sum.
+        loops: per closed loop, (its cap, its calls, its decode rows) (`TupleInstaller.profile_loops`,
+        "tpot" only): the cost is then the geometric mean of each loop's kernel time per decode
+        row, as `EngineCost` weighs the loops, each loop's `max_inputs` most weighed buckets kept."""
         self.facts, self.workdir, self.reps = facts, workdir, max(1, reps)
         if decode_rows is not None and decode_rows < 1:
             raise ValueError(f"kernel cost per decode row: the profile has {decode_rows} decode rows")
-        self.per = decode_rows or 1
         self.unit = ("ms of kernel time over the profiled calls" if decode_rows is None
                      else "ms of kernel time per decode row (a TPOT estimate)")
         self.device = torch.device("cuda" if facts.get("device") == "cuda" else "cpu")
-        weights: Counter = Counter()
-        for (family, site, runtime), n in calls.items():
-            if family in families and family in TIMED and n > 0:
-                weights[(family, site, bucket(runtime))] += n
-        self.inputs = sorted(weights.items(), key=lambda kv: (-kv[1], repr(kv[0])))[:max_inputs]
+
+        def kept(c: dict) -> list:
+            weights: Counter = Counter()
+            for (family, site, runtime), n in c.items():
+                if family in families and family in TIMED and n > 0:
+                    weights[(family, site, bucket(runtime))] += n
+            return sorted(weights.items(), key=lambda kv: (-kv[1], repr(kv[0])))[:max_inputs]
+        if loops is not None and len(loops) > 1:
+            if decode_rows is None or any(rows < 1 for _, _, rows in loops):
+                raise ValueError("kernel cost over closed loops: per decode row only, and every loop needs decode "
+                                 f"rows (got {[rows for _, _, rows in loops]})")
+            self.loops = [(kept(c), rows) for _, c, rows in loops]
+            self.unit += f", geometric mean over the closed loops of {', '.join(str(cap) for cap, _, _ in loops)}"
+        else:
+            self.loops = [(kept(calls), decode_rows or 1)]
+        merged: Counter = Counter()
+        for ins, _ in self.loops:
+            merged.update(dict(ins))
+        # every bucket kept, with its weight over the loops (each is timed once a measurement)
+        self.inputs = sorted(merged.items(), key=lambda kv: (-kv[1], repr(kv[0])))
         self._n = 0
         self.graph_timed = self.host_timed = 0  # calls timed each way (CUDA graphs, or the host clock)
 
@@ -176,9 +193,17 @@ class KernelCost:
         path = os.path.join(self.workdir, f"kernels-{self._n}.json")
         t.save(path)
         d = make_dispatcher(self.facts, "pinned", path)  # the loader's checks, as the engine's
-        keep = self.inputs[:max(1, math.ceil(fraction * len(self.inputs)))]
-        total = 0.0
-        for (family, site, runtime), n in keep:
-            fn, kw = d.resolve(family, site, dict(runtime))
-            total += n * self._time(_call(family, dict(site), dict(runtime), fn, kw, self.device))
-        return 1e3 * total / self.per
+        times: dict[tuple, float] = {}
+        costs = []
+        for inputs, rows in self.loops:
+            total = 0.0
+            for key, n in inputs[:max(1, math.ceil(fraction * len(inputs)))]:
+                if key not in times:
+                    family, site, runtime = key
+                    fn, kw = d.resolve(family, site, dict(runtime))
+                    times[key] = self._time(_call(family, dict(site), dict(runtime), fn, kw, self.device))
+                total += n * times[key]
+            costs.append(1e3 * total / rows)
+        if len(costs) == 1:
+            return costs[0]
+        return math.exp(sum(math.log(max(c, 1e-12)) for c in costs) / len(costs))

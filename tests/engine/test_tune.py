@@ -230,7 +230,8 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
                  "--families", "gemm", "--interactions", "0", *args, "-o", str(out)]) == 0
     rep = json.loads((tmp_path / "t" / "w.report.json").read_text())
     assert rep["format"] == "detent-tune-report/1" and rep["workload"] == "W-C"
-    assert rep["objective"] == "tpot" and rep["unit"] == "ms per output token, row-weighted step time"
+    assert rep["objective"] == "tpot" and rep["unit"] == (  # W-C: two closed loops
+        "ms per output token, row-weighted step time, geometric mean over the closed loops of 1, 8")
     fam = rep["families"]["gemm"]
     assert fam["legal_assignments"] == 2 and fam["measured_assignments"] == 2 and fam["chosen"] in ({"chunk": 1},
                                                                                                    {"chunk": 16})

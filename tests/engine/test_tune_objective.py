@@ -7,6 +7,7 @@ minimized by that assignment under "time" and by the other under "tpot". The eng
 counters are filled on CPU, and the engine cost reads them."""
 from __future__ import annotations
 
+import math
 import tempfile
 
 import pytest
@@ -218,3 +219,59 @@ def test_a_closed_loop_load_replays_with_that_many_requests_running(llm):
     assert {cap for cap, _ in widths} == {1, 2}
     assert all(n <= cap for cap, n in widths) and max(n for cap, n in widths if cap == 2) == 2
     assert sched.limits is limits
+
+
+def test_the_engine_cost_of_closed_loops_is_the_geometric_mean_over_the_loops(llm, monkeypatch):
+    """Under "tpot" each closed loop is replayed and timed on its own, and the cost is the geometric
+    mean of their row-weighted step times, as the arms' report compares tuples (lease 27: FA4's
+    +2.8 ms a token at 1 in flight and -2.6 at 8 was even pooled over the rows, 1.14 times the
+    default per load). Stand-in loop times 4 and 16 ms: the cost is 8, where pooling the rows
+    would give their row-weighted mean."""
+    import detent.tune_cost as tc
+    reqs = tuple(Request(tuple(2 + (5 * i + k) % 150 for i in range(20)), 4) for k in range(4))
+    w = Workload("closed", reqs, (Load("C1", concurrency=1), Load("C2", concurrency=2)), 0)
+    replays, times = [], iter([4.0, 16.0])
+    real = tc.run_offline
+
+    def run(llm_, w_, max_tokens_cap=None, caps=None):
+        replays.append((caps, max_tokens_cap))
+        return real(llm_, w_, max_tokens_cap, caps)
+    monkeypatch.setattr(tc, "run_offline", run)
+    monkeypatch.setattr(tc, "row_weighted_ms", lambda before, after, add_launch: next(times))
+    with tempfile.TemporaryDirectory() as tmp:
+        cost = EngineCost(TupleInstaller(llm, tmp), w, objective="tpot")
+        assert cost.unit == "ms per output token, row-weighted step time, geometric mean over the closed loops of 1, 2"
+        assert cost.measure(default_tuple(engine_facts(llm)), 1.0) == pytest.approx(8.0)
+    assert replays == [(None, 2), ([1], None), ([2], None)]  # the warm-up replays both loops, untimed
+    # a workload of Poisson loads (or one loop) is one replay, as before
+    one = Workload("open", reqs, (Load("A1", fraction=0.5),), 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        assert EngineCost(TupleInstaller(llm, tmp), one).unit == "ms per output token, row-weighted step time"
+
+
+def test_the_profile_splits_by_closed_loop_and_the_kernel_cost_takes_their_geometric_mean(llm, monkeypatch,
+                                                                                           tmp_path):
+    # each loop's calls and decode rows add up to the whole profile's; with a call timed at 1 ms a
+    # token (of its bucket), a loop's kernel cost per decode row is its token-weighted calls over
+    # its rows, and the cost their geometric mean
+    import detent.tune_kernels as tk
+    monkeypatch.setattr(tk, "_call", lambda family, site, rt, fn, kw, device: lambda: rt["num_tokens"])
+    monkeypatch.setattr(KernelCost, "_time", lambda self, call: 1e-3 * call())
+    reqs = tuple(Request(tuple(2 + (5 * i + k) % 150 for i in range(20)), 4) for k in range(4))
+    w = Workload("closed", reqs, (Load("C1", concurrency=1), Load("C2", concurrency=2)), 0)
+    facts, base = engine_facts(llm), default_tuple(engine_facts(llm))
+    inst = TupleInstaller(llm, str(tmp_path), objective="tpot")
+    calls = profile_workload(inst, base, w)
+    loops = inst.profile_loops
+    assert [cap for cap, _, _ in loops] == [1, 2]
+    assert sum(rows for _, _, rows in loops) == inst.profile_stats["decode_rows"]
+    for key, n in calls.items():
+        assert sum(c.get(key, 0) for _, c, _ in loops) == n
+    fams = ("gemm", "attention")
+    per_loop = [sum(n * dict(tk.bucket(rt))["num_tokens"] for (f, _, rt), n in c.items() if f in fams) / rows
+                for _, c, rows in loops]
+    cost = KernelCost(calls, facts, str(tmp_path), families=fams, max_inputs=10 ** 6,
+                      decode_rows=inst.profile_stats["decode_rows"], loops=loops)
+    assert cost.unit == "ms of kernel time per decode row (a TPOT estimate), geometric mean over the closed loops of 1, 2"
+    assert cost.measure(base, 1.0) == pytest.approx(math.sqrt(per_loop[0] * per_loop[1]))
+    assert per_loop[0] != pytest.approx(per_loop[1])  # the loops differ: pooled would be another number
