@@ -48,6 +48,9 @@ class Tuned:
     unit: str
     phases: dict[str, float]  # seconds per phase: profile, search, confirm
     objective: str = OBJECTIVES[0]
+    # with the kernel cost: the most weighed buckets, the default's and the search's pick's times
+    # (`KernelCost.buckets`), to see where the two part
+    kernel_buckets: list[dict[str, Any]] | None = None
 
 
 PROFILE_EVERY = 8  # decode-only steps per recorded one in the profile (detent/tune_engine.py SampledProfile)
@@ -126,12 +129,13 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         if getattr(model, "graph_timed", 0) or getattr(model, "host_timed", 0):
             progress(f"kernel calls timed inside CUDA graphs: {model.graph_timed}; "
                      f"on the host clock: {model.host_timed}")
+        buckets = model.buckets(base, res.chosen) if isinstance(model, KernelCost) else None
         phase("search")
         if confirm is not None and res.chosen.hash != base.hash:
             check = EngineCost(inst, workload, repeats, objective) if confirm == "engine" else confirm(inst, calls)
             res = confirmed(res, base, check, progress, deadline, candidates=confirm_candidates)
             phase("confirm")
-    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"), phases, objective)
+    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"), phases, objective, buckets)
 
 
 def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], deadline: float | None = None,

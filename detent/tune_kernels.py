@@ -132,6 +132,7 @@ class KernelCost:
         # every bucket kept, with its weight over the loops (each is timed once a measurement)
         self.inputs = sorted(merged.items(), key=lambda kv: (-kv[1], repr(kv[0])))
         self._n = 0
+        self.times: dict[str, dict[tuple, float]] = {}  # tuple hash -> bucket -> seconds, its last measurement
         self.graph_timed = self.host_timed = 0  # calls timed each way (CUDA graphs, or the host clock)
 
     def _sync(self) -> None:
@@ -179,6 +180,19 @@ class KernelCost:
         del g
         return statistics.median(out)
 
+    def buckets(self, a: CommitmentTuple, b: CommitmentTuple, top: int = 24) -> list[dict[str, Any]]:
+        """The `top` most weighed buckets with each tuple's time in µs (from its last measurement;
+        None where it did not reach the bucket) and each closed loop's weight per decode row: where
+        two tuples' kernel costs part (the report's `kernel_buckets`, default against the pick)."""
+        ta, tb = self.times.get(a.hash, {}), self.times.get(b.hash, {})
+        out = []
+        for key, n in self.inputs[:top]:
+            family, site, runtime = key
+            out.append({"family": family, "site": dict(site), "runtime": dict(runtime), "weight": n,
+                        "per_row": [dict(ins).get(key, 0) / rows for ins, rows in self.loops],
+                        "us": [None if key not in t else 1e6 * t[key] for t in (ta, tb)]})
+        return out
+
     @torch.inference_mode()
     def measure(self, t: CommitmentTuple, fraction: float) -> float:
         """Candidates compile their kernels here by design (the warm-up call of `_time`): the
@@ -204,6 +218,7 @@ class KernelCost:
                     times[key] = self._time(_call(family, dict(site), dict(runtime), fn, kw, self.device))
                 total += n * times[key]
             costs.append(1e3 * total / rows)
+        self.times[t.hash] = times
         if len(costs) == 1:
             return costs[0]
         return math.exp(sum(math.log(max(c, 1e-12)) for c in costs) / len(costs))

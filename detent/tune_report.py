@@ -13,7 +13,7 @@ FORMAT = "detent-tune-report/1"
 
 
 def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any], unit: str,
-                objective: str) -> dict[str, Any]:
+                objective: str, kernel_buckets: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     fams = {}
     for name, r in res.families.items():
         fams[name] = {
@@ -39,6 +39,7 @@ def report_dict(res: TuneResult, *, meta: dict[str, Any], profile: dict[str, Any
         "confirmed": res.confirmed,
         "search_cut": res.cut,
         "families": fams,
+        "kernel_buckets": kernel_buckets,
         "profile": profile,
     }
 

@@ -193,6 +193,10 @@ def test_cli_objective_time_is_recorded_in_the_report(tmp_path):
                  "--max-model-len", "256", "--max-num-batched-tokens", "32", "-o", str(out)]) == 0
     rep = json.loads((tmp_path / "t.report.json").read_text())
     assert rep["objective"] == "time" and rep["unit"] == "ms of kernel time over the profiled calls"
+    # the kernel cost's most weighed buckets, with the default's and the pick's time in each
+    b = rep["kernel_buckets"]
+    assert b and all(x["family"] == "gemm" and len(x["us"]) == 2 and all(u > 0 for u in x["us"]) for x in b)
+    assert [x["weight"] for x in b] == sorted((x["weight"] for x in b), reverse=True)
 
 
 def test_a_closed_loop_load_replays_with_that_many_requests_running(llm):
