@@ -117,6 +117,10 @@ def check_counts(req: CompletionRequest | ChatCompletionRequest, limits: ServerL
     counts, max_tokens, and how many sequences the request asks for."""
     check_vllm_fields(req.model_extra, CHAT_FIELDS if isinstance(req, ChatCompletionRequest) else COMPLETION_FIELDS)
     check_range(req.n, 1, limits.max_n, "n", "--max-n")
+    if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
+        # as vLLM: options for a stream on a request that does not stream are a client's mistake,
+        # not silently dropped (an empty object asks for nothing and passes)
+        raise bad_request("stream_options can only be given when stream is true", "stream_options")
     if isinstance(req, CompletionRequest):
         check_range(req.best_of, 1, limits.max_n, "best_of", "--max-n")
         check_range(req.logprobs, 0, MAX_LOGPROBS, "logprobs")
