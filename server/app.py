@@ -167,6 +167,7 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
+            chat.check_generation_prompt(req)
             ids = await chat.chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
                                              kwargs=chat.client_template(req, state.limits.trust_request_chat_template))
         else:

@@ -61,6 +61,14 @@ def client_template(req: ChatCompletionRequest | TokenizeRequest, trusted: bool)
     return kwargs
 
 
+def check_generation_prompt(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """As vLLM: continue_final_message goes on the last message's text, so an explicit
+    add_generation_prompt: true beside it asks for two endings of the prompt (a 400)."""
+    if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: the first "
+                          "continues the last message, the second opens a new assistant turn", "continue_final_message")
+
+
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
                           param: str = "messages") -> list[int]:
@@ -96,6 +104,9 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
     /v1/responses, whose requests become chat requests, come through here)."""
     model = state.check_model(req.model)
     check_counts(req, state.limits, 1)
+    check_generation_prompt(req)
+    if req.tools == []:  # as vLLM and OpenAI: leave the field out for no tools
+        raise bad_request("tools must not be an empty array: give at least one tool, or leave tools out", "tools")
     # a forced call's schema is validated like any structured output: on the preprocessing pool
     tool_so, tool_mode = (await state.preprocess.run(tool_constraint, req.tools, req.tool_choice, state.tool_parser)
                           if req.tools else tool_constraint(req.tools, req.tool_choice, state.tool_parser))

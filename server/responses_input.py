@@ -137,8 +137,8 @@ def _text(content: Any, where: str) -> str:
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools in chat's shape."""
-    if tools is None:
+    """Responses' flat function tools in chat's shape (an empty list, Responses' default: none)."""
+    if not tools:
         return None
     out = []
     for i, t in enumerate(tools):

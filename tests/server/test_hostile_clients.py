@@ -47,3 +47,25 @@ def test_stream_options_without_stream_is_a_400(client, path, body):
     assert client.post(path, headers=AUTH, json={**body, "stream_options": {}}).status_code == 200
     r = client.post(path, headers=AUTH, json={**body, "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and '"usage":{"prompt_tokens"' in r.text, r.text
+
+
+def test_continue_final_message_with_an_explicit_add_generation_prompt_is_a_400(client):
+    """vLLM: "Cannot set both `continue_final_message` and `add_generation_prompt` to True." on chat
+    and on /tokenize; Detent answered 200, silently dropping add_generation_prompt."""
+    both = {"continue_final_message": True, "add_generation_prompt": True}
+    for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", {"messages": CHAT["messages"]})):
+        err = _error(client.post(path, headers=AUTH, json={**body, **both}))
+        assert err["param"] == "continue_final_message" and "add_generation_prompt" in err["message"], err
+        # the default (add_generation_prompt left out) or an explicit false still continues the message
+        for extra in ({"continue_final_message": True}, {**both, "add_generation_prompt": False}):
+            assert client.post(path, headers=AUTH, json={**body, **extra}).status_code == 200
+
+
+def test_an_empty_tools_array_is_a_400(client):
+    """vLLM and OpenAI refuse `tools: []` (400 naming tools); Detent served it as if no tools were
+    given. A Responses request's empty tools list is its default, and still means none."""
+    for extra in ({"tools": []}, {"tools": [], "tool_choice": "none"}, {"tools": [], "tool_choice": "auto"}):
+        err = _error(client.post("/v1/chat/completions", headers=AUTH, json={**CHAT, **extra}))
+        assert err["param"] == "tools" and "empty" in err["message"], err
+    r = client.post("/v1/responses", headers=AUTH, json={"input": "hi", "max_output_tokens": 2, "tools": []})
+    assert r.status_code == 200, r.text
