@@ -16,8 +16,8 @@ from detent.server.chat_output import ChatOutput, ChoiceStream
 from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
-from detent.server.params import (FieldNames, bad_words_ids, check_counts, check_logprob_entries,
-                                  check_prompt_ids, resolve_max_tokens, sampling_params, structured_outputs)
+from detent.server.params import (FieldNames, bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
+                                  check_stop_chars, resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.reasoning import END, ReasoningParser
 from detent.server.serving import JSONResponse, ServerState, SSEResponse
@@ -137,6 +137,7 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
     check_logprob_entries(state.limits, [len(ids)], [mt], req.n, k, req.prompt_logprobs, 1)
+    check_stop_chars(req, state.preprocess)
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
                              structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults,
                              bad_words=await bad_words_ids(req, state.preprocess))

@@ -12,7 +12,7 @@ from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, completion_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
-                                  resolve_max_tokens, sampling_params, structured_outputs)
+                                  check_stop_chars, resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import CompletionRequest
 from detent.server.serving import JSONResponse, ServerState, SSEResponse
 
@@ -68,6 +68,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     copies = req.n * ((req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None))
     check_logprob_entries(state.limits, [len(ids) for _, ids in prompts], mts, req.n, req.logprobs, prompt_lp,
                           copies)
+    check_stop_chars(req, state.preprocess)
     bad = await bad_words_ids(req, state.preprocess)
     params = [sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                               structured=structured, vocab_size=state.vocab_size,

@@ -156,6 +156,14 @@ def check_logprob_entries(limits: ServerLimits, prompt_lens: list[int], max_toke
                           f"of {limits.max_logprob_entries} (--max-logprob-entries); ask for fewer", param)
 
 
+def check_stop_chars(req: CompletionRequest | ChatCompletionRequest, preprocess) -> None:
+    """The stop strings, bounded as a prompt is (as bad_words are): the engine looks for each
+    one in the output's text at every step of the request, so a million of them made every
+    step of the whole batch several times slower."""
+    if req.stop and not isinstance(req.stop, str):
+        preprocess.check_chars(sum(len(s) for s in req.stop), "stop")
+
+
 async def bad_words_ids(req: CompletionRequest | ChatCompletionRequest, preprocess) -> list[list[int]] | None:
     """The request's bad_words, tokenized on the preprocessing pool as vLLM does (sampling/params.py)."""
     if not req.bad_words:
@@ -181,7 +189,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
     (--generation-config), then SamplingParams' own."""
     kw: dict[str, Any] = dict(
         logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words_token_ids=bad_words,
-        n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=_unique(req.stop_token_ids),
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -200,6 +208,13 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         return params
     except (ValueError, TypeError, NotImplementedError) as e:
         raise bad_request(f"invalid sampling parameters: {e}", _field_named(str(e))) from None
+
+
+def _unique(ids: list[int] | None) -> list[int] | None:
+    """A token-id set sent as a list, each id once: the engine checks it at every step of the
+    request (and bans each id while min_tokens holds), so 4 million copies of one id made every
+    step of the whole batch seconds long; repeats change nothing it does."""
+    return None if ids is None else list(dict.fromkeys(ids))
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

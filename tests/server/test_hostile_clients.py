@@ -69,3 +69,25 @@ def test_an_empty_tools_array_is_a_400(client):
         assert err["param"] == "tools" and "empty" in err["message"], err
     r = client.post("/v1/responses", headers=AUTH, json={"input": "hi", "max_output_tokens": 2, "tools": []})
     assert r.status_code == 200, r.text
+
+
+def test_stop_token_ids_reach_the_engine_once_each():
+    """stop_token_ids: [7] * 4,000,000 with min_tokens (a 12 MB body) made the engine scan and ban
+    4 million ids at every step, the whole batch's: a 30-token neighbour took 47 s instead of 2.
+    Repeats mean nothing, so the engine gets each id once, in the order sent."""
+    from detent.server.params import sampling_params
+    from detent.server.protocol import CompletionRequest
+    req = CompletionRequest.model_validate({"prompt": "hi", "stop_token_ids": [7, 3] * 100_000 + [9],
+                                            "min_tokens": 2})
+    params = sampling_params(req, max_tokens=4, logprobs=None, prompt_logprobs=None, structured=None, vocab_size=100)
+    assert params.stop_token_ids == [7, 3, 9]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_stop_strings_are_bounded_as_a_prompt_is(client, path, body):
+    """A million stop strings (9 MB) were searched for in the output at every engine step, slowing
+    every request in the batch several times; now, as bad_words, their characters are bounded by
+    --max-model-len x --max-chars-per-token (512 x 32 here) and more is a 400 naming stop."""
+    err = _error(client.post(path, headers=AUTH, json={**body, "stop": [f"s{i}" for i in range(10_000)]}))
+    assert err["param"] == "stop" and "--max-chars-per-token" in err["message"], err
+    assert client.post(path, headers=AUTH, json={**body, "stop": [f"s{i}" for i in range(100)]}).status_code == 200
