@@ -20,8 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from detent.engine import (Finding, RecordError, check_tuple, compare_output, parse_record, refusal_reason,
-                           skip_reason, verify_report)
+from detent.engine import (Finding, RecordError, check_spec_size, check_tuple, compare_output, parse_record,
+                           refusal_reason, skip_reason, verify_report)
 from detent.server.body import parse_json, receive_body
 from detent.server.errors import APIError, bad_request
 from detent.server.generation import Generation
@@ -42,6 +42,7 @@ def _records(body: Any, limit: int) -> tuple[list[Any], dict[str, dict]]:
                     check_tuple(item["tuple"])  # a refusal names the pins that differ from it
                     tuples[item["tuple_hash"]] = item["tuple"]
                 continue
+            _check_spec_size(item, where)
             requests.append(parse_record(item))
         except RecordError as e:
             raise bad_request(f"{where}: not a {'server' if kind == 'server' else 'request'} record of the request "
@@ -52,6 +53,19 @@ def _records(body: Any, limit: int) -> tuple[list[Any], dict[str, dict]]:
         raise bad_request(f"{len(requests)} request records in one body, over the limit of {limit} "
                           "(--max-verify-records)")
     return requests, tuples
+
+
+def _check_spec_size(item: Any, where: str) -> None:
+    """A record's structured-output spec against the engine's size bound, before parsing the
+    record validates it (a 2 MB schema took 11 s against its meta-schema), as the generation
+    routes bound theirs (server/params.py)."""
+    so = item.get("params", {}).get("structured_outputs") if isinstance(item.get("params"), dict) else None
+    for kind, value in (so.items() if isinstance(so, dict) else ()):
+        if kind in ("json", "regex", "grammar", "choice") and value is not None:
+            try:
+                check_spec_size(kind, value)
+            except ValueError as e:
+                raise bad_request(f"{where}: {e}", f"params.structured_outputs.{kind}") from None
 
 
 def _check_bounds(state: ServerState, records: list[Any]) -> None:
@@ -78,6 +92,8 @@ def _check_record(state: ServerState, r: Any) -> None:
     if p.max_tokens is None:
         raise bad_request("params.max_tokens must be a number (the server logs the one it ran)", "params.max_tokens")
     check_prompt_ids(r.prompt_token_ids, state.vocab_size, "prompt_token_ids")
+    if p.stop:  # as server/params.py's check_stop_chars
+        state.preprocess.check_chars(sum(len(s) for s in p.stop), "params.stop")
     resolve_max_tokens(p.max_tokens, len(r.prompt_token_ids), state.max_model_len, "params.max_tokens")
     check_logprob_entries(lim, [len(r.prompt_token_ids)], [p.max_tokens], p.n, p.logprobs, p.prompt_logprobs, 1)
 
@@ -86,7 +102,8 @@ async def verify_records(request: Request, state: ServerState) -> Response:
     if state.engine_fingerprint is None:  # a test server over a fake engine
         raise APIError(501, "this server's engine reports no fingerprint: it cannot verify records")
     body = parse_json(await receive_body(request, state.limits), allow_list=True)
-    records, tuples = _records(body, state.limits.max_verify_records)
+    # parsing a record validates its sampling parameters and structured-output spec: on the pool
+    records, tuples = await state.preprocess.run(_records, body, state.limits.max_verify_records)
     _check_bounds(state, records)
     findings: list[Finding | None] = []
     runnable = []

@@ -91,3 +91,38 @@ def test_stop_strings_are_bounded_as_a_prompt_is(client, path, body):
     err = _error(client.post(path, headers=AUTH, json={**body, "stop": [f"s{i}" for i in range(10_000)]}))
     assert err["param"] == "stop" and "--max-chars-per-token" in err["message"], err
     assert client.post(path, headers=AUTH, json={**body, "stop": [f"s{i}" for i in range(100)]}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    """The app over the fake engine with a fingerprint, so POST /v1/verify parses and judges records
+    (every record below ran under another selection: refused, never run)."""
+    from detent.engine.fingerprint import Fingerprint
+    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
+                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
+                        api_key=API_KEY, engine_fingerprint=Fingerprint("a" * 64, "b" * 64))
+    with TestClient(build_app(state)) as c:
+        yield c
+
+
+def _record(**params) -> dict:
+    return {"format": "detent-request-log/1", "type": "request", "request_id": "r", "prompt_token_ids": [5, 6],
+            "selection": "stock", "tuple_hash": "a" * 64, "deployment_hash": "b" * 64,
+            "params": {"max_tokens": 2, "temperature": 0, **params},
+            "outputs": [{"token_ids": [7, 8], "finish_reason": "length"}]}
+
+
+def test_verify_bounds_a_records_spec_and_stop_strings_as_a_request(verifier):
+    """POST /v1/verify parsed a record's params on the event loop with no bound on its
+    structured-output spec: a 2.4 MB schema spent 11 s in jsonschema there, and /health waited
+    11 s. The spec now has the generation routes' size bound (64 KiB, before it is validated;
+    the parse runs on the preprocessing pool) and the stop strings their character bound."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}  # ~90 KB
+    r = verifier.post("/v1/verify", headers=AUTH, json=_record(structured_outputs={"json": big}))
+    err = _error(r)
+    assert err["param"] == "params.structured_outputs.json" and "max_spec_bytes" in err["message"], err
+    err = _error(verifier.post("/v1/verify", headers=AUTH, json=_record(stop=[f"s{i}" for i in range(10_000)])))
+    assert err["param"] == "params.stop" and "--max-chars-per-token" in err["message"], err
+    small = {"type": "object", "properties": {"a": {"type": "string"}}}
+    r = verifier.post("/v1/verify", headers=AUTH, json=_record(structured_outputs={"json": small}, stop=["x"]))
+    assert r.status_code == 200 and r.json()["counts"]["refused"] == 1, r.text
