@@ -106,9 +106,11 @@ class ToolCallStream:
                 return (calls, True) if isinstance(calls, list) else ([], False)
             except ValueError:
                 pass  # cut short (max_tokens, a stop string): what parsed so far stays partial
+            except RecursionError:  # nested deeper than Python's JSON goes: no calls, as tools.tool_message
+                return [], False
         try:
             calls = partial_loads(self.text, COMPLETE_SCALARS)
-        except (MalformedJSON, ValueError):  # nothing but whitespace yet
+        except (MalformedJSON, ValueError, RecursionError):  # nothing but whitespace yet; too deep
             return [], False
         return (calls, False) if isinstance(calls, list) else ([], False)
 

@@ -81,10 +81,10 @@ def tool_message(text: str, mode: str, finish_reason: str | None) -> tuple[dict[
     rebuilds (server/tool_stream.py)."""
     try:
         parsed = json.loads(text)
-    except ValueError:
+        calls = ([(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed]
+                 if mode == "required" else [(mode, text)])
+    except (ValueError, RecursionError):  # cut short, or nested deeper than Python's JSON goes (a 500 was)
         return {"role": "assistant", "content": text, "tool_calls": []}, finish_reason
-    calls = ([(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed]
-             if mode == "required" else [(mode, text)])
     tool_calls = [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
     # OpenAI: a forced named function finishes "stop"; calls the model chose, "tool_calls"
     return ({"role": "assistant", "content": None, "tool_calls": tool_calls},

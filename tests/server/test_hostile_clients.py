@@ -126,3 +126,24 @@ def test_verify_bounds_a_records_spec_and_stop_strings_as_a_request(verifier):
     small = {"type": "object", "properties": {"a": {"type": "string"}}}
     r = verifier.post("/v1/verify", headers=AUTH, json=_record(structured_outputs={"json": small}, stop=["x"]))
     assert r.status_code == 200 and r.json()["counts"]["refused"] == 1, r.text
+
+
+DEEP = 5000  # arrays nested deeper than Python's recursion limit lets json.loads and json.dumps go
+
+
+@pytest.mark.parametrize("mode,text", [
+    ("f", '{"n": ' + "[" * DEEP + "]" * DEEP + "}"),
+    ("required", '[{"name": "f", "parameters": {"n": ' + "[" * DEEP + "]" * DEEP + "}}]"),
+])
+def test_a_forced_tool_call_nested_too_deep_to_parse_is_content_not_a_500(mode, text):
+    """A forced tool call (tool_choice named or "required") over a schema that takes any value, whose
+    arguments nest ~980 deep (golden_token_ids forces it; a model with a long context can write it):
+    json.loads raised RecursionError and the response was a 500. The stream, as the response, reads
+    it as output it cannot parse: the text, no calls. (On the tiny server the 500 came at 980.)"""
+    from detent.server.tool_stream import ToolCallStream
+    from detent.server.tools import tool_message
+    message, finish = tool_message(text, mode, "stop")
+    assert message == {"role": "assistant", "content": text, "tool_calls": []} and finish == "stop"
+    stream = ToolCallStream(mode)
+    stream.opening()
+    assert isinstance(stream.next(text, finished=True), list)
