@@ -37,9 +37,15 @@ def safetensors_files(path: str) -> list[str]:
         raise CheckpointError(f"checkpoint path {path} does not exist")
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map") or {}
-        files = sorted(set(weight_map.values()))
+        try:  # a trainer's checkpoint may be half-written, or not one: a CheckpointError, not a crash
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map") or {}
+            files = sorted(set(weight_map.values()))
+            if not all(isinstance(f, str) for f in files):
+                raise TypeError("its shard file names must be strings")
+        except (ValueError, AttributeError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a checkpoint index (a JSON object whose weight_map maps "
+                                  f"tensor names to shard files): {e}") from None
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
             raise CheckpointError(f"{index} lists shard files that are missing: {missing}")

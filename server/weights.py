@@ -32,6 +32,8 @@ def allowed_path(path: str, allowed_dirs: tuple[str, ...]) -> str:
     if not allowed_dirs:
         raise APIError(403, "weight updates are disabled on this server: start detent-serve with "
                             "--allowed-weight-dir DIR", param="path", code="weight_updates_disabled")
+    if "\x00" in path:  # no file name holds one (os.path.realpath raised ValueError: a 500)
+        raise APIError(400, "path holds a NUL character, which no file name can", param="path")
     real = os.path.realpath(path)
     for d in allowed_dirs:
         root = os.path.realpath(d)

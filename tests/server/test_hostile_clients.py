@@ -147,3 +147,27 @@ def test_a_forced_tool_call_nested_too_deep_to_parse_is_content_not_a_500(mode, 
     stream = ToolCallStream(mode)
     stream.opening()
     assert isinstance(stream.next(text, finished=True), list)
+
+
+@pytest.mark.parametrize("index", ["{not json", "[1, 2]", '{"weight_map": [1]}', '{"weight_map": {"w": 5}}'])
+def test_update_weights_with_a_nul_in_the_path_or_a_broken_index_is_a_400(tmp_path, index):
+    """POST /v1/update_weights (with --allowed-weight-dir): a path holding "\\u0000" made
+    os.path.realpath raise ValueError, and a checkpoint directory whose index file is not an index
+    (a trainer's half-written checkpoint) raised from json or dict access: both were 500s. Now 400s
+    naming path, like a missing or corrupt checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors.index.json").write_text(index)
+    class Updatable(FakeEngine):
+        def update_weights(self, tensors):
+            return len(tensors)
+
+    state = ServerState(engine=AsyncEngine(Updatable()), tokenizer=FakeTokenizer(), served_model_names=["m"],
+                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
+                        api_key=API_KEY, allowed_weight_dirs=(str(tmp_path),))
+    with TestClient(build_app(state)) as c:
+        err = _error(c.post("/v1/update_weights", headers=AUTH, json={"path": str(tmp_path) + "/x\u0000y"}))
+        assert err["param"] == "path" and "NUL" in err["message"], err
+        err = _error(c.post("/v1/update_weights", headers=AUTH, json={"path": str(ckpt)}))
+        assert err["param"] == "path" and "not a checkpoint index" in err["message"], err
+        assert c.get("/health").status_code == 200
