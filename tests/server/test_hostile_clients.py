@@ -1,6 +1,7 @@
-"""Inputs a hostile-client campaign against the HTTP routes found mishandled, each with the
-4xx (or behaviour) vLLM's OpenAI server gives it. In process, over the fake engine: the
-routes' checks, not the model, are under test."""
+"""Inputs a hostile-client campaign against the HTTP routes found mishandled, each with the 4xx
+or behaviour expected now: vLLM's where it has one, the project's bounds where one client's
+request cost the others. In process, over the fake engine: the routes' checks, not the model,
+are under test."""
 from __future__ import annotations
 
 import pytest
