@@ -20,7 +20,7 @@ from detent.server.params import (FieldNames, bad_words_ids, check_counts, check
                                   check_stop_chars, resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.reasoning import END, ReasoningParser
-from detent.server.serving import JSONResponse, ServerState, SSEResponse
+from detent.server.serving import ServerState, SSEResponse, respond
 from detent.server.tools import tool_constraint
 
 
@@ -155,19 +155,22 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     if finals is None:
         return Response(status_code=499)
     (out,), k, tok = finals, plan.top_logprobs, plan.tok
-    choices = []
-    for c in sorted(out.outputs, key=lambda c: c.index):
-        message, finish = plan.shape.message(c.text, c.finish_reason)
-        choices.append({
-            "index": c.index, "message": message,
-            "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None,
-            "finish_reason": finish, "stop_reason": getattr(c, "stop_reason", None)})
-    body = {**ctx, "object": "chat.completion", "choices": choices,
-            "usage": usage(gen.prompt_tokens, gen.completion_tokens),
-            "detent": {**state.fingerprint(), "seeds": seeds([out])}}
-    if req.prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, tok)
-    return JSONResponse(body)
+
+    def body() -> dict:
+        choices = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            message, finish = plan.shape.message(c.text, c.finish_reason)
+            choices.append({
+                "index": c.index, "message": message,
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None,
+                "finish_reason": finish, "stop_reason": getattr(c, "stop_reason", None)})
+        b = {**ctx, "object": "chat.completion", "choices": choices,
+             "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+             "detent": {**state.fingerprint(), "seeds": seeds([out])}}
+        if req.prompt_logprobs is not None:
+            b["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, tok)
+        return b
+    return await respond(body, off_loop=k is not None or req.prompt_logprobs is not None)
 
 
 def _output_shape(req: ChatCompletionRequest, state: ServerState, structured: StructuredOutputs | None,

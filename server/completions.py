@@ -14,7 +14,7 @@ from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
                                   check_stop_chars, resolve_max_tokens, sampling_params, structured_outputs)
 from detent.server.protocol import CompletionRequest
-from detent.server.serving import JSONResponse, ServerState, SSEResponse
+from detent.server.serving import ServerState, SSEResponse, respond
 
 
 def _split(p: Any) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -86,15 +86,16 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     finals = await gen.finals(request)
     if finals is None:
         return Response(status_code=499)
-    choices = []
-    for i, out in enumerate(finals):
-        text0, ids = prompts[i]
-        for c in sorted(out.outputs, key=lambda c: c.index):
-            choices.append(_choice(req, state, tok, i * req.n + c.index, text0, ids, out, c))
-    body = {**ctx, "choices": choices,
-            "usage": usage(gen.prompt_tokens, gen.completion_tokens),
-            "detent": {**state.fingerprint(), "seeds": seeds(finals)}}
-    return JSONResponse(body)
+
+    def body() -> dict:
+        choices = []
+        for i, out in enumerate(finals):
+            text0, ids = prompts[i]
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                choices.append(_choice(req, state, tok, i * req.n + c.index, text0, ids, out, c))
+        return {**ctx, "choices": choices, "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+                "detent": {**state.fingerprint(), "seeds": seeds(finals)}}
+    return await respond(body, off_loop=req.logprobs is not None or prompt_lp is not None)
 
 
 def _echo_only(req: CompletionRequest) -> bool:

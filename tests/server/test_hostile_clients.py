@@ -172,3 +172,35 @@ def test_update_weights_with_a_nul_in_the_path_or_a_broken_index_is_a_400(tmp_pa
         err = _error(c.post("/v1/update_weights", headers=AUTH, json={"path": str(ckpt)}))
         assert err["param"] == "path" and "not a checkpoint index" in err["message"], err
         assert c.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("path,body,formatter", [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "detent.server.chat.chat_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "detent.server.chat.prompt_logprobs_json"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 2}, "detent.server.completions._choice"),
+])
+def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, path, body, formatter):
+    """Up to --max-logprob-entries entries make a body of tens of MB: formatted on the event loop,
+    a 51 MB one held /health and every stream for 2.4 s. A response with logprobs is built (and
+    encoded) in a worker thread; one without stays on the loop (no thread hop on the common path)."""
+    import asyncio
+    import importlib
+    module, name = formatter.rsplit(".", 1)
+    mod = importlib.import_module(module)
+    real, on_loop = getattr(mod, name), []
+
+    def spy(*a, **k):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread: a worker's
+            on_loop.append(False)
+        return real(*a, **k)
+    monkeypatch.setattr(mod, name, spy)
+    r = client.post(path, headers=AUTH, json=body)
+    assert r.status_code == 200, r.text
+    assert on_loop and not any(on_loop), on_loop
+    if path == "/v1/completions":  # without logprobs: built on the loop
+        on_loop.clear()
+        assert client.post(path, headers=AUTH, json=COMPLETION).status_code == 200
+        assert on_loop and all(on_loop), on_loop
