@@ -169,6 +169,7 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
         def share(n: int) -> float:  # of the workload, for n candidates' runs and the default's two
             left = deadline - clock() - (n + 1) * switch
             return 1.0 if (n + 2) * run <= left else math.floor(100 * max(left, 0.0) / ((n + 2) * run)) / 100
+        asked = len(cands)
         while len(cands) > 1 and share(len(cands)) < MIN_CONFIRM:
             cands.pop()
         fraction = share(len(cands))
@@ -182,8 +183,7 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
             return res
         if fraction < 1.0:
             progress(f"  on the first {fraction:.0%} of the workload (a whole run takes about {run:.0f} s)"
-                     + (f", {_confirming(len(cands))}" if len(cands) < 1 + len(res.alternates[:candidates - 1])
-                        else ""))
+                     + (f", {_confirming(len(cands))}" if len(cands) < asked else ""))
     first = float(model.measure(base, fraction))
     costs = [float(model.measure(t, fraction)) for t in cands]
     last = float(model.measure(base, fraction))

@@ -185,11 +185,12 @@ class KernelCost:
         None where it did not reach the bucket) and each closed loop's weight per decode row: where
         two tuples' kernel costs part (the report's `kernel_buckets`, default against the pick)."""
         ta, tb = self.times.get(a.hash, {}), self.times.get(b.hash, {})
+        loops = [(dict(ins), rows) for ins, rows in self.loops]
         out = []
         for key, n in self.inputs[:top]:
             family, site, runtime = key
             out.append({"family": family, "site": dict(site), "runtime": dict(runtime), "weight": n,
-                        "per_row": [dict(ins).get(key, 0) / rows for ins, rows in self.loops],
+                        "per_row": [weights.get(key, 0) / rows for weights, rows in loops],
                         "us": [None if key not in t else 1e6 * t[key] for t in (ta, tb)]})
         return out
 

@@ -137,7 +137,7 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
     check_logprob_entries(state.limits, [len(ids)], [mt], req.n, k, req.prompt_logprobs, 1)
-    check_stop_chars(req, state.preprocess)
+    check_stop_chars(req.stop, state.preprocess)
     params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
                              structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults,
                              bad_words=await bad_words_ids(req, state.preprocess))

@@ -68,7 +68,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     copies = req.n * ((req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None))
     check_logprob_entries(state.limits, [len(ids) for _, ids in prompts], mts, req.n, req.logprobs, prompt_lp,
                           copies)
-    check_stop_chars(req, state.preprocess)
+    check_stop_chars(req.stop, state.preprocess)
     bad = await bad_words_ids(req, state.preprocess)
     params = [sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                               structured=structured, vocab_size=state.vocab_size,

@@ -156,12 +156,12 @@ def check_logprob_entries(limits: ServerLimits, prompt_lens: list[int], max_toke
                           f"of {limits.max_logprob_entries} (--max-logprob-entries); ask for fewer", param)
 
 
-def check_stop_chars(req: CompletionRequest | ChatCompletionRequest, preprocess) -> None:
-    """The stop strings, bounded as a prompt is (as bad_words are): the engine looks for each
-    one in the output's text at every step of the request, so a million of them made every
-    step of the whole batch several times slower."""
-    if req.stop and not isinstance(req.stop, str):
-        preprocess.check_chars(sum(len(s) for s in req.stop), "stop")
+def check_stop_chars(stop: str | list[str] | None, preprocess, param: str = "stop") -> None:
+    """The stop strings (one, or a list), bounded as a prompt is (as bad_words are): the engine
+    looks for each one in the output's text at every step of the request, so a million of them
+    made every step of the whole batch several times slower."""
+    if stop:
+        preprocess.check_chars(len(stop) if isinstance(stop, str) else sum(len(s) for s in stop), param)
 
 
 async def bad_words_ids(req: CompletionRequest | ChatCompletionRequest, preprocess) -> list[list[int]] | None:

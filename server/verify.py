@@ -25,7 +25,8 @@ from detent.engine import (Finding, RecordError, check_spec_size, check_tuple, c
 from detent.server.body import parse_json, receive_body
 from detent.server.errors import APIError, bad_request
 from detent.server.generation import Generation
-from detent.server.params import MAX_LOGPROBS, check_logprob_entries, check_prompt_ids, resolve_max_tokens
+from detent.server.params import (MAX_LOGPROBS, check_logprob_entries, check_prompt_ids, check_stop_chars,
+                                  resolve_max_tokens)
 from detent.server.serving import ClientGone, ServerState, unless_disconnected
 
 
@@ -92,8 +93,7 @@ def _check_record(state: ServerState, r: Any) -> None:
     if p.max_tokens is None:
         raise bad_request("params.max_tokens must be a number (the server logs the one it ran)", "params.max_tokens")
     check_prompt_ids(r.prompt_token_ids, state.vocab_size, "prompt_token_ids")
-    if p.stop:  # as server/params.py's check_stop_chars
-        state.preprocess.check_chars(sum(len(s) for s in p.stop), "params.stop")
+    check_stop_chars(p.stop, state.preprocess, "params.stop")
     resolve_max_tokens(p.max_tokens, len(r.prompt_token_ids), state.max_model_len, "params.max_tokens")
     check_logprob_entries(lim, [len(r.prompt_token_ids)], [p.max_tokens], p.n, p.logprobs, p.prompt_logprobs, 1)
 

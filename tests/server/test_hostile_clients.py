@@ -92,6 +92,9 @@ def test_stop_strings_are_bounded_as_a_prompt_is(client, path, body):
     err = _error(client.post(path, headers=AUTH, json={**body, "stop": [f"s{i}" for i in range(10_000)]}))
     assert err["param"] == "stop" and "--max-chars-per-token" in err["message"], err
     assert client.post(path, headers=AUTH, json={**body, "stop": [f"s{i}" for i in range(100)]}).status_code == 200
+    # one stop string is bounded the same way
+    err = _error(client.post(path, headers=AUTH, json={**body, "stop": "x" * (512 * 32 + 1)}))
+    assert err["param"] == "stop", err
 
 
 @pytest.fixture(scope="module")
