@@ -18,7 +18,7 @@ order, and finds its boundary without a sort or a device read.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -49,44 +49,96 @@ def token_presence(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.
     return counts[:, :vocab]
 
 
+class MaskIds(NamedTuple):
+    """A request's token ids that `apply_request_masks` writes, under one vocabulary size."""
+    allowed: np.ndarray  # int64, sorted, unique: allowed_token_ids
+    bias_ids: np.ndarray  # int64, unique: logit_bias's keys
+    bias: np.ndarray  # float64: logit_bias's values, in bias_ids' order
+    min_tokens_bans: np.ndarray  # int64: EOS and stop_token_ids (a repeat bans once)
+
+
+def build_mask_ids(params, eos_token_ids: Sequence[int], V: int) -> MaskIds:
+    """`MaskIds` of one request's parameters: a pass over every id it lists."""
+    allowed = np.unique(np.asarray(params.allowed_token_ids or (), dtype=np.int64))
+    bias = params.logit_bias or {}
+    bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    bias_vals = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
+    bans = np.concatenate([np.asarray(tuple(eos_token_ids), dtype=np.int64),
+                           np.asarray(params.stop_token_ids or (), dtype=np.int64)])
+    under = bias_ids < V
+    return MaskIds(allowed[allowed < V], bias_ids[under], bias_vals[under], bans[bans < V])
+
+
+class RequestMaskIds:
+    """One request's `MaskIds`, built at its first masked step and kept for the rest.
+
+    The scheduler gives each request one (`Request.mask_ids`, passed in every
+    SamplingRow): a request may list a vocabulary's worth of stop ids (banned
+    under min_tokens), logit_bias or allowed ids, and building them from the
+    lists at every step doubled a neighbouring request's time (49k stop ids).
+    Pickled, it carries the parameters and no arrays: the ranks of a
+    tensor-parallel plan build their own."""
+
+    def __init__(self, params, eos_token_ids: Sequence[int] = ()):
+        self.params = params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._by_vocab: dict[int, MaskIds] = {}
+
+    def under(self, V: int) -> MaskIds:
+        ids = self._by_vocab.get(V)
+        if ids is None:
+            ids = self._by_vocab[V] = build_mask_ids(self.params, self.eos_token_ids, V)
+        return ids
+
+    def __getstate__(self):
+        return {**self.__dict__, "_by_vocab": {}}
+
+
 def apply_request_masks(x: torch.Tensor, rows, last: torch.Tensor | None = None) -> torch.Tensor:
     """allowed_token_ids, logit_bias, min_tokens (blocks EOS and stop_token_ids), bad words.
     Returns x itself when no row has any of them, else a masked copy (x is not modified).
     Which tokens each row masks is known on the host, one indexed write per kind for all
     rows, except where a row's last token is `pending` (on the device only, in `last`):
-    a bad word whose prefix ends with it is banned when last == that token."""
+    a bad word whose prefix ends with it is banned when last == that token. A row's ids
+    come from its `mask_ids` (built once per request), or are built for this call."""
     B, V = x.shape
     if not any(r.params.allowed_token_ids or r.params.logit_bias or r.params.bad_words_token_ids
                or len(r.output_token_ids) + r.pending < r.params.min_tokens for r in rows):
         return x
-    allow_rows, allowed, biased, bias, banned = [], [], [], [], []  # banned: (row, token, last it needs or -1)
+    allow_rows, allowed, biased, banned = [], [], [], []  # (row, ids) per row that has any
+    bad_words = []  # (row, token, last it needs or -1)
     for i, r in enumerate(rows):
         p = r.params
-        if p.allowed_token_ids:
-            allow_rows.append(i)
-            allowed += [(i, t) for t in sorted(set(p.allowed_token_ids)) if t < V]
-        for t, v in (p.logit_bias or {}).items():
-            if t < V:
-                biased.append((i, t))
-                bias.append(v)
-        if len(r.output_token_ids) + r.pending < p.min_tokens:
-            banned += [(i, t, -1) for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
-        banned += _bad_word_bans(i, r, V)
+        under_min = len(r.output_token_ids) + r.pending < p.min_tokens
+        if p.allowed_token_ids or p.logit_bias or under_min:
+            ids = (r.mask_ids or RequestMaskIds(p, r.eos_token_ids)).under(V)
+            if p.allowed_token_ids:
+                allow_rows.append(i)
+                allowed.append((i, ids.allowed))
+            if len(ids.bias_ids):
+                biased.append((i, ids))
+            if under_min:
+                banned.append((i, ids.min_tokens_bans))
+        bad_words += _bad_word_bans(i, r, V)
     dev = x.device
     if allow_rows:  # a row with allowed_token_ids keeps those alone
         keep = torch.ones(B, V, dtype=torch.bool, device=dev).index_fill_(
             0, list_to_device(allow_rows, torch.long, dev), False)
-        if allowed:
-            at = _cells(allowed, dev)
-            keep.index_put_(at, torch.ones(len(allowed), dtype=torch.bool, device=dev))
+        at = _cells(allowed, dev)
+        if len(at[0]):
+            keep.index_put_(at, torch.ones(len(at[0]), dtype=torch.bool, device=dev))
         x = torch.where(keep, x, NEG_INF)
     else:
         x = x.clone()
     if biased:  # (row, token) pairs are unique: a dict's keys per row
-        at = _cells(biased, dev)
-        x.index_put_(at, x[at] + list_to_device(bias, x.dtype, dev))
-    if banned:
-        ban = list_to_device(banned, torch.long, dev)  # [n, 3]
+        at = _cells([(i, ids.bias_ids) for i, ids in biased], dev)
+        bias = np.concatenate([ids.bias for _, ids in biased])
+        x.index_put_(at, x[at] + to_device(torch.from_numpy(bias).to(x.dtype), dev))
+    ban_rows, ban_tokens = _host_cells(banned)
+    if len(ban_tokens) or bad_words:
+        ban = np.concatenate([np.stack([ban_rows, ban_tokens, np.full(len(ban_tokens), -1, dtype=np.int64)], axis=1),
+                              np.asarray(bad_words, dtype=np.int64).reshape(-1, 3)])
+        ban = to_device(torch.from_numpy(ban), dev)  # [n, 3]
         hit = ban[:, 2] < 0
         if last is not None:
             hit = hit | (last.index_select(0, ban[:, 0]) == ban[:, 2])
@@ -115,10 +167,19 @@ def _bad_word_bans(i: int, r, V: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _cells(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, tokens) index tensors on the device for a list of (row, token) pairs."""
-    both = list_to_device(pairs, torch.long, device)  # [n, 2]
-    return both[:, 0], both[:, 1]
+def _host_cells(parts: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """[2, n] int64 (rows, tokens) on the host: row i with each of its tokens, for each (i, tokens)."""
+    if not parts:
+        return np.zeros((2, 0), dtype=np.int64)
+    ids = [a for _, a in parts]
+    rows = np.repeat(np.asarray([i for i, _ in parts], dtype=np.int64), [len(a) for a in ids])
+    return np.stack([rows, np.concatenate(ids)])
+
+
+def _cells(parts: list[tuple[int, np.ndarray]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_host_cells` as (rows, tokens) index tensors on the device."""
+    both = to_device(torch.from_numpy(_host_cells(parts)), device)
+    return both[0], both[1]
 
 
 def _ends_with(seq: Sequence[int], tail: Sequence[int]) -> bool:

@@ -52,6 +52,9 @@ class SamplingRow:
     # async scheduling, the step before's, still on the device); it is this row's last input
     # token, which the sampler is given as `last_tokens`
     pending: int = 0
+    # the request's token ids for the request masks, built once (processors.RequestMaskIds), or
+    # None: apply_request_masks builds them for the call
+    mask_ids: P.RequestMaskIds | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

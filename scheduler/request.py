@@ -18,6 +18,7 @@ import numpy as np
 
 from detent.scheduler.block_hash import NONE_HASH, BlockHash, hash_blocks
 from detent.sampling.params import SamplingParams
+from detent.sampling.processors import RequestMaskIds
 
 
 class RequestStatus(enum.Enum):
@@ -114,6 +115,19 @@ class Request:
         a = np.asarray(self.prompt_token_ids, dtype=np.int64)
         a.flags.writeable = False
         return a
+
+    @functools.cached_property
+    def mask_ids(self) -> RequestMaskIds:
+        """The token ids its request masks write (allowed ids, logit_bias, the ids min_tokens
+        bans), built at its first masked step and reused at every other: they can be a
+        vocabulary's worth, too many to gather from the parameters' lists every step."""
+        return RequestMaskIds(self.params, self.eos_token_ids)
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """params.stop_token_ids as a set, made once: `Scheduler.update` looks each new token
+        up in it, and a list of 49k ids costs a scan a step."""
+        return frozenset(self.params.stop_token_ids)
 
     @property
     def output_array(self) -> np.ndarray:

@@ -273,7 +273,8 @@ class Scheduler:
                                  prompt_token_ids=req.prompt_array,
                                  output_token_ids=req.output_array,
                                  golden_token=req.golden_token, grammar=req.grammar,
-                                 eos_token_ids=tuple(req.eos_token_ids), pending=req.num_pending)
+                                 eos_token_ids=tuple(req.eos_token_ids), pending=req.num_pending,
+                                 mask_ids=req.mask_ids)
         k, lo, targets = 0, 0, ()
         if req.wants_prompt_logprobs:
             # row p predicts prompt token p + 1; rows already planned (before a preemption) are skipped
@@ -369,7 +370,7 @@ class Scheduler:
         if req.num_output_tokens >= max(p.min_tokens, 1):
             if not p.ignore_eos and tok in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED, None
-            if tok in p.stop_token_ids:
+            if tok in req.stop_token_set:
                 return RequestStatus.FINISHED_STOPPED, tok
         if req.num_tokens >= self.limits.max_model_len or (
                 p.max_tokens is not None and req.num_output_tokens >= p.max_tokens):

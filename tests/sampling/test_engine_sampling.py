@@ -183,3 +183,67 @@ def test_unseeded_request_returns_its_seed_for_replay():
                           [SamplingParams(temperature=1.0, seed=first.seed, max_tokens=10, ignore_eos=True)]
                           + [r[1] for r in neighbours(3)], use_tqdm=False)[0].outputs[0]
     assert replay.token_ids == first.token_ids
+
+
+class _CountedIds(list):
+    """stop_token_ids that count the ids read from them (a list subclass that numpy, tuple
+    unpacking and set() all read through __iter__ or __getitem__)."""
+    reads = 0
+
+    def __iter__(self):
+        for t in super().__iter__():
+            _CountedIds.reads += 1
+            yield t
+
+    def __getitem__(self, i):
+        _CountedIds.reads += 1
+        return super().__getitem__(i)
+
+    def __array__(self, dtype=None, copy=None):  # numpy would copy a list's items without __iter__
+        return np.fromiter(iter(self), dtype=dtype or np.int64)
+
+
+class _CountedBias(dict):
+    """A logit_bias that counts the entries read from it."""
+    reads = 0
+
+    def _count(self, it):
+        for v in it:
+            _CountedBias.reads += 1
+            yield v
+
+    def __iter__(self):
+        return self._count(super().__iter__())
+
+    def keys(self):
+        return self._count(super().keys())
+
+    def values(self):
+        return self._count(super().values())
+
+    def items(self):
+        return self._count(super().items())
+
+
+def test_a_requests_long_id_lists_are_read_once_not_at_every_step(monkeypatch):
+    """A request with 148 stop ids under min_tokens and a 148-id logit_bias beside a plain one:
+    over its 12 steps the engine reads those lists a few times (validation, building its masks
+    once), not once per step (49k stop ids per step doubled a neighbour's time). Its tokens and
+    its neighbour's are those of rows whose ids are built at every step."""
+    from detent.scheduler.request import Request
+    ids = list(range(2, 150))
+    hostile = SamplingParams(seed=3, min_tokens=12, max_tokens=14, logprobs=2)
+    hostile.stop_token_ids = _CountedIds(ids)
+    hostile.logit_bias = _CountedBias({t: 0.25 * (t % 5) for t in ids})
+    plain = target_params()
+    prompts = [{"prompt_token_ids": TARGET_PROMPT[:9]}, {"prompt_token_ids": TARGET_PROMPT}]
+    llm = tiny_llm(VOCAB)
+    _CountedIds.reads = _CountedBias.reads = 0
+    kept = [result_of(o) for o in llm.generate(prompts, [hostile, plain], use_tqdm=False)]
+    assert len(kept[0].token_ids) >= 12 and not any(t in ids for t in kept[0].token_ids[:12])
+    # three passes each (validation, its stop-id set or a second field, its masks' build), not 12+
+    assert _CountedIds.reads <= 4 * len(ids) and _CountedBias.reads <= 4 * len(ids), \
+        (_CountedIds.reads, _CountedBias.reads)
+    monkeypatch.setattr(Request, "mask_ids", property(lambda self: None))  # rows build theirs per call
+    fresh = [result_of(o) for o in llm.generate(prompts, [hostile, plain], use_tqdm=False)]
+    assert all(same(a, b) for a, b in zip(kept, fresh))

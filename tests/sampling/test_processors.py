@@ -181,3 +181,95 @@ def test_a_pending_last_token_counts_as_the_same_token_on_the_host(pending_token
     assert set(torch.nonzero(masked[0] == float("-inf")).flatten().tolist()) == {3, 12, 9 if pending_token == 7 else 11}
     with pytest.raises(ValueError, match="no last_tokens"):
         sample_async(logits, device)
+
+
+def _masks_reference(x, rows, last):
+    """apply_request_masks one row at a time, from the parameters' lists as written."""
+    out = x.clone()
+    V = x.shape[1]
+    for i, r in enumerate(rows):
+        p, row = r.params, out[i]
+        if p.allowed_token_ids:
+            keep = torch.zeros(V, dtype=torch.bool)
+            keep[[t for t in p.allowed_token_ids if t < V]] = True
+            row[~keep] = P.NEG_INF
+        for t, v in (p.logit_bias or {}).items():
+            if t < V:
+                row[t] = row[t] + torch.tensor(v, dtype=torch.float32)
+        outs = list(r.output_token_ids) + ([int(last[i])] if r.pending else [])
+        if len(outs) < p.min_tokens:
+            for t in (*r.eos_token_ids, *p.stop_token_ids):
+                if t < V:
+                    row[t] = P.NEG_INF
+        for w in p.bad_words_token_ids or ():
+            n = len(w) - 1
+            if w[-1] < V and (n == 0 or outs[len(outs) - n:] == w[:-1] and len(outs) >= n):
+                row[w[-1]] = P.NEG_INF
+    return out
+
+
+def _masked_rows(rng, V, B, cache: bool):
+    rows = []
+    for _ in range(B):
+        kw = {}
+        if rng.random() < 0.4:  # ids up to V + 2: the ones outside the vocabulary are skipped
+            kw["allowed_token_ids"] = [int(t) for t in rng.integers(0, V + 3, size=rng.integers(1, 7))]
+        if rng.random() < 0.5:
+            kw["logit_bias"] = {int(t): float(rng.uniform(-100, 100)) for t in rng.integers(0, V + 3, size=4)}
+        if rng.random() < 0.6:
+            kw.update(min_tokens=int(rng.integers(0, 5)), max_tokens=10,
+                      stop_token_ids=[int(t) for t in rng.integers(0, V + 3, size=rng.integers(0, 7))])
+        if rng.random() < 0.4:
+            kw["bad_words_token_ids"] = [[int(t) for t in rng.integers(0, V + 2, size=rng.integers(1, 4))]
+                                         for _ in range(2)]
+        p = SamplingParams(**kw)
+        eos = tuple(int(t) for t in rng.choice(V + 2, size=rng.integers(0, 3), replace=False))
+        rows.append(dict(params=p, eos_token_ids=eos, **({"mask_ids": P.RequestMaskIds(p, eos)} if cache else {})))
+    return rows
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["ids built once per request", "ids built per call"])
+def test_request_masks_equal_a_row_by_row_reference(cache):
+    """allowed_token_ids, logit_bias, min_tokens' bans and bad words, on random small rows whose
+    outputs grow over five steps (some with a pending last token): the masked logits are
+    torch.equal to the reference's, whether a row's ids are built once and kept or per call."""
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        V, B = int(rng.choice([5, 8, 40])), int(rng.integers(1, 5))
+        reqs = _masked_rows(rng, V, B, cache)
+        outs = [[] for _ in reqs]
+        for _step in range(5):
+            pending = [int(rng.integers(0, 2)) for _ in reqs]
+            rows = [SamplingRow(seed=0, position=3, output_token_ids=list(o), pending=k, **q)
+                    for q, o, k in zip(reqs, outs, pending)]
+            x = torch.randn(B, V) * 3
+            last = torch.from_numpy(rng.integers(0, V, size=B))
+            assert torch.equal(P.apply_request_masks(x, rows, last), _masks_reference(x, rows, last))
+            for o, t in zip(outs, last.tolist()):
+                o.append(t)
+
+
+def test_a_requests_mask_ids_are_built_once_not_every_step(monkeypatch):
+    """49k stop ids under min_tokens and a large logit_bias: a request's rows share its
+    RequestMaskIds, so its ids are built at its first step only (rebuilding them every step
+    doubled a neighbour's time), and each step samples what rows built per call sample."""
+    built = []
+    build = P.build_mask_ids
+    monkeypatch.setattr(P, "build_mask_ids", lambda *a: built.append(a[2]) or build(*a))
+    V = 49_152
+    p = SamplingParams(min_tokens=30, max_tokens=40, stop_token_ids=list(range(2, 49_000)),
+                       logit_bias={t: 0.5 for t in range(40_000, 49_000)})
+    ids = P.RequestMaskIds(p, (0,))
+    plain = SamplingParams(seed=5)
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        x = torch.randn(2, V, generator=g) * 4
+        out = list(range(1000, 1000 + step))
+        kept = sample(x, [SamplingRow(p, 7, 3 + step, output_token_ids=out, eos_token_ids=(0,), mask_ids=ids),
+                          SamplingRow(plain, 5, 3 + step)])
+        fresh = sample(x, [SamplingRow(p, 7, 3 + step, output_token_ids=out, eos_token_ids=(0,)),
+                           SamplingRow(plain, 5, 3 + step)])
+        assert kept.token_ids == fresh.token_ids and not 2 <= kept.token_ids[0] < 49_000
+    assert built.count(V) == 12 + 1  # the rows without ids built theirs at each call; the request once
+    import pickle
+    assert pickle.loads(pickle.dumps(ids))._by_vocab == {}  # a plan sent to TP ranks carries no arrays
