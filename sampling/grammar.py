@@ -154,9 +154,6 @@ class GrammarState:
     def __init__(self, future: Future, vocab_size: int, timeout_s: float) -> None:
         self._future = future
         self._vocab_size = vocab_size
-        # the compile itself is killed at timeout_s in its lane; this also bounds the wait for
-        # the lane (a compile ahead of it, a worker starting): twice the compile's budget
-        self._deadline = time.monotonic() + 2 * timeout_s
         self._timeout_s = timeout_s
         self._matcher: xgr.GrammarMatcher | None = None
         self._error: str | None = None
@@ -171,9 +168,15 @@ class GrammarState:
                 self._error = f"grammar compilation failed: {_short(exc)}"
             else:
                 self._matcher = xgr.GrammarMatcher(self._future.result())
-        elif time.monotonic() > self._deadline:
-            self._error = (f"grammar compilation timed out: not compiled {2 * self._timeout_s:g} s after the request "
-                           f"(compile timeout {self._timeout_s:g} s)")
+            return
+        # the compile in the worker is killed at the timeout; this also bounds the compile for the
+        # engine after it: twice the timeout from when a worker began it (CompileFuture.started),
+        # never from the request's arrival, which would charge it a hostile compile ahead of it in
+        # the lane and that worker's restart
+        started = getattr(self._future, "started", None)
+        if started is not None and time.monotonic() > started + 2 * self._timeout_s:
+            self._error = (f"grammar compilation timed out: not compiled {2 * self._timeout_s:g} s after its "
+                           f"compile began (compile timeout {self._timeout_s:g} s)")
 
     @property
     def ready(self) -> bool:

@@ -12,7 +12,10 @@ compiled grammar back instead costs more than compiling it:
 
 Two lanes, each with its own workers: specs up to `SMALL_SPEC_BYTES` go to
 the small lane, larger ones to the large lane, so small grammars keep
-compiling while large ones run. The lanes are shared by every compile cache
+compiling while large ones run. A job's future says when a worker began it
+(`CompileFuture.started`): a request's compile budget counts from there, so
+the time it waited behind other compiles, or for a killed worker's
+replacement to start, is not charged to it. The lanes are shared by every compile cache
 of the process (a worker costs an interpreter and an xgrammar import); a
 worker keeps one compiler per tokenizer, sent with its first job.
 """
@@ -38,6 +41,12 @@ class CompileJob:
     text: str
     any_whitespace: bool
     strict: bool
+
+
+class CompileFuture(Future):
+    """A compile job's future; `started` is when a worker began the compile (time.monotonic()),
+    None while the job waits in its lane or for a worker to start."""
+    started: float | None = None
 
 
 def compile_job(compiler, job: CompileJob):
@@ -117,6 +126,7 @@ class _Worker:
             try:
                 if self.proc is None or not self.proc.is_alive():
                     self._start()
+                fut.started = time.monotonic()
                 self.conn.send(job)
                 if not self.conn.poll(timeout_s):
                     self.kill()  # the compile stops with its process
@@ -160,11 +170,11 @@ def lane_for(job: CompileJob) -> Lane:
     return _lane("small" if len(job.text.encode()) <= SMALL_SPEC_BYTES else "large")
 
 
-def submit(job: CompileJob, compile_here, timeout_s: float) -> Future:
+def submit(job: CompileJob, compile_here, timeout_s: float) -> CompileFuture:
     """Compile `job` in its lane: `compile_here(job)` (the engine's compile) once a worker
     compiled it within `timeout_s`; else the worker is killed and the future fails with
-    TimeoutError. (The request's own deadline, GrammarState's, also counts the queue.)"""
-    fut: Future = Future()
+    TimeoutError. (The request's own deadline, GrammarState's, counts from `started`.)"""
+    fut = CompileFuture()
     lane_for(job).jobs.put((job, compile_here, fut, timeout_s))
     return fut
 

@@ -141,6 +141,31 @@ def test_a_timed_out_compile_is_stopped_and_small_grammars_keep_compiling():
     assert again.ready  # the lane has a new worker
 
 
+def test_a_grammar_queued_behind_timed_out_compiles_still_compiles():
+    """Two 3,000-property schemas, then a small grammar, in one lane with a 1 s compile timeout:
+    the small one waits for both to be killed and for the worker to restart twice (more than the
+    twice-the-timeout budget it has), yet compiles, since its budget counts from when a worker
+    begins it. The two still fail at the timeout, their workers killed."""
+    from detent.sampling import grammar_workers
+    from detent.sampling.grammar_limits import GrammarLimits
+    cache = tiny_cache(timeout_s=120.0, limits=GrammarLimits(max_schema_properties=10 ** 6, max_spec_bytes=10 ** 8))
+    wait(cache.new_state(StructuredOutputs(grammar='root ::= "' + "w" * 5000 + '"')), limit=150)  # a warm lane
+    cache.timeout_s = 1.0
+    large = grammar_workers.lanes()["large"]
+    kills = large.kills
+    slow = [cache.new_state(StructuredOutputs(json={"type": "object", "properties": {
+        f"{name}{i}": {"type": "string"} for i in range(3000)}})) for name in ("p", "q")]
+    t0 = time.monotonic()
+    queued = wait(cache.new_state(StructuredOutputs(grammar='root ::= "' + "u" * 5000 + '"')), limit=150)
+    assert queued.error is None and queued.ready
+    assert time.monotonic() - t0 > 2 * cache.timeout_s  # it waited past the budget a queued request had
+    for s in slow:
+        wait(s)
+        assert not s.ready and "grammar compilation failed: grammar compilation timed out" in s.error
+    assert large.kills == kills + 2
+    cache.timeout_s = 120.0
+
+
 def test_a_schema_over_a_limit_is_refused_naming_the_limit():
     from detent.sampling.grammar_limits import GrammarLimits, check_limits
     cache = tiny_cache()
