@@ -35,7 +35,8 @@ from detent.selection import default_tuple
 from detent.selection.compiler.tune_space import family_space, signature
 from detent.tune_cost import Calls, EngineCost, Profile, group_calls, profile_workload
 from detent.tune_kernels import KernelCost
-from detent.tune_engine import OBJECTIVES, TupleInstaller, check_objective, engine_facts
+from detent.tune_engine import (OBJECTIVES, Loop, TupleInstaller, check_objective, engine_facts, load_loops,
+                                loop_requests)
 from detent.tune_search import Search, TuneResult
 
 
@@ -51,6 +52,11 @@ class Tuned:
     # with the kernel cost: the most weighed buckets, the default's and the search's pick's times
     # (`KernelCost.buckets`), to see where the two part
     kernel_buckets: list[dict[str, Any]] | None = None
+    # under "tpot": the loops the workload was profiled and measured in ([{cap, loads, requests}],
+    # cap None: every request at once) and, for Poisson loads, how they were found
+    # (`tune_engine.load_loops`: the maximum throughput and each closed loop's, requests/s)
+    loops: list[dict[str, Any]] | None = None
+    throughput: dict[str, Any] | None = None
 
 
 PROFILE_EVERY = 8  # decode-only steps per recorded one in the profile (detent/tune_engine.py SampledProfile)
@@ -65,14 +71,16 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
          families: list[str] | None = None, repeats: int = 1, dedupe: bool = True,
          confirm: str | Callable[[TupleInstaller, Calls], Any] | None = None,
          profile_every: int = PROFILE_EVERY, deadline: float | None = None, objective: str = OBJECTIVES[0],
-         confirm_candidates: int = CONFIRM_CANDIDATES, progress: Callable[[str], None] = lambda s: None,
-         **search: Any) -> Tuned:
+         confirm_candidates: int = CONFIRM_CANDIDATES, loops: list[Loop] | None = None,
+         progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
     """dedupe: measure once for every set of assignments that select the same kernels and
     parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
     nothing at the default's value. profile_every: the profile records every step with prompt
     rows and one decode-only step in this many, counted as many (1: every step, eagerly).
     confirm_candidates: how many of the search's tuples cheaper than the default, cheapest first,
-    the confirmation measures (the winner, then its runners-up: `confirmed`)."""
+    the confirmation measures (the winner, then its runners-up: `confirmed`). loops: under "tpot",
+    the closed loops that stand for the workload's loads (`tune_engine.Loop`); None: measured on
+    the engine (`load_loops`), each Poisson load as the closed loop of its arrival rate."""
     check_objective(objective)
     facts = engine_facts(llm)
     base = default_tuple(facts)
@@ -83,12 +91,19 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         phases[name], mark[0] = now - mark[0], now
     with tempfile.TemporaryDirectory(prefix="detent-tune-") as tmp:
         inst = TupleInstaller(llm, tmp, profile_every, objective)
+        throughput = None
+        if objective != "tpot":
+            loops = None
+        elif loops is None:  # the batches each load decodes in (docs/tune.md, "Loads as closed loops")
+            progress(f"measuring the closed loops {workload.name}'s loads run in (under the engine's tuple)")
+            loops, throughput = load_loops(llm, workload, progress)
+            phase("loops")
         sample = "every step" if profile_every == 1 else \
             f"steps with prompt rows and one decode-only step in {profile_every}"
         weigh = "each step's calls weighted by its decode rows" if objective == "tpot" else "every step alike"
         progress(f"profiling {workload.name} ({len(workload.requests)} requests) under the default tuple ({sample}; "
                  f"objective {objective}: {weigh})")
-        calls = profile_workload(inst, base, workload)
+        calls = profile_workload(inst, base, workload, loops)
         prof = group_calls(calls)
         phase("profile")
         stats = inst.profile_stats
@@ -107,7 +122,7 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         spaces = [s for s in (family_space(facts, f) for f in wanted if f in prof) if s and len(s.legal) > 1]
         progress(f"searching {', '.join(s.family for s in spaces) or 'no family (nothing to choose)'}")
         if cost == "engine":
-            model = EngineCost(inst, workload, repeats, objective)
+            model = EngineCost(inst, workload, repeats, objective, loops)
         elif cost == "kernels":
             tpot = objective == "tpot"
             model = KernelCost(calls, facts, tmp, families=[s.family for s in spaces], reps=max(3, repeats),
@@ -132,10 +147,15 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         buckets = model.buckets(base, res.chosen) if isinstance(model, KernelCost) else None
         phase("search")
         if confirm is not None and res.chosen.hash != base.hash:
-            check = EngineCost(inst, workload, repeats, objective) if confirm == "engine" else confirm(inst, calls)
+            check = (EngineCost(inst, workload, repeats, objective, loops) if confirm == "engine"
+                     else confirm(inst, calls))
             res = confirmed(res, base, check, progress, deadline, candidates=confirm_candidates)
             phase("confirm")
-    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"), phases, objective, buckets)
+    described = None if loops is None else [
+        {"cap": loop.cap, "loads": list(loop.loads), "requests": len(loop_requests(workload, loop.cap).requests)}
+        for loop in loops]
+    return Tuned(res, prof, facts, calls, getattr(model, "unit", "cost"), phases, objective, buckets, described,
+                 throughput or None)
 
 
 def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], deadline: float | None = None,

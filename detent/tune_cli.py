@@ -164,7 +164,8 @@ def _tune(a: argparse.Namespace) -> int:
         meta = {"workload": w.name, "num_requests": len(w.requests), "model": a.model, "tp": a.tp,
                 "deployment_hash": res.chosen.to_dict()["deployment"]["hash"], "cost_model": a.cost,
                 "confirm": confirm, "profile_every": every, "time_budget": a.time_budget or None,
-                "phases": {"load": loaded, **out.phases}, "seconds": time.perf_counter() - t_start}
+                "phases": {"load": loaded, **out.phases}, "seconds": time.perf_counter() - t_start,
+                "loops": out.loops, "throughput": out.throughput}
         report = report_dict(res, meta=meta, profile=profile_summary(prof), unit=out.unit, objective=out.objective,
                              kernel_buckets=out.kernel_buckets)
         stem = a.output[:-5] if a.output.endswith(".json") else a.output

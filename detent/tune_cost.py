@@ -19,7 +19,8 @@ from typing import Any, Protocol
 from detent.engine import STEP_KIND_FIELDS
 from detent.selection import CommitmentTuple
 from detent.selection.facts import site_key
-from detent.tune_engine import TupleInstaller, check_objective, closed_loops, run_offline
+from detent.tune_engine import (Loop, TupleInstaller, check_objective, closed_loops, loop_requests, loops_unit,
+                                run_offline)
 
 # positions in LLMEngine.stats()["steps_by_kind"][kind]
 STEPS, LAUNCH, ROWS, ROW_SECONDS = map(STEP_KIND_FIELDS.index,
@@ -57,20 +58,23 @@ class EngineCost:
     (median of `repeats`, after a short untimed warm-up that compiles the new kernels' shapes):
     the engine's row-weighted step time ("tpot") or wall time over output tokens ("time").
 
-    Under "tpot", a workload of several closed loops (W-C: 1 and 8 requests in flight) costs the
-    geometric mean of each loop's row-weighted step time, the way the arms' report sets a tuple
-    against another (benchmarks/arms_report.py: the geometric mean over a workload's loads). Pooled
-    over both loops, the decode rows of eight 8k documents at a time (26 ms a token) outweigh those
-    of one (6.5 ms): lease 27's FA4 tuple, +2.8 ms a token at 1 and -2.6 at 8, was even pooled and
-    1.14 times the default in the report."""
+    Under "tpot", a workload of several loops (`loops`, detent/tune_engine.py `load_loops`: W-C's
+    closed loops of 1 and 8, or the closed loops that stand for W-B's Poisson loads; default the
+    workload's closed loops) costs the geometric mean of each loop's row-weighted step time, one
+    weight per load a loop stands for, the way the arms' report sets a tuple against another
+    (benchmarks/arms_report.py: the geometric mean over a workload's loads). Pooled over both
+    loops, the decode rows of eight 8k documents at a time (26 ms a token) outweigh those of one
+    (6.5 ms): lease 27's FA4 tuple, +2.8 ms a token at 1 and -2.6 at 8, was even pooled and 1.14
+    times the default in the report. Each loop replays its own head of the workload
+    (`loop_requests`)."""
 
-    def __init__(self, installer: TupleInstaller, workload, repeats: int = 1, objective: str = "tpot"):
+    def __init__(self, installer: TupleInstaller, workload, repeats: int = 1, objective: str = "tpot",
+                 loops: list[Loop] | None = None):
         self.installer, self.workload, self.repeats = installer, workload, max(1, repeats)
         self.objective = check_objective(objective)
-        self.loops = closed_loops(workload) if self.objective == "tpot" else [None]
+        self.loops = (loops or closed_loops(workload)) if self.objective == "tpot" else [Loop(None)]
         self.unit = "ms per output token" + (", row-weighted step time" if objective == "tpot" else "") + (
-            f", geometric mean over the closed loops of {', '.join(map(str, self.loops))}" if len(self.loops) > 1
-            else "")
+            loops_unit(self.loops) if len(self.loops) > 1 else "")
 
     @property
     def last_install_s(self) -> float:
@@ -90,12 +94,12 @@ class EngineCost:
         for _ in range(self.repeats):
             if self.objective == "tpot":
                 logs = []
-                for cap in self.loops:  # [None]: the workload's own replay, as one
+                for loop in self.loops:
                     before = eng.stats()["steps_by_kind"]
-                    run_offline(self.installer.llm, w, caps=None if cap is None else [cap])
-                    logs.append(math.log(row_weighted_ms(before, eng.stats()["steps_by_kind"],
-                                                         not eng.async_scheduling)))
-                costs.append(math.exp(sum(logs) / len(logs)))
+                    run_offline(self.installer.llm, loop_requests(w, loop.cap), caps=[loop.cap])
+                    logs.append(loop.weight * math.log(row_weighted_ms(before, eng.stats()["steps_by_kind"],
+                                                                       not eng.async_scheduling)))
+                costs.append(math.exp(sum(logs) / sum(loop.weight for loop in self.loops)))
             else:
                 seconds, tokens = run_offline(self.installer.llm, w)
                 costs.append(1e3 * seconds / max(tokens, 1))
@@ -107,19 +111,21 @@ Calls = dict[tuple, int]  # (family, site items, runtime items) -> weight: steps
 Profile = dict[str, dict[str, Counter]]  # family -> site key -> Counter(runtime inputs -> count)
 
 
-def profile_workload(installer: TupleInstaller, base: CommitmentTuple, workload) -> Calls:
-    """Serve the workload under `base` (the default tuple) and return every distinct
-    (family, call site, runtime inputs) the dispatcher saw, with its weight under the
-    installer's objective: how many steps saw it, or ("tpot") those steps' decode rows.
-    Each closed loop's own share, and its decode rows, go to `installer.profile_loops`."""
+def profile_workload(installer: TupleInstaller, base: CommitmentTuple, workload,
+                     loops: list[Loop] | None = None) -> Calls:
+    """Serve the workload under `base` (the default tuple), once per loop (`loops`, default its
+    closed loops; each its own head, `loop_requests`), and return every distinct (family, call
+    site, runtime inputs) the dispatcher saw, with its weight under the installer's objective:
+    how many steps saw it, or ("tpot") those steps' decode rows. Each loop's own share, and its
+    decode rows, go to `installer.profile_loops`."""
     installer.install(base, record=True)
-    loops, seen, rows = [], Counter(), 0
-    for cap in closed_loops(workload):
-        run_offline(installer.llm, workload, caps=[cap])
+    out, seen, rows = [], Counter(), 0
+    for loop in loops or closed_loops(workload):
+        run_offline(installer.llm, loop_requests(workload, loop.cap), caps=[loop.cap])
         now, now_rows = Counter(installer.calls()), installer.profile_rows()
-        loops.append((cap, dict(now - seen), now_rows - rows))
+        out.append((loop, dict(now - seen), now_rows - rows))
         seen, rows = now, now_rows
-    installer.profile_loops = loops
+    installer.profile_loops = out
     installer.profile_stats = installer.end_profile()
     return dict(seen)
 

@@ -163,8 +163,8 @@ class TupleInstaller:
         self.llm, self.workdir, self.profile_every = llm, workdir, profile_every
         self.objective = check_objective(objective)
         self.profile_stats: dict[str, int] = {}  # the last profile's (`end_profile`)
-        # the last profile per closed loop (detent/tune_cost.py `profile_workload`): (cap, calls, decode rows)
-        self.profile_loops: list[tuple[int | None, dict, int]] = []
+        # the last profile per loop (detent/tune_cost.py `profile_workload`): (loop, calls, decode rows)
+        self.profile_loops: list[tuple[Loop, dict, int]] = []
         self.facts = engine_facts(llm)
         self.current: str | None = None  # hash of the installed tuple (and whether recording)
         self._n = 0
@@ -235,10 +235,116 @@ class TupleInstaller:
         return dict(eng.dispatcher.calls)
 
 
-def closed_loops(workload) -> list[int | None]:
-    """The admission caps `run_offline` replays `workload` under: each closed-loop load's
-    concurrency (W-C: [1, 8]), or [None] (one batch) for a workload without one."""
-    return [load.concurrency for load in workload.loads if load.concurrency] or [None]
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A closed loop the tuner replays a workload under: at most `cap` requests in flight (None:
+    every request at once), standing for the workload's `loads`: its closed-loop loads of that
+    concurrency, or (`poisson`) Poisson loads measured to run about that many at a time
+    (`load_loops`). Under the "tpot" objective a loop weighs one per load it stands for."""
+    cap: int | None
+    loads: tuple[str, ...] = ()
+    poisson: bool = False
+
+    @property
+    def weight(self) -> int:
+        return max(1, len(self.loads))
+
+    @property
+    def label(self) -> str:
+        return ("all" if self.cap is None else str(self.cap)) + (f" ({', '.join(self.loads)})" if self.poisson else "")
+
+
+def loops_unit(loops: list[Loop]) -> str:
+    """What a cost over several loops adds to its unit."""
+    return f", geometric mean over the closed loops of {', '.join(loop.label for loop in loops)}"
+
+
+LOOP_REQUESTS = 8  # a loop of `cap` in flight replays this many requests per request in flight,
+MIN_LOOP_REQUESTS = 16  # and at least these (`loop_requests`)
+
+
+def loop_requests(workload, cap: int | None):
+    """The head of `workload` a loop of `cap` replays: LOOP_REQUESTS rounds of its requests in
+    flight, at least MIN_LOOP_REQUESTS, all of it for `cap` None. W-C's loop of one replays 16 of
+    its 64 documents: one at a time, each 8k document's steps are alike, and replaying all 64 took
+    most of the loop's time (50 s of the 79 s profile, lease 28)."""
+    if cap is None:
+        return workload
+    n = max(MIN_LOOP_REQUESTS, LOOP_REQUESTS * cap)
+    return workload if n >= len(workload.requests) else workload.head(n / len(workload.requests))
+
+
+def closed_loops(workload) -> list[Loop]:
+    """The loops of `workload`'s closed-loop loads, one per concurrency in the loads' order (W-C:
+    1 and 8), or one loop of every request at once for a workload without any."""
+    caps: dict[int, list[str]] = {}
+    for load in workload.loads:
+        if load.concurrency:
+            caps.setdefault(load.concurrency, []).append(load.name)
+    return [Loop(c, tuple(names)) for c, names in caps.items()] or [
+        Loop(None, tuple(ld.name for ld in workload.loads))]
+
+
+def load_loops(llm, workload, progress=lambda s: None) -> tuple[list[Loop], dict[str, Any]]:
+    """The loops that stand for every load of `workload` under "tpot", and how they were found.
+
+    A Poisson load arrives at a fraction of the workload's maximum throughput (benchmarks/
+    workloads: stock's, every request sent at once). How many requests it runs at a time sets the
+    batches its tokens decode in, and a kernel's speed depends on them: served on one H100 (lease
+    29), the default ran 0.78, 2.21 and 5.26 W-B requests in flight on average at 0.33, 0.67 and
+    1.0 of the maximum (Little's law), and FlashAttention-4, 9.5% cheaper in one batch of every
+    request, was +2.4 ms a token at 0.33 and -1.7 ms at 1.0. So each Poisson load becomes the
+    closed loop whose throughput is its arrival rate: the workload replays with every request at
+    once (its maximum throughput, requests per second), then in closed loops of 1, 2, 4, ...
+    (`loop_requests` each) until one reaches the highest load's rate; a load's loop is the
+    concurrency where the throughput, interpolated linearly between the measured loops (and from
+    0 at 0), reaches its rate, at least 1. A rate above every loop's throughput replays every
+    request at once. Closed-loop loads keep their own concurrency. The engine runs as it is
+    loaded; the tuple and every request's bits stay the same, only the admission changes.
+
+    Returns (loops, {"max_throughput": requests/s, "throughput": {cap: requests/s}}), the dict
+    empty when no load is a Poisson load."""
+    poisson = [ld for ld in workload.loads if ld.fraction]
+    if not poisson:
+        return closed_loops(workload), {}
+    n = len(workload.requests)
+    seconds, _ = run_offline(llm, workload, caps=[None])
+    top = n / seconds
+    progress(f"  {workload.name}'s maximum throughput: {top:.3f} requests/s ({n} at once, {seconds:.1f} s)")
+    rungs: list[tuple[int, float]] = []
+    cap, highest = 1, max(ld.fraction for ld in poisson) * top
+    while cap < n:
+        w = loop_requests(workload, cap)
+        seconds, _ = run_offline(llm, w, caps=[cap])
+        rungs.append((cap, len(w.requests) / seconds))
+        progress(f"  closed loop of {cap}: {rungs[-1][1]:.3f} requests/s ({len(w.requests)} requests)")
+        if rungs[-1][1] >= highest:
+            break
+        cap *= 2
+    caps = {ld.name: ld.concurrency for ld in workload.loads if ld.concurrency}
+    caps.update({ld.name: concurrency_at(rungs, ld.fraction * top) for ld in poisson})
+    loops: dict[int | None, list[str]] = {}
+    for load in workload.loads:
+        loops.setdefault(caps[load.name], []).append(load.name)
+    out = [Loop(c, tuple(names), poisson=any(caps[ld.name] == c and ld.fraction for ld in workload.loads))
+           for c, names in loops.items()]
+    progress("  loads as closed loops: " + ", ".join(
+        f"{ld.name} ({f'{ld.fraction:g} of the maximum' if ld.fraction else 'closed'}) "
+        f"{'every request at once' if caps[ld.name] is None else f'{caps[ld.name]} in flight'}"
+        for ld in workload.loads))
+    return out, {"max_throughput": top, "throughput": {str(c): x for c, x in rungs}}
+
+
+def concurrency_at(rungs: list[tuple[int, float]], rate: float) -> int | None:
+    """The concurrency at which the closed loops' throughput (`rungs`: (concurrency, requests/s),
+    rising concurrency) reaches `rate`, linear between rungs and from (0, 0), rounded, at least 1;
+    None above every rung."""
+    c0, x0 = 0, 0.0
+    for c, x in rungs:
+        if x >= rate:
+            return max(1, min(c, round(c0 + (rate - x0) / (x - x0) * (c - c0) if x > x0 else c)))
+        c0, x0 = c, x
+    return None
 
 
 def run_offline(llm, workload, max_tokens_cap: int | None = None,
@@ -246,14 +352,14 @@ def run_offline(llm, workload, max_tokens_cap: int | None = None,
     """Replay `workload` through the engine (each round of chat turns after the
     one before, so later turns hit the prefix cache); (wall seconds, output tokens).
 
-    A workload with closed-loop loads (W-C: 1 and 8 requests in flight) is replayed once per such
-    load with the engine running at most that many requests at a time: with every request queued,
-    that is the closed loop (a request starts when one ends), so the profile holds the small
-    batches those loads decode in, not one batch of all of them. Its other loads (Poisson arrivals)
-    replay as one batch, as before. `caps`: only these of `closed_loops(workload)`."""
+    The whole workload replays once per cap in `caps` (default: its closed loops', `closed_loops`:
+    W-C's 1 and 8; one batch for a workload without one), the engine running at most that many
+    requests at a time: with every request queued, that is the closed loop (a request starts
+    when one ends), so the profile holds the batches the load decodes in, not one batch of all
+    of them."""
     from detent.engine import SamplingParams
 
-    caps = closed_loops(workload) if caps is None else caps
+    caps = [loop.cap for loop in closed_loops(workload)] if caps is None else caps
     t0, tokens = time.perf_counter(), 0
     for cap in caps:
         llm.reset_prefix_cache()

@@ -37,6 +37,7 @@ import torch
 
 from detent.selection import CommitmentTuple, make_dispatcher
 from detent.selection.context import AttentionMetadata
+from detent.tune_engine import Loop, loops_unit
 
 TIMED = ("gemm", "attention", "moe")
 GRAPH_CALLS = 8  # calls per captured graph on CUDA: the graph's own launch spread over them
@@ -100,11 +101,12 @@ def _call(family: str, site: dict, rt: dict, fn, kw: dict, device):
 
 class KernelCost:
     def __init__(self, calls: dict, facts: dict[str, Any], workdir: str, *, families=TIMED, max_inputs: int = 64,
-                 reps: int = 3, decode_rows: int | None = None, loops: list[tuple[Any, dict, int]] | None = None):
+                 reps: int = 3, decode_rows: int | None = None, loops: list[tuple[Loop, dict, int]] | None = None):
         """decode_rows: the profile's ("tpot"): the cost is then per decode row; None: the sum.
-        loops: per closed loop, (its cap, its calls, its decode rows) (`TupleInstaller.profile_loops`,
+        loops: per loop, (the loop, its calls, its decode rows) (`TupleInstaller.profile_loops`,
         "tpot" only): the cost is then the geometric mean of each loop's kernel time per decode
-        row, as `EngineCost` weighs the loops, each loop's `max_inputs` most weighed buckets kept."""
+        row, one weight per load the loop stands for, as `EngineCost` weighs the loops, each
+        loop's `max_inputs` most weighed buckets kept."""
         self.facts, self.workdir, self.reps = facts, workdir, max(1, reps)
         if decode_rows is not None and decode_rows < 1:
             raise ValueError(f"kernel cost per decode row: the profile has {decode_rows} decode rows")
@@ -122,12 +124,12 @@ class KernelCost:
             if decode_rows is None or any(rows < 1 for _, _, rows in loops):
                 raise ValueError("kernel cost over closed loops: per decode row only, and every loop needs decode "
                                  f"rows (got {[rows for _, _, rows in loops]})")
-            self.loops = [(kept(c), rows) for _, c, rows in loops]
-            self.unit += f", geometric mean over the closed loops of {', '.join(str(cap) for cap, _, _ in loops)}"
+            self.loops = [(kept(c), rows, loop.weight) for loop, c, rows in loops]
+            self.unit += loops_unit([loop for loop, _, _ in loops])
         else:
-            self.loops = [(kept(calls), decode_rows or 1)]
+            self.loops = [(kept(calls), decode_rows or 1, 1)]
         merged: Counter = Counter()
-        for ins, _ in self.loops:
+        for ins, _, _ in self.loops:
             merged.update(dict(ins))
         # every bucket kept, with its weight over the loops (each is timed once a measurement)
         self.inputs = sorted(merged.items(), key=lambda kv: (-kv[1], repr(kv[0])))
@@ -185,7 +187,7 @@ class KernelCost:
         None where it did not reach the bucket) and each closed loop's weight per decode row: where
         two tuples' kernel costs part (the report's `kernel_buckets`, default against the pick)."""
         ta, tb = self.times.get(a.hash, {}), self.times.get(b.hash, {})
-        loops = [(dict(ins), rows) for ins, rows in self.loops]
+        loops = [(dict(ins), rows) for ins, rows, _ in self.loops]
         out = []
         for key, n in self.inputs[:top]:
             family, site, runtime = key
@@ -210,7 +212,7 @@ class KernelCost:
         d = make_dispatcher(self.facts, "pinned", path)  # the loader's checks, as the engine's
         times: dict[tuple, float] = {}
         costs = []
-        for inputs, rows in self.loops:
+        for inputs, rows, weight in self.loops:
             total = 0.0
             for key, n in inputs[:max(1, math.ceil(fraction * len(inputs)))]:
                 if key not in times:
@@ -218,8 +220,8 @@ class KernelCost:
                     fn, kw = d.resolve(family, site, dict(runtime))
                     times[key] = self._time(_call(family, dict(site), dict(runtime), fn, kw, self.device))
                 total += n * times[key]
-            costs.append(1e3 * total / rows)
+            costs.append((1e3 * total / rows, weight))
         self.times[t.hash] = times
         if len(costs) == 1:
-            return costs[0]
-        return math.exp(sum(math.log(max(c, 1e-12)) for c in costs) / len(costs))
+            return costs[0][0]
+        return math.exp(sum(w * math.log(max(c, 1e-12)) for c, w in costs) / sum(w for _, w in costs))

@@ -177,7 +177,9 @@ def test_an_illegal_candidate_is_refused_not_measured(llm, monkeypatch):
 def test_kernel_cost_times_the_profiled_calls(llm):
     from detent.tune_kernels import _attention_meta, bucket
     out = tune(llm, workload(), cost="kernels", max_candidates=4, min_fraction=0.5, refine=1, interactions=1)
-    assert out.unit == "ms of kernel time per decode row (a TPOT estimate)"  # the default objective, "tpot"
+    # the default objective, "tpot": per decode row, over the loops W-A's four Poisson loads run in
+    assert out.unit.startswith("ms of kernel time per decode row (a TPOT estimate)")
+    assert sorted(name for loop in out.loops for name in loop["loads"]) == ["A1", "A2", "A3", "A4"]
     res = out.result
     assert res.base_cost > 0 and all(c > 0 for f in res.families.values() for t in f.tried for c in t["costs"].values())
     for fam in ("gemm", "attention"):
@@ -232,6 +234,9 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
     assert rep["format"] == "detent-tune-report/1" and rep["workload"] == "W-C"
     assert rep["objective"] == "tpot" and rep["unit"] == (  # W-C: two closed loops
         "ms per output token, row-weighted step time, geometric mean over the closed loops of 1, 8")
+    # W-C's own loads, nothing measured to place them; two requests, each loop replays both
+    assert rep["loops"] == [{"cap": 1, "loads": ["C1"], "requests": 2}, {"cap": 8, "loads": ["C2"], "requests": 2}]
+    assert rep["throughput"] is None
     fam = rep["families"]["gemm"]
     assert fam["legal_assignments"] == 2 and fam["measured_assignments"] == 2 and fam["chosen"] in ({"chunk": 1},
                                                                                                    {"chunk": 16})

@@ -165,7 +165,9 @@ def test_kernel_cost_search_confirmed_on_the_engine(llm):
     if out.result.families["gemm"].chosen == out.result.families["gemm"].default:
         assert c is None  # nothing to confirm: the search kept the default
     else:
-        assert c["unit"] == "ms per output token, row-weighted step time" and c["default"] > 0 and c["tuned"] > 0
+        # over the closed loops W-A's loads run in (their number depends on the engine's clock)
+        assert c["unit"].startswith("ms per output token, row-weighted step time") and c["default"] > 0 \
+            and c["tuned"] > 0
         assert out.result.kept_default is c["kept_default"]
 
 
@@ -179,4 +181,4 @@ def test_a_spent_time_budget_keeps_the_default_without_searching(llm):
     res = out.result
     assert res.cut and res.kept_default and res.chosen.hash == base.hash and res.checks == []
     assert [t.hash for t in fake.seen] == [base.hash, base.hash]
-    assert set(out.phases) == {"profile", "search"}
+    assert set(out.phases) == {"loops", "profile", "search"}

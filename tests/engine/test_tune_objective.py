@@ -7,6 +7,7 @@ minimized by that assignment under "time" and by the other under "tpot". The eng
 counters are filled on CPU, and the engine cost reads them."""
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 
@@ -23,6 +24,23 @@ from detent.workloads import Load, Request, Workload
 from tune_helpers import tiny_llm, workload
 
 llm = pytest.fixture(scope="module")(tiny_llm)
+
+
+@contextlib.contextmanager
+def _admissions(llm):
+    """(the scheduler's request limit, its running requests) after each schedule call inside."""
+    sched = llm.llm_engine.scheduler
+    widths, real = [], sched.schedule
+
+    def schedule(*a, **k):
+        out = real(*a, **k)
+        widths.append((sched.limits.max_num_seqs, len(sched.running)))
+        return out
+    sched.schedule = schedule
+    try:
+        yield widths
+    finally:
+        del sched.schedule
 
 
 def _profile_steps(llm, objective: str, every: int):
@@ -206,23 +224,13 @@ def test_a_closed_loop_load_replays_with_that_many_requests_running(llm):
     load, both loads' outputs count, and the engine's own limit is back after."""
     reqs = tuple(Request(tuple(2 + (5 * i + k) % 150 for i in range(20)), 4) for k in range(4))
     w = Workload("closed", reqs, (Load("C1", concurrency=1), Load("C2", concurrency=2)), 0)
-    sched = llm.llm_engine.scheduler
-    limits, widths = sched.limits, []
-    real = sched.schedule
-
-    def schedule(*a, **k):
-        out = real(*a, **k)
-        widths.append((sched.limits.max_num_seqs, len(sched.running)))
-        return out
-    sched.schedule = schedule
-    try:
+    limits = llm.llm_engine.scheduler.limits
+    with _admissions(llm) as widths:
         _, tokens = run_offline(llm, w)
-    finally:
-        del sched.schedule
     assert tokens == 2 * 4 * 4
     assert {cap for cap, _ in widths} == {1, 2}
     assert all(n <= cap for cap, n in widths) and max(n for cap, n in widths if cap == 2) == 2
-    assert sched.limits is limits
+    assert llm.llm_engine.scheduler.limits is limits
 
 
 def test_the_engine_cost_of_closed_loops_is_the_geometric_mean_over_the_loops(llm, monkeypatch):
@@ -267,7 +275,7 @@ def test_the_profile_splits_by_closed_loop_and_the_kernel_cost_takes_their_geome
     inst = TupleInstaller(llm, str(tmp_path), objective="tpot")
     calls = profile_workload(inst, base, w)
     loops = inst.profile_loops
-    assert [cap for cap, _, _ in loops] == [1, 2]
+    assert [loop.cap for loop, _, _ in loops] == [1, 2]
     assert sum(rows for _, _, rows in loops) == inst.profile_stats["decode_rows"]
     for key, n in calls.items():
         assert sum(c.get(key, 0) for _, c, _ in loops) == n
@@ -279,3 +287,76 @@ def test_the_profile_splits_by_closed_loop_and_the_kernel_cost_takes_their_geome
     assert cost.unit == "ms of kernel time per decode row (a TPOT estimate), geometric mean over the closed loops of 1, 2"
     assert cost.measure(base, 1.0) == pytest.approx(math.sqrt(per_loop[0] * per_loop[1]))
     assert per_loop[0] != pytest.approx(per_loop[1])  # the loops differ: pooled would be another number
+
+
+def test_a_load_runs_in_the_closed_loop_whose_throughput_is_its_rate():
+    """Served (lease 29, one H100), the default ran 0.78, 2.21 and 5.26 W-B requests in flight at
+    0.33, 0.67 and 1.0 of the maximum throughput; a closed loop of 1 ran 1.29 requests/s and of 8,
+    3.13 (W-C). The concurrency where the loops' throughput reaches a rate: linear between the
+    measured loops and from (0, 0), rounded, at least 1, and None above every loop."""
+    from detent.tune_engine import concurrency_at
+    rungs = [(1, 1.29), (2, 2.2), (4, 2.8), (8, 3.13)]
+    assert [concurrency_at(rungs, r) for r in (0.2, 0.99, 2.0, 3.0, 3.2)] == [1, 1, 2, 6, None]
+    assert concurrency_at([], 1.0) is None
+    assert concurrency_at([(1, 1.0), (2, 1.0)], 1.0) == 1  # flat: the first that reaches it
+
+
+def test_poisson_loads_are_measured_as_the_closed_loops_of_their_rates(monkeypatch):
+    """A Poisson load runs at a fraction of the workload's maximum throughput, and how many
+    requests it runs at once sets the batches its tokens decode in (FA4 was 9.5% cheaper on W-B in
+    one batch of every request and 1.10 times the default served, lease 29). `load_loops` replays
+    the workload with every request at once, then in closed loops of 1, 2, 4 until one reaches the
+    highest load's rate, each loop on its head (`loop_requests`: 8 per request in flight, at least
+    16), and maps each load to the loop of its rate. The replays are stand-ins with known
+    throughputs: all at once 4 requests/s; loops of 1, 2, 4: 1.5, 2.8, 4.5."""
+    import detent.tune_engine as te
+    throughput = {None: 4.0, 1: 1.5, 2: 2.8, 4: 4.5, 8: 5.0}
+    runs = []
+
+    def replay(llm_, w, max_tokens_cap=None, caps=None):
+        (cap,) = caps
+        runs.append((len(w.requests), cap))
+        return len(w.requests) / throughput[cap], 0
+    monkeypatch.setattr(te, "run_offline", replay)
+    reqs = tuple(Request((2 + k, 3, 4), 4) for k in range(40))
+    w = Workload("open", reqs, (Load("B1", fraction=0.3), Load("B2", fraction=0.6), Load("B3", fraction=1.0)), 0)
+    loops, found = te.load_loops(None, w)
+    # rates 1.2, 2.4 and 4.0 requests/s: loops of 1 (0.8), 2 (1 + 0.9 / 1.3) and 3 (2 + 2 * 1.2 / 1.7)
+    assert loops == [te.Loop(1, ("B1",), True), te.Loop(2, ("B2",), True), te.Loop(3, ("B3",), True)]
+    assert runs == [(40, None), (16, 1), (16, 2), (32, 4)]  # the loop of 4 reached 4.0: no loop of 8
+    assert found == {"max_throughput": 4.0, "throughput": {"1": 1.5, "2": 2.8, "4": 4.5}}
+    assert [len(te.loop_requests(w, c).requests) for c in (1, 3, 8, None)] == [16, 24, 40, 40]
+    # two loads in one loop weigh two; a rate above every loop's throughput runs every request at once;
+    # a closed-loop load keeps its concurrency
+    throughput.update({1: 3.0, 2: 3.5, 4: 3.6, 8: 3.7, 16: 3.8, 32: 3.9})
+    w2 = Workload("mixed", reqs, (Load("B1", fraction=0.3), Load("B2", fraction=0.6), Load("C1", concurrency=1),
+                                  Load("B3", fraction=1.0)), 0)
+    loops, _ = te.load_loops(None, w2)
+    assert loops == [te.Loop(1, ("B1", "B2", "C1"), True), te.Loop(None, ("B3",), True)]
+    assert [loop.weight for loop in loops] == [3, 1] and loops[0].label == "1 (B1, B2, C1)"
+    # no Poisson load: the workload's closed loops, nothing replayed
+    runs.clear()
+    w3 = Workload("closed", reqs, (Load("C1", concurrency=1), Load("C2", concurrency=8)), 0)
+    assert te.load_loops(None, w3) == ([te.Loop(1, ("C1",)), te.Loop(8, ("C2",))], {}) and runs == []
+
+
+def test_a_poisson_loads_loop_is_profiled_and_timed_in_its_own_batches(llm, monkeypatch, tmp_path):
+    """With the loops `load_loops` found, the profile replays each on its own with the engine
+    admitting at most its cap (a loop of 1 decodes one row a step), and the engine cost weighs a
+    loop once per load it stands for: stand-in loop times 4 and 16 ms, the loop of 4 standing
+    for two loads, cost (4 * 4 * 16) ** (1/3)."""
+    import detent.tune_cost as tc
+    from detent.tune_engine import Loop
+    reqs = tuple(Request(tuple(2 + (5 * i + k) % 150 for i in range(20)), 4) for k in range(4))
+    w = Workload("open", reqs, (Load("B1", fraction=0.2), Load("B2", fraction=0.4), Load("B3", fraction=1.0)), 0)
+    loops = [Loop(1, ("B1", "B2"), True), Loop(None, ("B3",), True)]
+    with _admissions(llm) as widths:
+        profile_workload(TupleInstaller(llm, str(tmp_path), objective="tpot"), default_tuple(engine_facts(llm)), w,
+                         loops)
+    one = [n for cap, n in widths if cap == 1]
+    assert one and max(one) == 1 and max(n for _, n in widths) == 4  # the loop of 1, then all four at once
+    times = iter([4.0, 16.0])
+    monkeypatch.setattr(tc, "row_weighted_ms", lambda before, after, add_launch: next(times))
+    cost = EngineCost(TupleInstaller(llm, str(tmp_path)), w, objective="tpot", loops=loops)
+    assert cost.unit.endswith("geometric mean over the closed loops of 1 (B1, B2), all (B3)")
+    assert cost.measure(default_tuple(engine_facts(llm)), 1.0) == pytest.approx((4 * 4 * 16) ** (1 / 3))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from detent.selection import CommitmentTuple, default_tuple
 from detent.selection.compiler.tune_space import family_assignment
 from detent.tune import tune
-from detent.tune_engine import engine_facts
+from detent.tune_engine import closed_loops, engine_facts
 from detent.workloads import make
 from engine_helpers import bundle, make_llm
 
@@ -49,7 +49,10 @@ def workload():
 
 
 def fake_tune(llm, interaction=0.0, check=True, **search):
-    """`tune` with a FakeCost: (its output, the cost model)."""
+    """`tune` with a FakeCost: (its output, the cost model). The workload replays as one batch
+    (`loops`): the loads' closed loops are measured on the engine's clock (`load_loops`), and these
+    tests' profiles must not depend on it."""
     fake = FakeCost(engine_facts(llm), interaction, check)
-    out = tune(llm, workload(), cost=lambda inst, calls: fake, **search)
+    w = workload()
+    out = tune(llm, w, cost=lambda inst, calls: fake, loops=search.pop("loops", closed_loops(w)), **search)
     return out, fake
