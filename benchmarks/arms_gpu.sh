@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 20's arms on one GPU, one part per device call, results merged in /tmp/arms (keep the
-# machine warm between calls) and copied to OUTDIR/arms after each part
+# machine warm between calls) and packed into OUTDIR/ARMS.tgz after each part (with the tuples)
 # (docs/performance.md, "Arms and workloads"; Llama-3.1-8B shapes, dummy weights, word-level
 # tokenizer, W-A and W-C at 64 requests):
 #   stock | pinned-default | conservative | tuned-W-A | tuned-W-B | tuned-W-C:  serve_arms.py run --arms PART
@@ -84,6 +84,7 @@ for PART in "$@"; do
         *)
             echo "unknown part $PART"; exit 2 ;;
     esac
-    cp -r $ARMS "$OUT/"
-    [ "$ARMS" = /tmp/arms ] || cp -r /tmp/arms "$OUT/"  # the tuples
+    # one archive of the arms' folder (and the tuples): a device call's $OUT returns a few files, and
+    # a folder of many came back without its logs and figures (lease 29)
+    tar czf "$OUT/$(basename $ARMS).tgz" -C /tmp "$(basename $ARMS)" $([ "$ARMS" = /tmp/arms ] || echo arms)
 done
