@@ -259,6 +259,7 @@ def loops_unit(loops: list[Loop]) -> str:
     return f", geometric mean over the closed loops of {', '.join(loop.label for loop in loops)}"
 
 
+SATURATED = 1.05  # `load_loops` stops doubling the loop once a doubling gains less throughput than this
 LOOP_REQUESTS = 8  # a loop of `cap` in flight replays this many requests per request in flight,
 MIN_LOOP_REQUESTS = 16  # and at least these (`loop_requests`)
 
@@ -296,7 +297,8 @@ def load_loops(llm, workload, progress=lambda s: None) -> tuple[list[Loop], dict
     request, was +2.4 ms a token at 0.33 and -1.7 ms at 1.0. So each Poisson load becomes the
     closed loop whose throughput is its arrival rate: the workload replays with every request at
     once (its maximum throughput, requests per second), then in closed loops of 1, 2, 4, ...
-    (`loop_requests` each) until one reaches the highest load's rate; a load's loop is the
+    (`loop_requests` each) until one reaches the highest load's rate, replays the whole workload,
+    or gains less than 5% on the loop before (`SATURATED`); a load's loop is the
     concurrency where the throughput, interpolated linearly between the measured loops (and from
     0 at 0), reaches its rate, at least 1. A rate above every loop's throughput replays every
     request at once. Closed-loop loads keep their own concurrency. The engine runs as it is
@@ -318,8 +320,9 @@ def load_loops(llm, workload, progress=lambda s: None) -> tuple[list[Loop], dict
         seconds, _ = run_offline(llm, w, caps=[cap])
         rungs.append((cap, len(w.requests) / seconds))
         progress(f"  closed loop of {cap}: {rungs[-1][1]:.3f} requests/s ({len(w.requests)} requests)")
-        if rungs[-1][1] >= highest:
-            break
+        if rungs[-1][1] >= highest or len(w.requests) == n or (
+                len(rungs) > 1 and rungs[-1][1] < SATURATED * rungs[-2][1]):
+            break  # the highest rate reached; or the loop ran the whole workload, or gained nothing on the last
         cap *= 2
     caps = {ld.name: ld.concurrency for ld in workload.loads if ld.concurrency}
     caps.update({ld.name: concurrency_at(rungs, ld.fraction * top) for ld in poisson})

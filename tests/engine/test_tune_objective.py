@@ -328,12 +328,21 @@ def test_poisson_loads_are_measured_as_the_closed_loops_of_their_rates(monkeypat
     assert [len(te.loop_requests(w, c).requests) for c in (1, 3, 8, None)] == [16, 24, 40, 40]
     # two loads in one loop weigh two; a rate above every loop's throughput runs every request at once;
     # a closed-loop load keeps its concurrency
+    # the loops stop doubling where a doubling gains under 5% (the loop of 4: 3.6 after 3.5)
     throughput.update({1: 3.0, 2: 3.5, 4: 3.6, 8: 3.7, 16: 3.8, 32: 3.9})
     w2 = Workload("mixed", reqs, (Load("B1", fraction=0.3), Load("B2", fraction=0.6), Load("C1", concurrency=1),
                                   Load("B3", fraction=1.0)), 0)
+    runs.clear()
     loops, _ = te.load_loops(None, w2)
+    assert runs == [(40, None), (16, 1), (16, 2), (32, 4)]
     assert loops == [te.Loop(1, ("B1", "B2", "C1"), True), te.Loop(None, ("B3",), True)]
     assert [loop.weight for loop in loops] == [3, 1] and loops[0].label == "1 (B1, B2, C1)"
+    # or where a loop replays the whole workload (20 requests: the loop of 4's head is all of them)
+    runs.clear()
+    throughput.update({1: 1.0, 2: 2.0, 4: 3.0})
+    assert te.load_loops(None, Workload("short", reqs[:20], (Load("B3", fraction=1.0),), 0))[0] == [
+        te.Loop(None, ("B3",), True)]
+    assert runs == [(20, None), (16, 1), (16, 2), (20, 4)]
     # no Poisson load: the workload's closed loops, nothing replayed
     runs.clear()
     w3 = Workload("closed", reqs, (Load("C1", concurrency=1), Load("C2", concurrency=8)), 0)
