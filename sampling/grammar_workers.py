@@ -95,8 +95,13 @@ class _Worker:
         self.proc.start()
         child.close()
         self.conn = parent
-        if not parent.poll(STARTUP_TIMEOUT_S) or parent.recv() != ("ready", None):
-            raise OSError(f"grammar compile worker {self.name} did not start in {STARTUP_TIMEOUT_S:g} s")
+        try:
+            ready = parent.poll(STARTUP_TIMEOUT_S) and parent.recv() == ("ready", None)
+        except EOFError:  # it died starting: an OSError as a late start, which the callers handle
+            ready = False
+        if not ready:
+            raise OSError(f"grammar compile worker {self.name} did not start (it died, or was not ready in "
+                          f"{STARTUP_TIMEOUT_S:g} s)")
 
     def _restart(self) -> None:
         """A new worker right away, so the lane's next job does not wait for one."""
