@@ -86,6 +86,11 @@ class EngineConfig:
     # RL sampling contract: every request must carry a seed and sample (temperature > 0);
     # see engine/rl_contract.py
     rl: bool = False
+    # structured-output compile jobs that may wait in one grammar lane (GrammarLimits.max_queued_compiles):
+    # a request with a new spec past it is refused at add_request (CompileQueueFull). None: no bound,
+    # as vLLM's offline LLM (a caller waits for its own specs); detent-serve sets 64, since there a
+    # flood of slow specs from one client would delay every other structured request a compile timeout each
+    max_queued_grammar_compiles: int | None = None
     # the tokenizer (and its chat template) from this directory or HF cache name instead of the model's,
     # as vLLM's `tokenizer` (models/resolve.py resolve_tokenizer)
     tokenizer: str | None = None
@@ -101,7 +106,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks", "max_mixed_batched_tokens",
-                     "mixed_token_align"):
+                     "mixed_token_align", "max_queued_grammar_compiles"):
             positive(name)
         for name in ("piecewise_max_tokens", "mixed_graph_max_tokens"):
             v = getattr(self, name)

@@ -9,7 +9,7 @@ event loop (docs/performance.md, "Serving under load"). So, as vLLM's
 talks to the server over one duplex pipe.
 
     server process                     core process
-    add(rid, ids, params)   ─────────▶ engine.add_request  ─▶ "admitted" | "rejected"
+    add(rid, ids, params)   ─────────▶ engine.add_request  ─▶ "admitted" | "rejected" (busy or not)
     abort(rid)              ─────────▶ engine.abort_request
                             ◀───────── "out": OutputDeltas of one step, step time, stats
     stop()                  ─────────▶ leave the loop, engine.shutdown(), exit
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from detent.engine.outputs import CompletionOutput, RequestOutput
+from detent.sampling.grammar_workers import CompileQueueFull
 
 log = logging.getLogger("detent.engine.core")
 
@@ -228,7 +229,9 @@ def _loop(conn, engine) -> None:
                 try:
                     engine.add_request(rid, ids, params)
                 except (ValueError, TypeError, NotImplementedError) as e:
-                    conn.send(("rejected", rid, str(e)))
+                    # the last field: refused because the engine is busy, not for the request
+                    # (a full grammar compile lane: the server answers 503, not 400)
+                    conn.send(("rejected", rid, str(e), isinstance(e, CompileQueueFull)))
                 else:
                     conn.send(("admitted", rid))
             elif kind == "abort":

@@ -108,6 +108,7 @@ class LLMEngine:
         self.async_scheduling = (self.state.device.type == "cuda" if config.async_scheduling is None
                                  else bool(config.async_scheduling))
         self._grammars = None  # GrammarCompilerCache, made on the first structured_outputs request
+        self._grammars_lock = threading.Lock()
         self.gc_frozen = freeze_gc_heap(config, self.state.device)
 
     def _build_local(self, model: torch.nn.Module, mc: Any, device: torch.device) -> None:
@@ -129,12 +130,36 @@ class LLMEngine:
         """Queue a request. Raises ValueError on bad input (naming the field)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids = self._validate(request_id, prompt_token_ids, params)
-        with self._inbox_lock:
-            if request_id in self._pending_ids or request_id in self._live_ids:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._pending_ids.add(request_id)
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            self._inbox.append(("add", (request_id, ids, params, prompt, seed)))
+        # the grammar compile is submitted here, not when step() drains the inbox (as vLLM's
+        # EngineCore.add_request): a full compile lane refuses the request to its caller
+        # (CompileQueueFull), and the compile starts before the next step
+        grammars = self._new_grammars(params)
+        try:
+            with self._inbox_lock:
+                if request_id in self._pending_ids or request_id in self._live_ids:
+                    raise ValueError(f"request_id {request_id!r} is already in use")
+                self._pending_ids.add(request_id)
+                seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+                self._inbox.append(("add", (request_id, ids, params, prompt, seed, grammars)))
+        except BaseException:
+            for g in grammars:
+                g.release()
+            raise
+
+    def _new_grammars(self, params: SamplingParams) -> list:
+        """One grammar state per sample of a structured request (the compile shared), or none."""
+        if params.structured_outputs is None:
+            return []
+        cache = self._grammar_cache()
+        states = []
+        try:
+            for _ in range(params.n):
+                states.append(cache.new_state(params.structured_outputs))
+        except BaseException:
+            for g in states:
+                g.release()
+            raise
+        return states
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -186,14 +211,13 @@ class LLMEngine:
         aborted_outputs = []
         for kind, payload in items:
             if kind == "add":
-                rid, ids, params, prompt, seed = payload
+                rid, ids, params, prompt, seed, grammars = payload
                 n = params.n
                 children = [Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
                                     block_size=self.config.block_size, sample_index=i,
                                     eos_token_ids=self.eos_token_ids) for i in range(n)]
-                if params.structured_outputs is not None:  # compiles off the step loop
-                    for c in children:
-                        c.grammar = self._grammar_cache().new_state(params.structured_outputs)
+                for c, g in zip(children, grammars):  # compiling off the step loop since add_request
+                    c.grammar = g
                 self.outputs.add(rid, prompt, children)
                 for c in children:
                     self.scheduler.add(c)
@@ -211,11 +235,14 @@ class LLMEngine:
         return aborted_outputs
 
     def _grammar_cache(self):
-        if self._grammars is None:
-            from detent.sampling.grammar import GrammarCompilerCache
-            self._grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
-                                                  stop_token_ids=self.eos_token_ids)
-        return self._grammars
+        with self._grammars_lock:  # add_request may run in several threads
+            if self._grammars is None:
+                from detent.sampling.grammar import GrammarCompilerCache
+                from detent.sampling.grammar_limits import GrammarLimits
+                self._grammars = GrammarCompilerCache(
+                    self.tokenizer, self.model_config.vocab_size, stop_token_ids=self.eos_token_ids,
+                    limits=GrammarLimits(max_queued_compiles=self.config.max_queued_grammar_compiles))
+            return self._grammars
 
     def _emit(self, group_id: str) -> RequestOutput:
         out = self.outputs.make_output(group_id)

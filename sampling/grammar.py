@@ -6,7 +6,13 @@ GrammarLimits is refused (grammar_limits.py). Compilation runs off the step
 loop in the lanes of grammar_workers.py: first in a worker process that is
 killed if it passes the timeout (so a timed-out compile stops), then in the
 lane's thread (xgrammar releases the GIL); small specs and large ones have
-separate lanes, so small grammars compile while large ones run.
+separate lanes, so small grammars compile while large ones run. A lane holds
+at most `limits.max_queued_compiles` waiting jobs: a new spec past it is
+refused (grammar_workers.CompileQueueFull). Each state holds its job's
+future (`fut.wanted` counts them, under the cache's lock); when the last
+is released (`GrammarState.release`, at the request's finish: done, aborted
+or failed) before a worker began the job, the job is dropped from its lane
+and from the cache, never compiled.
 
 GrammarState (one per request): pending until its compilation finishes,
 then a matcher. The engine (docs/architecture.md, "Grammar in the
@@ -101,9 +107,12 @@ class GrammarCompilerCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def submit(self, spec: StructuredOutputs) -> Future:
+    def submit(self, spec: StructuredOutputs, want: bool = False) -> Future:
         """The compiled grammar for `spec`, as a future (shared by every request with this spec).
-        ValueError (naming the limit) for a spec over `self.limits`."""
+        ValueError (naming the limit) for a spec over `self.limits`; CompileQueueFull (a
+        ValueError) for a new spec whose lane already holds `max_queued_compiles` waiting jobs.
+        `want`: count one more holder of the future (new_state's), in the same locked step as
+        the lookup, so a release in another thread cannot drop the job in between."""
         check_limits(spec, self.limits)
         key = (self.tokenizer_key, spec.key())
         with self._lock:
@@ -111,13 +120,29 @@ class GrammarCompilerCache:
             if fut is not None:
                 self._lru.move_to_end(key)
                 self.hits += 1
-                return fut
-            self.misses += 1
-            fut = grammar_workers.submit(self._job(spec), self._compile_here, self.timeout_s)
-            self._lru[key] = fut
-            while len(self._lru) > self.max_entries:
-                self._lru.popitem(last=False)
+            else:
+                fut = grammar_workers.submit(self._job(spec), self._compile_here, self.timeout_s,
+                                             max_queued=self.limits.max_queued_compiles)
+                self.misses += 1
+                fut.cache_key, fut.wanted = key, 0
+                self._lru[key] = fut
+                while len(self._lru) > self.max_entries:
+                    self._lru.popitem(last=False)
+            if want:
+                fut.wanted += 1
             return fut
+
+    def release(self, fut: Future) -> None:
+        """One holder of `fut` (a request's state) is gone. When it was the last and no worker
+        has begun the job, the job is dropped (never compiled) and leaves the cache, so the
+        next request with its spec submits it again. A begun job runs on and stays cached:
+        a client retrying the same spec finds it (grammar_workers.py says why)."""
+        with self._lock:
+            fut.wanted -= 1
+            if fut.wanted > 0 or fut.done():
+                return
+            if grammar_workers.drop(fut) and self._lru.get(fut.cache_key) is fut:
+                del self._lru[fut.cache_key]
 
     def _job(self, spec: StructuredOutputs) -> grammar_workers.CompileJob:
         if self._info_json is None:
@@ -136,7 +161,9 @@ class GrammarCompilerCache:
         return grammar_workers.compile_job(self._compiler, job)
 
     def new_state(self, spec: StructuredOutputs) -> "GrammarState | DeferredGrammar":
-        state = GrammarState(self.submit(spec), self.vocab_size, self.timeout_s)
+        """A request's grammar (its compile submitted, or shared); `release()` it when the
+        request is gone. Raises as `submit` does."""
+        state = GrammarState(self.submit(spec, want=True), self.vocab_size, self.timeout_s, release=self.release)
         if spec.start_after_token_ids:
             return DeferredGrammar(state, spec.start_after_token_ids, self.vocab_size)
         return state
@@ -151,16 +178,28 @@ class GrammarCompilerCache:
 class GrammarState:
     """One request's grammar: pending -> ready (a matcher) or error (message)."""
 
-    def __init__(self, future: Future, vocab_size: int, timeout_s: float) -> None:
+    def __init__(self, future: Future, vocab_size: int, timeout_s: float, release=None) -> None:
         self._future = future
         self._vocab_size = vocab_size
         self._timeout_s = timeout_s
+        self._release = release  # the cache's release(future), called once
         self._matcher: xgr.GrammarMatcher | None = None
         self._error: str | None = None
         self.num_accepted = 0
 
+    def release(self) -> None:
+        """The request is finished (done, aborted or failed): it no longer wants the compile,
+        which is dropped if no other request does and no worker has begun it. Idempotent;
+        a matcher already built stays usable."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self._future)
+
     def _poll(self) -> None:
         if self._matcher is not None or self._error is not None:
+            return
+        if self._future.cancelled():  # dropped, which happens only once no request wants it
+            self._error = "grammar compilation was dropped: no request waited for it any more"
             return
         if self._future.done():
             exc = self._future.exception()
@@ -234,6 +273,9 @@ class DeferredGrammar:
         self.inner, self.trigger, self.vocab_size = inner, tuple(trigger), vocab_size
         self._tail: list[int] = []  # the last len(trigger) free tokens
         self.bound = False
+
+    def release(self) -> None:
+        self.inner.release()
 
     @property
     def ready(self) -> bool:

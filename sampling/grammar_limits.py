@@ -7,6 +7,15 @@ field, the limit and its value (a 400 at the server). The defaults follow
 the published limits of hosted structured outputs (OpenAI: 5,000 properties,
 10 levels of nesting, 1,000 enum values) scaled down to what compiles in a
 few seconds for a 50k-token vocabulary; the compile timeout bounds the rest.
+
+`max_queued_compiles` bounds what all requests together ask: the compile
+jobs waiting in one lane (grammar_workers.py). Each may run to the compile
+timeout, so a request behind N of them waits up to N timeouts; past the
+bound a request with a new spec is refused at once (CompileQueueFull), and
+one whose spec is already compiling or compiled is not. None (the default,
+and the offline LLM's: its caller waits for its own specs, as vLLM's) is no
+bound; detent-serve sets 64 (EngineConfig.max_queued_grammar_compiles,
+--max-queued-grammar-compiles) and answers the refusal 503.
 """
 from __future__ import annotations
 
@@ -24,9 +33,14 @@ class GrammarLimits:
     max_schema_depth: int = 16  # nesting of JSON objects and arrays in the schema
     max_enum_values: int = 1000  # enum + const values summed over the whole schema
     max_choices: int = 1000
+    # compile jobs waiting in one lane, the one compiling aside (a spec already compiling or
+    # compiled adds none); None: no bound
+    max_queued_compiles: int | None = None
 
     def __post_init__(self):
         for name, v in self.__dict__.items():
+            if name == "max_queued_compiles" and v is None:
+                continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"GrammarLimits.{name} must be a positive int, got {v!r}")
 

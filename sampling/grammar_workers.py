@@ -18,13 +18,23 @@ the time it waited behind other compiles, or for a killed worker's
 replacement to start, is not charged to it. The lanes are shared by every compile cache
 of the process (a worker costs an interpreter and an xgrammar import); a
 worker keeps one compiler per tokenizer, sent with its first job.
+
+A lane's queue is bounded: `submit` with `max_queued` raises
+`CompileQueueFull` when that many jobs already wait in the lane (a flood
+of slow specs would otherwise delay every structured-output request behind
+it by a compile timeout each). A job no request wants any more is taken
+out of the queue (`drop`) and never compiled. One a worker has begun is
+left to finish (bounded by its timeout): its result stays cached for a
+request that asks again with the same spec (a client retrying after its
+own timeout), and a client that stayed connected would hold the lane as
+long, so killing it would gain nothing against a hostile one.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -45,8 +55,23 @@ class CompileJob:
 
 class CompileFuture(Future):
     """A compile job's future; `started` is when a worker began the compile (time.monotonic()),
-    None while the job waits in its lane or for a worker to start."""
+    None while the job waits in its lane or for a worker to start. Cancelled when the job was
+    dropped from its lane's queue (`drop`), before any worker began it."""
     started: float | None = None
+    lane: "Lane | None" = None  # the lane it was queued in
+
+
+class CompileQueueFull(ValueError):
+    """A new compile job would pass its lane's bound on waiting jobs (`submit`'s `max_queued`).
+    A ValueError, so every caller that refuses a bad request refuses this one too (never an
+    uncaught error in a step loop); the server answers it 503 with Retry-After, as a full
+    request queue: the request is fine, the server is busy."""
+
+    def __init__(self, lane: str, queued: int, limit: int):
+        super().__init__(f"too many structured-output grammars are waiting to compile: {queued} in the "
+                         f"{lane}-spec lane, its limit (max_queued_grammar_compiles = {limit}, detent-serve's "
+                         f"--max-queued-grammar-compiles); retry later")
+        self.lane, self.queued, self.limit = lane, queued, limit
 
 
 def compile_job(compiler, job: CompileJob):
@@ -125,9 +150,7 @@ class _Worker:
     def _run(self) -> None:
         self._restart()  # started ahead of the first job
         while True:
-            job, compile_here, fut, timeout_s = self.lane.jobs.get()
-            if not fut.set_running_or_notify_cancel():
-                continue
+            job, compile_here, fut, timeout_s = self.lane.take()
             try:
                 if self.proc is None or not self.proc.is_alive():
                     self._start()
@@ -155,9 +178,49 @@ class _Worker:
 class Lane:
     def __init__(self, name: str, workers: int):
         self.name = name
-        self.jobs: queue.Queue = queue.Queue()
+        # the jobs no worker has begun, (job, compile_here, future, timeout_s): a dropped one
+        # leaves at once, so the bound counts only jobs some request still waits for, and a
+        # flood of abandoned ones holds no memory
+        self._jobs: deque[tuple] = deque()
+        self._cv = threading.Condition()
         self.kills = 0
+        self.dropped = 0  # jobs taken out of the queue by `drop`, never compiled
         self.workers = [_Worker(self, i) for i in range(workers)]
+
+    def put(self, item: tuple, max_queued: int | None) -> None:
+        with self._cv:
+            if max_queued is not None and len(self._jobs) >= max_queued:
+                raise CompileQueueFull(self.name, len(self._jobs), max_queued)
+            self._jobs.append(item)
+            self._cv.notify()
+
+    def take(self) -> tuple:
+        """The next job, its future marked running (under the lock `drop` takes: a job is
+        either still queued, and droppable, or begun)."""
+        with self._cv:
+            while True:
+                while not self._jobs:
+                    self._cv.wait()
+                item = self._jobs.popleft()
+                if item[2].set_running_or_notify_cancel():
+                    return item
+
+    def drop(self, fut: CompileFuture) -> bool:
+        """Take `fut`'s job out of the queue and cancel it; False if a worker has begun it
+        (or it is not queued here)."""
+        with self._cv:
+            for i, item in enumerate(self._jobs):
+                if item[2] is fut:
+                    del self._jobs[i]
+                    fut.cancel()
+                    self.dropped += 1
+                    return True
+            return False
+
+    def queued(self) -> int:
+        """Jobs waiting for a worker (not the ones being compiled)."""
+        with self._cv:
+            return len(self._jobs)
 
 
 _LANES: dict[str, Lane] = {}
@@ -175,13 +238,21 @@ def lane_for(job: CompileJob) -> Lane:
     return _lane("small" if len(job.text.encode()) <= SMALL_SPEC_BYTES else "large")
 
 
-def submit(job: CompileJob, compile_here, timeout_s: float) -> CompileFuture:
+def submit(job: CompileJob, compile_here, timeout_s: float, max_queued: int | None = None) -> CompileFuture:
     """Compile `job` in its lane: `compile_here(job)` (the engine's compile) once a worker
     compiled it within `timeout_s`; else the worker is killed and the future fails with
-    TimeoutError. (The request's own deadline, GrammarState's, counts from `started`.)"""
+    TimeoutError. (The request's own deadline, GrammarState's, counts from `started`.)
+    CompileQueueFull if `max_queued` jobs already wait in the lane: nothing is queued."""
     fut = CompileFuture()
-    lane_for(job).jobs.put((job, compile_here, fut, timeout_s))
+    fut.lane = lane_for(job)
+    fut.lane.put((job, compile_here, fut, timeout_s), max_queued)
     return fut
+
+
+def drop(fut: CompileFuture) -> bool:
+    """Drop a job no request wants any more if no worker has begun it: it leaves its lane's
+    queue and its future is cancelled (True). A begun one runs on (False)."""
+    return fut.lane.drop(fut)
 
 
 def warm() -> None:

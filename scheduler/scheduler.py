@@ -106,6 +106,8 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.bm.free_request(req)
+        if req.grammar is not None:  # a compile no request waits for any more is dropped
+            req.grammar.release()
         req.status, req.stop_reason = status, stop_reason
         self.requests.pop(req.request_id, None)
 

@@ -27,7 +27,8 @@ import time
 import traceback
 from typing import Any, AsyncIterator
 
-from detent.server.errors import APIError, EngineDead, Overloaded
+from detent.engine import CompileQueueFull
+from detent.server.errors import APIError, CompilesOverloaded, EngineDead, Overloaded
 
 log = logging.getLogger("detent.server")
 CORE_SILENT_S = 5.0  # the core sends at least its stats every 0.5 s: this long without a message is logged
@@ -219,6 +220,8 @@ class AsyncEngine:
                     continue
                 try:
                     self.engine.add_request(rid, ids, params)
+                except CompileQueueFull as e:  # the server is busy, the request is fine
+                    self._resolve(admitted, CompilesOverloaded(str(e)))
                 except (ValueError, TypeError, NotImplementedError) as e:
                     self._resolve(admitted, APIError(400, str(e)))
                 else:
@@ -360,6 +363,8 @@ class AsyncCoreEngine(AsyncEngine):
             if fut is not None and not fut.done():
                 if kind == "admitted":
                     fut.set_result(None)
+                elif msg[3]:  # the core's compile lanes are full (CompileQueueFull)
+                    fut.set_exception(CompilesOverloaded(msg[2]))
                 else:
                     fut.set_exception(APIError(400, msg[2]))
 

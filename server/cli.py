@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="name(s) the API accepts in `model` (default: the --model argument)")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="refuse new requests with 503 while this many are waiting")
+    p.add_argument("--max-queued-grammar-compiles", type=int, default=64,
+                   help="refuse a structured-output request with a new spec with 503 while this many grammar "
+                        "compiles wait in its lane (small or large specs); a spec already compiling or compiled "
+                        "is served; 0: no bound (default 64)")
     p.add_argument("--graceful-timeout", type=float, default=5.0)
     p.add_argument("--rl", action="store_true",
                    help="RL sampling contract: every request must carry a seed and temperature > 0")
@@ -90,8 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"got {a.mixed_graph_max_tokens}")
     if a.max_mixed_batched_tokens is not None and a.max_mixed_batched_tokens < 0:
         p.error(f"--max-mixed-batched-tokens must be >= 0, got {a.max_mixed_batched_tokens}")
-    for name in ("tp", "max_queue_len", "port"):
-        if getattr(a, name) < (0 if name == "max_queue_len" else 1):
+    for name in ("tp", "max_queue_len", "max_queued_grammar_compiles", "port"):
+        if getattr(a, name) < (0 if name in ("max_queue_len", "max_queued_grammar_compiles") else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     try:
         a.limits = limits_from_args(a)
@@ -157,6 +161,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     for name in ("max_mixed_batched_tokens", "mixed_token_align"):  # 0: off
         if getattr(a, name) == 0:
             kw[name] = None
+    kw["max_queued_grammar_compiles"] = a.max_queued_grammar_compiles or None  # 0: no bound
     return kw
 
 

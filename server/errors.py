@@ -59,6 +59,18 @@ class Overloaded(APIError):
                          headers={"Retry-After": str(retry_after_s)})
 
 
+class CompilesOverloaded(APIError):
+    """The engine refused a structured-output request because its grammar's compile lane is
+    full (CompileQueueFull): a 503 with Retry-After, as a full request queue (the request is
+    valid and may succeed later: a 400 would tell the client not to retry; a 429 would say
+    it, not the server, sent too much), with the same code, so clients that retry on
+    "overloaded" need nothing new."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(503, message, param="structured_outputs", code="overloaded",
+                         headers={"Retry-After": str(retry_after_s)})
+
+
 _FILE = re.compile(r"(?:[A-Za-z]:)?[\\/]?(?:[\w.+-]+[\\/])+[\w.+-]+\.(?:py|pyx|c|cc|cpp|cu|cuh|h|hpp|so)\b(?::\d+)?")
 
 

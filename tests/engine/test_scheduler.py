@@ -170,6 +170,9 @@ class HostGrammar:
     def is_terminated(self):
         return False
 
+    def release(self):
+        pass
+
 
 def waits_for_tokens(rid, n, max_tokens=5):
     r = req(rid, n, max_tokens=max_tokens)

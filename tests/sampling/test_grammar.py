@@ -166,6 +166,86 @@ def test_a_grammar_queued_behind_timed_out_compiles_still_compiles():
     cache.timeout_s = 120.0
 
 
+def slow_schema(name: str) -> dict:
+    """About 20 s to compile here, within GrammarLimits (1,000 properties, 55 KB): a hostile spec."""
+    return {"type": "object", "properties": {f"{name}{i}": {"type": "string", "pattern": "[a-f]{1,%d}" % (i + 3)}
+                                             for i in range(1000)}}
+
+
+def begun(state, limit=60.0):
+    """Wait until a worker has begun the state's compile."""
+    t0 = time.monotonic()
+    while state._future.started is None:
+        assert time.monotonic() - t0 < limit
+        time.sleep(0.01)
+    return state
+
+
+def warm_large_lane(cache):
+    timeout = cache.timeout_s
+    cache.timeout_s = 120.0
+    wait(cache.new_state(StructuredOutputs(grammar='root ::= "' + "w" * 5000 + '"')), limit=150)
+    cache.timeout_s = timeout
+
+
+def test_a_queued_compile_no_request_wants_is_dropped_and_a_begun_one_runs_on():
+    """Requests gone before a worker began their compile: the job leaves the lane, never compiled,
+    once its last holder is released (two states with one spec share one job). A compile a worker
+    has begun runs on to its timeout and stays cached for a retry of its spec."""
+    from detent.sampling import grammar_workers
+    cache = tiny_cache(timeout_s=3.0)
+    warm_large_lane(cache)
+    large = grammar_workers.lanes()["large"]
+    kills, dropped = large.kills, large.dropped
+    running = begun(cache.new_state(StructuredOutputs(json=slow_schema("r"))))
+    shared = [cache.new_state(StructuredOutputs(json=slow_schema("s"))) for _ in range(2)]
+    alone = cache.new_state(StructuredOutputs(json=slow_schema("a")))
+    assert shared[0]._future is shared[1]._future and large.queued() == 2
+    alone.release()
+    alone.release()  # idempotent
+    assert alone._future.cancelled() and large.queued() == 1 and large.dropped == dropped + 1
+    shared[0].release()
+    assert not shared[1]._future.cancelled() and large.queued() == 1  # the other request still waits for it
+    shared[1].release()
+    assert shared[1]._future.cancelled() and large.queued() == 0 and large.dropped == dropped + 2
+    assert alone._future.started is None and shared[0]._future.started is None  # never compiled
+    assert not alone.ready and "dropped" in alone.error  # a released state polled: an error, never a raise
+    again = cache.new_state(StructuredOutputs(json=slow_schema("a")))  # a dropped job left the cache
+    assert again._future is not alone._future and large.queued() == 1
+    again.release()
+    running.release()
+    assert not running._future.cancelled() and cache.submit(StructuredOutputs(json=slow_schema("r"))) is running._future
+    wait(running)
+    assert "timed out" in running.error and large.kills == kills + 1  # only the begun compile ran
+
+
+def test_a_full_compile_lane_refuses_a_new_spec_and_nothing_else():
+    """max_queued_compiles = 1: with one compile running and one waiting in the large lane, a new
+    large spec is refused (naming the limit); the waiting spec again, a small spec and, once the
+    waiting job is dropped, the refused spec are not."""
+    from detent.sampling import grammar_workers
+    from detent.sampling.grammar_limits import GrammarLimits
+    cache = tiny_cache(timeout_s=3.0, limits=GrammarLimits(max_queued_compiles=1))
+    warm_large_lane(cache)
+    large = grammar_workers.lanes()["large"]
+    running = begun(cache.new_state(StructuredOutputs(json=slow_schema("r1"))))
+    queued = cache.new_state(StructuredOutputs(json=slow_schema("q1")))
+    with pytest.raises(grammar_workers.CompileQueueFull,
+                       match=r"1 in the large-spec lane, its limit \(max_queued_grammar_compiles = 1,"):
+        cache.new_state(StructuredOutputs(json=slow_schema("x1")))
+    assert isinstance(grammar_workers.CompileQueueFull("large", 1, 1), ValueError)  # refused as a bad request is
+    assert large.queued() == 1
+    same = cache.new_state(StructuredOutputs(json=slow_schema("q1")))  # shares the waiting job
+    assert same._future is queued._future
+    assert wait(cache.new_state(StructuredOutputs(regex="[0-9]+x"))).ready  # the small lane is not bounded by it
+    queued.release()
+    same.release()
+    refused_before = cache.new_state(StructuredOutputs(json=slow_schema("x1")))  # room again
+    refused_before.release()
+    running.release()
+    wait(running)
+
+
 def test_a_schema_over_a_limit_is_refused_naming_the_limit():
     from detent.sampling.grammar_limits import GrammarLimits, check_limits
     cache = tiny_cache()

@@ -131,6 +131,70 @@ def test_async_engine_refusal_and_death():
     asyncio.run(main())
 
 
+def test_a_full_grammar_compile_lane_is_a_503_with_retry_after():
+    """The engine refuses a structured request when its compile lane is full (CompileQueueFull, a
+    ValueError): the server answers 503 `overloaded` with Retry-After, as over --max-queue-len,
+    not 400; in process and from the engine core's process (its "rejected" says busy)."""
+    import multiprocessing as mp
+    import threading
+
+    from detent.engine import CompileQueueFull
+    from detent.engine.core_process import _loop
+    from detent.server.async_engine import AsyncCoreEngine
+
+    class Busy(FakeEngine):
+        def add_request(self, request_id, prompt_token_ids, sampling_params) -> None:
+            if request_id == "full":
+                raise CompileQueueFull("large", 64, 64)
+            super().add_request(request_id, prompt_token_ids, sampling_params)
+
+    def check(e: APIError) -> None:
+        assert e.status == 503 and e.body()["error"]["code"] == "overloaded", e.body()
+        assert e.headers["Retry-After"] == "1" and e.param == "structured_outputs"
+        assert "--max-queued-grammar-compiles" in e.message
+
+    async def in_process():
+        ae = AsyncEngine(Busy())
+        ae.start(asyncio.get_running_loop())
+        with pytest.raises(APIError) as e:
+            await ae.add("full", [5], _sp())
+        check(e.value)
+        with pytest.raises(APIError) as e:  # a bad request is still a 400
+            await ae.add("long", list(range(600)), _sp())
+        assert e.value.status == 400
+        ae.shutdown()
+
+    asyncio.run(in_process())
+
+    parent, child = mp.Pipe()
+    core = threading.Thread(target=_loop, args=(child, Busy()), daemon=True)
+    core.start()
+    answers = []
+    for rid, ids in (("full", [5]), ("long", list(range(600)))):
+        parent.send(("add", rid, ids, _sp()))
+        msg = parent.recv()
+        while msg[0] == "out":  # the core's stats
+            msg = parent.recv()
+        answers.append(msg)
+    parent.send(("stop",))
+    core.join(10)
+    full, long = answers
+    assert full[:2] == ("rejected", "full") and long[:2] == ("rejected", "long")
+    assert full[3] is True and long[3] is False
+
+    async def from_core():
+        ae = AsyncCoreEngine(None)
+        ae._loop = asyncio.get_running_loop()
+        futs = {rid: ae._loop.create_future() for rid in ("full", "long")}
+        ae._admitting.update(futs)
+        ae._on_loop(full)
+        ae._on_loop(long)
+        check(futs["full"].exception())
+        assert futs["long"].exception().status == 400
+
+    asyncio.run(from_core())
+
+
 def test_cli_flags(monkeypatch):
     from detent.server.cli import parse_args
     monkeypatch.setenv("DETENT_API_KEY", "from-env")
@@ -157,6 +221,21 @@ def test_scheduling_flags_reach_the_engine_config():
     assert off["mixed_token_align"] is None and EngineConfig(mixed_token_align=None).mixed_token_align is None
     with pytest.raises(SystemExit):
         parse_args(["--mixed-token-align", "-1"])
+
+
+def test_grammar_compile_queue_flag_reaches_the_engine_config():
+    """--max-queued-grammar-compiles (64; 0: no bound) -> EngineConfig.max_queued_grammar_compiles."""
+    from detent.engine.config import EngineConfig
+    from detent.server.cli import engine_kwargs, parse_args
+    assert engine_kwargs(parse_args([]))["max_queued_grammar_compiles"] == 64
+    kw = engine_kwargs(parse_args(["--max-queued-grammar-compiles", "3"]))
+    assert EngineConfig(max_queued_grammar_compiles=kw["max_queued_grammar_compiles"]).max_queued_grammar_compiles == 3
+    assert engine_kwargs(parse_args(["--max-queued-grammar-compiles", "0"]))["max_queued_grammar_compiles"] is None
+    assert EngineConfig().max_queued_grammar_compiles is None  # offline: no bound
+    with pytest.raises(SystemExit):
+        parse_args(["--max-queued-grammar-compiles", "-1"])
+    with pytest.raises(ValueError, match="max_queued_grammar_compiles"):
+        EngineConfig(max_queued_grammar_compiles=0)
 
 
 def test_block_size_flag_reaches_the_engine_config():
