@@ -297,7 +297,7 @@ def load_loops(llm, workload, progress=lambda s: None) -> tuple[list[Loop], dict
     request, was +2.4 ms a token at 0.33 and -1.7 ms at 1.0. So each Poisson load becomes the
     closed loop whose throughput is its arrival rate: the workload replays with every request at
     once (its maximum throughput, requests per second), then in closed loops of 1, 2, 4, ...
-    (`loop_requests` each) until one reaches the highest load's rate, replays the whole workload,
+    (`loop_requests` each, below the workload's size) until one reaches the highest load's rate
     or gains less than 5% on the loop before (`SATURATED`); a load's loop is the
     concurrency where the throughput, interpolated linearly between the measured loops (and from
     0 at 0), reaches its rate, at least 1. A rate above every loop's throughput replays every
@@ -320,9 +320,8 @@ def load_loops(llm, workload, progress=lambda s: None) -> tuple[list[Loop], dict
         seconds, _ = run_offline(llm, w, caps=[cap])
         rungs.append((cap, len(w.requests) / seconds))
         progress(f"  closed loop of {cap}: {rungs[-1][1]:.3f} requests/s ({len(w.requests)} requests)")
-        if rungs[-1][1] >= highest or len(w.requests) == n or (
-                len(rungs) > 1 and rungs[-1][1] < SATURATED * rungs[-2][1]):
-            break  # the highest rate reached; or the loop ran the whole workload, or gained nothing on the last
+        if rungs[-1][1] >= highest or (len(rungs) > 1 and rungs[-1][1] < SATURATED * rungs[-2][1]):
+            break  # the highest rate reached, or more in flight no longer adds throughput
         cap *= 2
     caps = {ld.name: ld.concurrency for ld in workload.loads if ld.concurrency}
     caps.update({ld.name: concurrency_at(rungs, ld.fraction * top) for ld in poisson})

@@ -337,12 +337,15 @@ def test_poisson_loads_are_measured_as_the_closed_loops_of_their_rates(monkeypat
     assert runs == [(40, None), (16, 1), (16, 2), (32, 4)]
     assert loops == [te.Loop(1, ("B1", "B2", "C1"), True), te.Loop(None, ("B3",), True)]
     assert [loop.weight for loop in loops] == [3, 1] and loops[0].label == "1 (B1, B2, C1)"
-    # or where a loop replays the whole workload (20 requests: the loop of 4's head is all of them)
+    # a workload no larger than a loop's head still gets every loop below its size (W-B tuned on its
+    # first 16 documents: each loop replays all 16): rate 2.4 lands on 2 + 2 * 0.4 / 1.0 = 2.8
+    # (rounded: 3); 4.0 is above the loop of 8, and a loop of 16 would be every request at once
     runs.clear()
-    throughput.update({1: 1.0, 2: 2.0, 4: 3.0})
-    assert te.load_loops(None, Workload("short", reqs[:20], (Load("B3", fraction=1.0),), 0))[0] == [
-        te.Loop(None, ("B3",), True)]
-    assert runs == [(20, None), (16, 1), (16, 2), (20, 4)]
+    throughput.update({1: 1.0, 2: 2.0, 4: 3.0, 8: 3.5})
+    assert te.load_loops(None, Workload("short", reqs[:16], (Load("B2", fraction=0.6),
+                                                             Load("B3", fraction=1.0)), 0))[0] == [
+        te.Loop(3, ("B2",), True), te.Loop(None, ("B3",), True)]
+    assert runs == [(16, None), (16, 1), (16, 2), (16, 4), (16, 8)]
     # no Poisson load: the workload's closed loops, nothing replayed
     runs.clear()
     w3 = Workload("closed", reqs, (Load("C1", concurrency=1), Load("C2", concurrency=8)), 0)
