@@ -114,7 +114,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(Exception, unhandled_handler)
 
     @app.get("/health")
-    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the same probe
+    @app.get("/ping")  # vLLM's (SageMaker's) name for the same probe, by GET or POST: one route each, so
+    @app.post("/ping")  # each method has its own operation id in the OpenAPI schema
     async def health() -> Response:
         if state.engine.running:
             return JSONResponse({"status": "ok"})

@@ -351,8 +351,13 @@ def test_root_path_serves_behind_a_path_prefix_and_keeps_the_api_key():
 
 def test_disable_fastapi_docs():
     from detent.server.cli import app_options
-    with _client(**app_options(parse_args([]))) as c:
-        assert c.get("/openapi.json").json()["info"]["title"] == "Detent"
+    import warnings
+    with _client(**app_options(parse_args([]))) as c, warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns of a duplicate operation id (two methods of one route)
+        schema = c.get("/openapi.json").json()
+        assert schema["info"]["title"] == "Detent"
+        ids = [op["operationId"] for ops in schema["paths"].values() for op in ops.values()]
+        assert len(ids) == len(set(ids)) and {"get", "post"} <= set(schema["paths"]["/ping"])
         for path in ("/docs", "/redoc"):  # vLLM's two pages, each naming the schema
             page = c.get(path)
             assert page.status_code == 200 and "/openapi.json" in page.text, path
