@@ -1,7 +1,7 @@
 """The report of benchmarks/serve_arms.py: from OUT/arms.json, a markdown
 table (arms.md: p50/p90/p99 TPOT and TTFT per load and arm, geometric-mean
 ratios to stock, the tuple-drift matrix, the tuned tuple against the
-default per workload), the same numbers as JSON
+default per workload, each Detent arm against vLLM's), the same numbers as JSON
 (report.json), and two figures like the paper's:
 
 - fig7.png: (a) each arm's p50 TPOT over stock's, per load; (b) the tuned
@@ -81,13 +81,23 @@ def paired(a: list, b: list, reps: int = 2000, seed: int = 0) -> dict | None:
             "n": len(d)}
 
 
-def _ratio_by_workload(num: dict, den: dict) -> dict[str, float]:
-    """Per workload, the geometric mean over the loads both have of num's p50 TPOT over den's."""
+def _ratio_by_workload(num: dict, den: dict, metric: str = "tpot_p50_ms") -> dict[str, float]:
+    """Per workload, the geometric mean over the loads both have of num's `metric` over den's."""
     logs: dict[str, list[float]] = {}
     for ld in (ld for ld in num if ld in den):
-        if num[ld]["tpot_p50_ms"] > 0 and den[ld]["tpot_p50_ms"] > 0:
-            logs.setdefault(num[ld]["workload"], []).append(math.log(num[ld]["tpot_p50_ms"] / den[ld]["tpot_p50_ms"]))
+        if num[ld].get(metric) and den[ld].get(metric) and num[ld][metric] > 0 and den[ld][metric] > 0:
+            logs.setdefault(num[ld]["workload"], []).append(math.log(num[ld][metric] / den[ld][metric]))
     return {w: math.exp(sum(v) / len(v)) for w, v in logs.items()}
+
+
+def against_vllm(table: dict) -> dict[str, dict[str, dict[str, float]]]:
+    """The side by side: per Detent arm, per workload, the geometric mean over the loads of its
+    p50 TPOT and p50 TTFT over `vllm serve`'s (the arm `vllm`, driven by the same client at the
+    same rates); empty without a vLLM arm."""
+    if "vllm" not in table:
+        return {}
+    return {arm: {m: _ratio_by_workload(row, table["vllm"], m) for m in ("tpot_p50_ms", "ttft_p50_ms")}
+            for arm, row in table.items() if not arm.startswith("vllm")}
 
 
 def tuned_vs_default(res: dict, table: dict) -> dict:
@@ -109,7 +119,8 @@ def tuned_vs_default(res: dict, table: dict) -> dict:
     return out
 
 
-def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, tvd: dict | None = None) -> str:
+def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, tvd: dict | None = None,
+             vs_vllm: dict | None = None) -> str:
     lines = ["| load | arm | " + " | ".join(m.replace("_ms", "") for m in METRICS) + " | errors |",
              "|---|---|" + "---:|" * (len(METRICS) + 1)]
     for ld in loads:
@@ -139,6 +150,15 @@ def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, 
         if tvd.get("default_repeat"):
             lines += ["", "The default run twice, second / first p50 TPOT (the run-to-run drift): "
                       + ", ".join(f"{w} {v:.4f}" for w, v in tvd["default_repeat"].items())]
+    if vs_vllm:
+        workloads = sorted({w for r in vs_vllm.values() for w in r["tpot_p50_ms"]})
+        lines += ["", "Against vLLM (the same client and rates): geometric mean over each workload's loads of the "
+                  "arm's p50 over vLLM's, TPOT / TTFT:", "",
+                  "| arm | " + " | ".join(workloads) + " |", "|---|" + "---:|" * len(workloads)]
+        for arm, r in vs_vllm.items():
+            lines.append(f"| {arm} | " + " | ".join(
+                f"{r['tpot_p50_ms'][w]:.3f} / {r['ttft_p50_ms'][w]:.3f}" if w in r["tpot_p50_ms"] else ""
+                for w in workloads) + " |")
     lines += ["", f"stock lambda_max (req/s): {json.dumps({k: round(v, 3) for k, v in res['lambda_max'].items()})}"]
     return "\n".join(lines) + "\n"
 
@@ -209,11 +229,12 @@ def report(out_dir: str) -> dict:
     ratios = {arm: {m: geomean_ratio(table, arm, m) for m in METRICS} for arm in table if arm != "stock"}
     mat = drift(res, loads)
     tvd = tuned_vs_default(res, table)
-    text = markdown(res, loads, table, ratios, mat, tvd)
+    vs_vllm = against_vllm(table)
+    text = markdown(res, loads, table, ratios, mat, tvd, vs_vllm)
     with open(os.path.join(out_dir, "arms.md"), "w") as f:
         f.write(text)
     summary = {"loads": loads, "geomean_ratio_to_stock": ratios, "drift": mat, "tuned_vs_default": tvd,
-               "lambda_max": res["lambda_max"]}
+               "against_vllm": vs_vllm, "lambda_max": res["lambda_max"]}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(text)

@@ -72,3 +72,27 @@ def test_a_folder_without_stock_still_compares_tuned_with_default(tmp_path):
     assert math.isclose(rep["tuned_vs_default"]["workloads"]["W-C"], math.sqrt(1.1))
     assert rep["geomean_ratio_to_stock"]["pinned-default"]["tpot_p50_ms"] is None
     assert "| C1 | pinned-tuned | 4.40 |" in (tmp_path / "arms.md").read_text()
+
+
+def test_each_arm_against_vllm_per_workload(tmp_path):
+    # lease 29 served vLLM beside Detent's arms on W-B and asked for default / vLLM by hand: the
+    # report gives each Detent arm's p50 TPOT and TTFT over vLLM's, geometric mean per workload
+    res = {"lambda_max": {"W-B": 3.0}, "tuples": {}, "arms": {
+        "stock": {"B1": _load("W-B", 8.0), "B2": _load("W-B", 16.0), "C1": _load("W-C", 7.0)},
+        "pinned-default": {"B1": _load("W-B", 6.0), "B2": _load("W-B", 12.0), "C1": _load("W-C", 6.0)},
+        "vllm": {"B1": _load("W-B", 4.0), "B2": _load("W-B", 9.0), "C1": _load("W-C", 6.0)},
+        "vllm-bi": {"B1": _load("W-B", 8.0)},
+    }}
+    (tmp_path / "arms.json").write_text(json.dumps(res))
+    rep = arms_report.report(str(tmp_path))
+    vs = rep["against_vllm"]
+    assert set(vs) == {"stock", "pinned-default"}  # vLLM's own arms are not set against it
+    assert math.isclose(vs["pinned-default"]["tpot_p50_ms"]["W-B"], math.sqrt(6 / 4 * 12 / 9))
+    assert math.isclose(vs["pinned-default"]["ttft_p50_ms"]["W-C"], 1.0)
+    assert math.isclose(vs["stock"]["tpot_p50_ms"]["W-B"], math.sqrt(8 / 4 * 16 / 9))
+    md = (tmp_path / "arms.md").read_text()
+    assert "| pinned-default | 1.414 / 1.414 | 1.000 / 1.000 |" in md
+    # without a vLLM arm, nothing
+    del res["arms"]["vllm"]
+    (tmp_path / "arms.json").write_text(json.dumps(res))
+    assert arms_report.report(str(tmp_path))["against_vllm"] == {}
