@@ -94,7 +94,7 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
         throughput = None
         if objective != "tpot":
             loops = None
-        elif loops is None:  # the batches each load decodes in (docs/tune.md, "Loads as closed loops")
+        elif loops is None:  # the batches each load decodes in (docs/tune.md, "Every load replays as a closed loop")
             progress(f"measuring the closed loops {workload.name}'s loads run in (under the engine's tuple)")
             loops, throughput = load_loops(llm, workload, progress)
             phase("loops")
