@@ -275,14 +275,21 @@ def loop_requests(workload, cap: int | None):
     return workload if n >= len(workload.requests) else workload.head(n / len(workload.requests))
 
 
+def _grouped(workload, caps: dict[str, int | None]) -> list[Loop]:
+    """The loads named in `caps` (load -> its loop's cap) as loops, one per cap in the loads'
+    order, a loop marked `poisson` when it stands for a Poisson load."""
+    loops: dict[int | None, list] = {}
+    for load in workload.loads:
+        if load.name in caps:
+            loops.setdefault(caps[load.name], []).append(load)
+    return [Loop(c, tuple(ld.name for ld in lds), poisson=any(ld.fraction for ld in lds))
+            for c, lds in loops.items()]
+
+
 def closed_loops(workload) -> list[Loop]:
     """The loops of `workload`'s closed-loop loads, one per concurrency in the loads' order (W-C:
     1 and 8), or one loop of every request at once for a workload without any."""
-    caps: dict[int, list[str]] = {}
-    for load in workload.loads:
-        if load.concurrency:
-            caps.setdefault(load.concurrency, []).append(load.name)
-    return [Loop(c, tuple(names)) for c, names in caps.items()] or [
+    return _grouped(workload, {ld.name: ld.concurrency for ld in workload.loads if ld.concurrency}) or [
         Loop(None, tuple(ld.name for ld in workload.loads))]
 
 
@@ -323,13 +330,9 @@ def load_loops(llm, workload, progress=lambda s: None) -> tuple[list[Loop], dict
         if rungs[-1][1] >= highest or (len(rungs) > 1 and rungs[-1][1] < SATURATED * rungs[-2][1]):
             break  # the highest rate reached, or more in flight no longer adds throughput
         cap *= 2
-    caps = {ld.name: ld.concurrency for ld in workload.loads if ld.concurrency}
-    caps.update({ld.name: concurrency_at(rungs, ld.fraction * top) for ld in poisson})
-    loops: dict[int | None, list[str]] = {}
-    for load in workload.loads:
-        loops.setdefault(caps[load.name], []).append(load.name)
-    out = [Loop(c, tuple(names), poisson=any(caps[ld.name] == c and ld.fraction for ld in workload.loads))
-           for c, names in loops.items()]
+    caps = {ld.name: ld.concurrency if ld.concurrency else concurrency_at(rungs, ld.fraction * top)
+            for ld in workload.loads}
+    out = _grouped(workload, caps)
     progress("  loads as closed loops: " + ", ".join(
         f"{ld.name} ({f'{ld.fraction:g} of the maximum' if ld.fraction else 'closed'}) "
         f"{'every request at once' if caps[ld.name] is None else f'{caps[ld.name]} in flight'}"
