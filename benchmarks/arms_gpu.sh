@@ -6,10 +6,11 @@
 #   stock | pinned-default | conservative | tuned-W-A | tuned-W-B | tuned-W-C:  serve_arms.py run --arms PART
 #   pinned-default-again:  the default once more (--tag @2), for the report's run-to-run drift
 #       (stock first: its lambda_max sets the others' rates; tuned-W-X takes the last lease's tuple
-#       unless /tmp/arms has one: W-C's and W-B's from lease 28 (W-C whole, under the tpot objective:
-#       the default's assignments; W-B its first 16 documents, FA4), W-A's from lease 22 (whole);
+#       unless /tmp/arms has one: W-C's from lease 28 (whole, under the tpot objective: the default's
+#       assignments), W-B's from lease 30 (64 requests, loads as closed loops: Triton attention with
+#       the prefetch tile loop), W-A's from lease 22 (whole);
 #       every load sends its own prompts: benchmarks/workloads/README.md)
-#   tune-W-A | tune-W-B | tune-W-C:  `detent tune` on the whole workload (W-A: 600 turns), timed, into
+#   tune-W-A | tune-W-B | tune-W-C:  `detent tune` on the workload the arms serve (64 requests), timed, into
 #              /tmp/arms/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
 #              600 s a device call may take; TUNE_BUDGET=S for less, when the call installs too;
 #              TUNE_ARGS: more `detent tune` arguments, e.g. "--num-requests 16" for the workload's head)
@@ -29,11 +30,14 @@ FACTS="--load-format dummy --device cuda --dtype bfloat16 --max-model-len 8192"
 # tuples stay in /tmp/arms, where the tunes write them, and are copied to that folder
 WL=${WORKLOADS:-W-A,W-C}
 [ "$WL" = W-A,W-C ] || ARMS=/tmp/arms-${WL//,/_}
-A="--model $M $FACTS --num-requests 64 --workloads $WL --out $ARMS"
+N=64  # requests a load; the tunes tune the same workload (W-B's 200 did not fit a tune's 600 s, lease 30)
+# LAMBDA_MAX_FROM=DIR: an earlier folder's stock lambda_max sets the rates, for arms served without a
+# stock part (lease 30: benchmarks/results/h100-2026-12-06-lease29/arms-W-B)
+A="--model $M $FACTS --num-requests $N --workloads $WL --out $ARMS ${LAMBDA_MAX_FROM:+--lambda-max-from $LAMBDA_MAX_FROM}"
 mkdir -p "$OUT" "$ARMS" /tmp/arms
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M > /dev/null
 for T in h100-2026-12-06-lease28/tune/tuple-W-C.json h200-2026-12-05-lease22/tune/tuple-W-A.json \
-         h100-2026-12-06-lease28/tune/tuple-W-B.json; do
+         h100-2026-12-06-lease30/tune/tuple-W-B.json; do
     [ -f /tmp/arms/$(basename $T) ] || cp benchmarks/results/$T /tmp/arms/
 done
 source "$(dirname "$0")/gpu_timed.sh"
@@ -61,7 +65,7 @@ for PART in "$@"; do
         tune-W-A|tune-W-B|tune-W-C)  # W-C: with FA4 on the path (its attention candidates)
             W=${PART#tune-}
             B=${TUNE_BUDGET:-570}  # less when the call also installs (its 600 s holds both)
-            timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --cost kernels --time-budget "$B" \
+            timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --num-requests $N --cost kernels --time-budget "$B" \
                 ${TUNE_ARGS:-} -o /tmp/arms/tuple-$W.json ;;
         vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)
             BI=0; TAG=""

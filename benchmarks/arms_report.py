@@ -128,10 +128,14 @@ def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, 
             if ld in row:
                 r = row[ld]
                 lines.append(f"| {ld} | {arm} | " + " | ".join(f"{r[m]:.2f}" for m in METRICS) + f" | {r['errors']} |")
-    lines += ["", "Geometric mean over the loads, ratio to stock:", "",
-              "| arm | " + " | ".join(m.replace("_ms", "") for m in METRICS) + " |", "|---|" + "---:|" * len(METRICS)]
-    for arm, row in ratios.items():
-        lines.append(f"| {arm} | " + " | ".join("" if row[m] is None else f"{row[m]:.3f}" for m in METRICS) + " |")
+    if "stock" in table:
+        lines += ["", "Geometric mean over the loads, ratio to stock:", "",
+                  "| arm | " + " | ".join(m.replace("_ms", "") for m in METRICS) + " |",
+                  "|---|" + "---:|" * len(METRICS)]
+        for arm, row in ratios.items():
+            lines.append(f"| {arm} | " + " | ".join("" if row[m] is None else f"{row[m]:.3f}" for m in METRICS) + " |")
+    else:
+        lines += ["", "No stock arm in this folder: no ratios to stock."]
     if mat:
         lines += ["", "Tuple drift (p50 TPOT over the column's own workload tuple):", "",
                   "| tuple of | " + " | ".join(loads) + " |", "|---|" + "---:|" * len(loads)]
@@ -160,6 +164,8 @@ def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, 
                 f"{r['tpot_p50_ms'][w]:.3f} / {r['ttft_p50_ms'][w]:.3f}" if w in r["tpot_p50_ms"] else ""
                 for w in workloads) + " |")
     lines += ["", f"stock lambda_max (req/s): {json.dumps({k: round(v, 3) for k, v in res['lambda_max'].items()})}"]
+    lines += [f"{w}'s lambda_max is an earlier folder's stock run: {src}"
+              for w, src in res.get("lambda_max_from", {}).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -234,7 +240,8 @@ def report(out_dir: str) -> dict:
     with open(os.path.join(out_dir, "arms.md"), "w") as f:
         f.write(text)
     summary = {"loads": loads, "geomean_ratio_to_stock": ratios, "drift": mat, "tuned_vs_default": tvd,
-               "against_vllm": vs_vllm, "lambda_max": res["lambda_max"]}
+               "against_vllm": vs_vllm, "lambda_max": res["lambda_max"],
+               "lambda_max_from": res.get("lambda_max_from", {})}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(text)

@@ -71,7 +71,21 @@ def test_a_folder_without_stock_still_compares_tuned_with_default(tmp_path):
     assert rep["loads"] == ["C1", "C2"] and rep["figures"] == []
     assert math.isclose(rep["tuned_vs_default"]["workloads"]["W-C"], math.sqrt(1.1))
     assert rep["geomean_ratio_to_stock"]["pinned-default"]["tpot_p50_ms"] is None
-    assert "| C1 | pinned-tuned | 4.40 |" in (tmp_path / "arms.md").read_text()
+    md = (tmp_path / "arms.md").read_text()
+    assert "| C1 | pinned-tuned | 4.40 |" in md
+    assert "No stock arm in this folder: no ratios to stock." in md and "ratio to stock:" not in md
+
+
+def test_a_borrowed_lambda_max_is_named_in_the_report(tmp_path):
+    # lease 30 served W-B's default and tuned arms at lease 29's stock rates (serve_arms.py run
+    # --lambda-max-from): the report says whose stock run set them
+    res = {"lambda_max": {"W-B": 3.005}, "lambda_max_from": {"W-B": "lease29/arms-W-B/arms.json"}, "tuples": {},
+           "arms": {"pinned-default": {"B1": _load("W-B", 6.85, [6.8, 6.9])}}}
+    (tmp_path / "arms.json").write_text(json.dumps(res))
+    rep = arms_report.report(str(tmp_path))
+    assert rep["lambda_max_from"] == {"W-B": "lease29/arms-W-B/arms.json"}
+    assert "W-B's lambda_max is an earlier folder's stock run: lease29/arms-W-B/arms.json" in (
+        tmp_path / "arms.md").read_text()
 
 
 def test_each_arm_against_vllm_per_workload(tmp_path):

@@ -71,6 +71,21 @@ def test_arms_in_miniature(tmp_path):
     early = subprocess.run(cmd + ["--arms", "conservative", "--loads", "A1", "--out", str(tmp_path / "fresh")],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert early.returncode != 0 and "run --arms stock on them first" in early.stderr
+    # an arm served without a stock run takes an earlier folder's lambda_max (lease 30), and says so
+    borrowed = tmp_path / "borrowed"
+    b = subprocess.run(cmd + ["--arms", "pinned-default", "--loads", "A1", "--out", str(borrowed),
+                              "--lambda-max-from", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
+    got = json.loads((borrowed / "arms.json").read_text())
+    assert got["lambda_max"] == {"W-A": res["lambda_max"]["W-A"]} and got["lambda_max_from"] == {"W-A": str(out / "arms.json")}
+    assert list(got["arms"]["pinned-default"]) == ["A1"]
+    assert got["arms"]["pinned-default"]["A1"]["rate"] == res["arms"]["stock"]["A1"]["rate"]
+    n = cmd.index("--num-requests")
+    unlike = subprocess.run(cmd[:n + 1] + ["3"] + cmd[n + 2:] + ["--arms", "pinned-default", "--out",
+                            str(tmp_path / "unlike"), "--lambda-max-from", str(out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert unlike.returncode != 0 and "--lambda-max-from" in unlike.stderr and "other workloads" in unlike.stderr
     other = subprocess.run(cmd[:cmd.index("--workloads")] + ["--workloads", "W-B"] + cmd[cmd.index("--workloads") + 2:],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert other.returncode != 0 and "holds other workloads" in other.stderr  # results never mix
