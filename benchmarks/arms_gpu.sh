@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20's arms on one GPU, one part per device call, results merged in /tmp/arms (keep the
+# Issue 20's arms on one GPU, one part per device call, results merged in /tmp/arms* (keep the
 # machine warm between calls) and packed into OUTDIR/ARMS.tgz after each part (with the tuples)
 # (docs/performance.md, "Arms and workloads"; Llama-3.1-8B shapes, dummy weights, word-level
 # tokenizer, W-A and W-C at 64 requests):
@@ -22,22 +22,28 @@
 set -u
 OUT=$1
 shift
-M=/tmp/wl8b
-ARMS=/tmp/arms
+# MODEL=qwen3-30b-a3b: Qwen3-30B-A3B shapes (/tmp/wlq3; its tunes and arms in /tmp/arms-q3*, no
+# earlier lease's tuples); default Llama-3.1-8B's (/tmp/wl8b, /tmp/arms*)
+case ${MODEL:-llama-3.1-8b} in
+    llama-3.1-8b) M=/tmp/wl8b; TUNES=/tmp/arms; SHAPE="" ;;
+    qwen3-30b-a3b) M=/tmp/wlq3; TUNES=/tmp/arms-q3; SHAPE=--qwen3-30b-a3b ;;
+    *) echo "MODEL: llama-3.1-8b or qwen3-30b-a3b"; exit 2 ;;
+esac
+ARMS=$TUNES
 FACTS="--load-format dummy --device cuda --dtype bfloat16 --max-model-len 8192"
 # WORKLOADS (default W-A,W-C): the workloads the arms serve; add W-B for its tuned arm. Results for
 # other workloads go to their own folder (serve_arms.py never merges two sets of workloads); the
-# tuples stay in /tmp/arms, where the tunes write them, and are copied to that folder
+# tuples stay in $TUNES, where the tunes write them, and are copied to that folder
 WL=${WORKLOADS:-W-A,W-C}
-[ "$WL" = W-A,W-C ] || ARMS=/tmp/arms-${WL//,/_}
+[ "$WL" = W-A,W-C ] || ARMS=$TUNES-${WL//,/_}
 N=64  # requests a load; the tunes tune the same workload (W-B's 200 did not fit a tune's 600 s, lease 30)
 # LAMBDA_MAX_FROM=DIR: an earlier folder's stock lambda_max sets the rates, for arms served without a
 # stock part (lease 30: benchmarks/results/h100-2026-12-06-lease29/arms-W-B)
 A="--model $M $FACTS --num-requests $N --workloads $WL --out $ARMS ${LAMBDA_MAX_FROM:+--lambda-max-from $LAMBDA_MAX_FROM}"
-mkdir -p "$OUT" "$ARMS" /tmp/arms
-[ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M > /dev/null
-for T in h100-2026-12-06-lease28/tune/tuple-W-C.json h200-2026-12-05-lease22/tune/tuple-W-A.json \
-         h100-2026-12-06-lease30/tune/tuple-W-B.json; do
+mkdir -p "$OUT" "$ARMS" $TUNES
+[ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M $SHAPE > /dev/null
+[ $TUNES = /tmp/arms ] && for T in h100-2026-12-06-lease28/tune/tuple-W-C.json \
+        h200-2026-12-05-lease22/tune/tuple-W-A.json h100-2026-12-06-lease30/tune/tuple-W-B.json; do
     [ -f /tmp/arms/$(basename $T) ] || cp benchmarks/results/$T /tmp/arms/
 done
 source "$(dirname "$0")/gpu_timed.sh"
@@ -45,7 +51,7 @@ TIMED_TAIL=12
 for PART in "$@"; do
     case $PART in
         tuned-W-A|tuned-W-B|tuned-W-C)  # a tuple tuned in its own part: a tune inside this one would not fit its limit
-            [ "$ARMS" = /tmp/arms ] || cp -n /tmp/arms/tuple-*.json "$ARMS/" 2> /dev/null
+            [ "$ARMS" = $TUNES ] || cp -u $TUNES/tuple-*.json "$ARMS/" 2> /dev/null  # -u: a newer tune's
             T=$ARMS/tuple-${PART#tuned-}.json
             if [ -f "$T" ]; then
                 # the tuple names the FA4 version it was tuned with ("" for none), a deployment fact: a
@@ -66,7 +72,7 @@ for PART in "$@"; do
             W=${PART#tune-}
             B=${TUNE_BUDGET:-570}  # less when the call also installs (its 600 s holds both)
             timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --num-requests $N --cost kernels --time-budget "$B" \
-                ${TUNE_ARGS:-} -o /tmp/arms/tuple-$W.json ;;
+                ${TUNE_ARGS:-} -o $TUNES/tuple-$W.json ;;
         vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)
             BI=0; TAG=""
             [ "$PART" = vllm-bi ] && BI=1 && TAG=-bi
@@ -90,5 +96,5 @@ for PART in "$@"; do
     esac
     # one archive of the arms' folder (and the tuples): a device call's $OUT returns a few files, and
     # a folder of many came back without its logs and figures (lease 29)
-    tar czf "$OUT/$(basename $ARMS).tgz" -C /tmp "$(basename $ARMS)" $([ "$ARMS" = /tmp/arms ] || echo arms)
+    tar czf "$OUT/$(basename $ARMS).tgz" -C /tmp "$(basename $ARMS)" $([ "$ARMS" = $TUNES ] || basename $TUNES)
 done

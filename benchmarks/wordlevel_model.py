@@ -1,4 +1,4 @@
-"""A model directory with Llama-3.1 shapes (8B, or 70B with --70b) and a
+"""A model directory with Llama-3.1 shapes (8B, or 70B with --70b; or Qwen3-30B-A3B's) and a
 word-level tokenizer: word "t<i>" is token i (i >= 3; 0, 1 and 2 are "<unk>",
 "<s>" and "</s>"), so a prompt of N words is N tokens exactly and load tests
 need no hub. Serve it with `--load-format dummy`.
@@ -13,6 +13,7 @@ caches served them (vLLM logged hit rates of 27-48 % in lease 16).
 
     python3 benchmarks/wordlevel_model.py /tmp/wl8b
     python3 benchmarks/wordlevel_model.py /tmp/wl8b-w --weights   # + safetensors files
+    python3 benchmarks/wordlevel_model.py /tmp/wlq3 --qwen3-30b-a3b   # Qwen3-30B-A3B shapes
 
 `--weights` also writes the weights as safetensors shards: Detent's dummy
 weights (models/weights.py `dummy_tensors`: norms 1, matrices N(0, 0.02),
@@ -30,16 +31,26 @@ import os
 import sys
 
 
-def write(d: str, big: bool = False, vocab: int = 128256) -> str:
+def write(d: str, big: bool = False, vocab: int | None = None, shape: str | None = None) -> str:
+    """The directory: Llama-3.1-8B shapes, 70B with `big`, or `shape="qwen3-30b-a3b"` (Qwen3-30B-A3B:
+    128 experts, 8 a token; Detent's preset config) with the word-level tokenizer (`vocab`
+    words, the shape's own vocabulary by default) and its special ids 1 and 2."""
+    if shape == "qwen3-30b-a3b":
+        from detent.models.presets import preset
+        cfg = {**preset(shape)["config"], "vocab_size": vocab or 151936, "max_position_embeddings": 8192,
+               "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
+    elif shape is None:
+        cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab or 128256,
+               "hidden_size": 8192 if big else 4096, "intermediate_size": 28672 if big else 14336,
+               "num_attention_heads": 64 if big else 32, "num_key_value_heads": 8,
+               "num_hidden_layers": 80 if big else 32, "head_dim": 128, "max_position_embeddings": 8192,
+               "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
+               "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu"}
+    else:
+        raise ValueError(f"shape {shape!r}: only qwen3-30b-a3b (or none, Llama-3.1)")
     from detent.models.tiny import write_wordlevel_tokenizer
 
-    write_wordlevel_tokenizer(d, vocab)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-           "hidden_size": 8192 if big else 4096, "intermediate_size": 28672 if big else 14336,
-           "num_attention_heads": 64 if big else 32, "num_key_value_heads": 8,
-           "num_hidden_layers": 80 if big else 32, "head_dim": 128, "max_position_embeddings": 8192,
-           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
-           "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu"}
+    write_wordlevel_tokenizer(d, cfg["vocab_size"])
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
     return d
@@ -80,7 +91,8 @@ def write_weights(d: str, seed: int = 0, shard_bytes: int = 4 << 30) -> list[str
 
 
 if __name__ == "__main__":
-    out = write(sys.argv[1], big="--70b" in sys.argv)
+    out = write(sys.argv[1], big="--70b" in sys.argv,
+                shape="qwen3-30b-a3b" if "--qwen3-30b-a3b" in sys.argv else None)
     if "--weights" in sys.argv:
         write_weights(out)
     print("wrote", out)

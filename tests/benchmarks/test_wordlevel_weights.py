@@ -51,3 +51,26 @@ def test_every_word_encodes_to_its_own_id_as_vllm_bench_serve_sends_it(tmp_path)
         ids = [3 + (start - 3 + i) % 1997 for i in range(64)]
         assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids, start
     assert tok.encode(tok.decode([100, 101]), add_special_tokens=False) != [1, 0]
+
+
+def test_a_qwen3_moe_directory_has_the_presets_shapes_and_serves(tmp_path):
+    # benchmarks/arms_gpu.sh MODEL=qwen3-30b-a3b serves the arms at Qwen3-30B-A3B shapes (issue 20's
+    # second model); here its config at the preset's shapes, then shrunk to run a step on CPU
+    from detent.models.presets import preset
+    d = wordlevel_model.write(str(tmp_path / "q3"), shape="qwen3-30b-a3b", vocab=512)
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    want = preset("qwen3-30b-a3b")["config"]
+    for k in ("architectures", "hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert cfg[k] == want[k], k
+    assert (cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"]) == (512, 1, 2)
+    cfg.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+               num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+               head_dim=16)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    from detent import LLM, SamplingParams
+    llm = LLM(d, load_format="dummy", device="cpu", dtype="float32", max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 3

@@ -10,6 +10,7 @@ the embedded SmolLM2 itself.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 API_KEY = "sk-detent-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 STARTUP_TIMEOUT_S = float(os.environ.get("DETENT_TEST_SERVER_STARTUP_S", "300"))
 
 
@@ -121,3 +124,11 @@ def make_tiny_model(path: str, hidden: int = 64, layers: int = 2) -> str:
     behaviour (not the model's knowledge) is what most tests check."""
     from detent.models.tiny import write_tiny_llama
     return write_tiny_llama(path, hidden, layers)
+
+
+def sse_events(r) -> list[dict]:
+    """A 200 stream's JSON events (an httpx or test-client response), checked to end with [DONE]."""
+    assert r.status_code == 200, r.text
+    data = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
