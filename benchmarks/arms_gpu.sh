@@ -10,8 +10,9 @@
 #       assignments), W-B's from lease 30 (64 requests, loads as closed loops: Triton attention with
 #       the prefetch tile loop), W-A's from lease 22 (whole);
 #       every load sends its own prompts: benchmarks/workloads/README.md)
-#   tune-W-A | tune-W-B | tune-W-C:  `detent tune` on the workload the arms serve (64 requests), timed, into
-#              /tmp/arms/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
+#   tune-W-A | tune-W-B | tune-W-C:  `detent tune` on the workload the arms serve (64 requests; Poisson loads
+#              at fractions of stock's lambda_max when the folder or LAMBDA_MAX_FROM has it), timed, into
+#              $TUNES/tuple-W-X.json (its time budget 570 s, inside the 590 s the part and the
 #              600 s a device call may take; TUNE_BUDGET=S for less, when the call installs too;
 #              TUNE_ARGS: more `detent tune` arguments, e.g. "--num-requests 16" for the workload's head)
 #   vllm:      `vllm serve` from the peer bundle (PYTHONPATH=VLLM_PATH, default /tmp/vsite), same
@@ -71,8 +72,14 @@ for PART in "$@"; do
         tune-W-A|tune-W-B|tune-W-C)  # W-C: with FA4 on the path (its attention candidates)
             W=${PART#tune-}
             B=${TUNE_BUDGET:-570}  # less when the call also installs (its 600 s holds both)
-            timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --num-requests $N --cost kernels --time-budget "$B" \
-                ${TUNE_ARGS:-} -o $TUNES/tuple-$W.json ;;
+            # the Poisson loads' rates are fractions of stock's served lambda_max where a stock part (or
+            # LAMBDA_MAX_FROM) gave one: the tune's own maximum, offline under the default, is higher
+            LM=$(python3 -c "import json,sys
+for p in sys.argv[2:]:
+    try: print(json.load(open(p))['lambda_max'][sys.argv[1]]); break
+    except (OSError, KeyError): pass" $W $ARMS/arms.json ${LAMBDA_MAX_FROM:+$LAMBDA_MAX_FROM/arms.json})
+            timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --num-requests $N --cost kernels \
+                --time-budget "$B" ${LM:+--max-throughput $LM} ${TUNE_ARGS:-} -o $TUNES/tuple-$W.json ;;
         vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)
             BI=0; TAG=""
             [ "$PART" = vllm-bi ] && BI=1 && TAG=-bi

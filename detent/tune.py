@@ -72,7 +72,8 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
          confirm: str | Callable[[TupleInstaller, Calls], Any] | None = None,
          profile_every: int = PROFILE_EVERY, deadline: float | None = None, objective: str = OBJECTIVES[0],
          confirm_candidates: int = CONFIRM_CANDIDATES, loops: list[Loop] | None = None,
-         progress: Callable[[str], None] = lambda s: None, **search: Any) -> Tuned:
+         max_throughput: float | None = None, progress: Callable[[str], None] = lambda s: None,
+         **search: Any) -> Tuned:
     """dedupe: measure once for every set of assignments that select the same kernels and
     parameters on the profiled calls (`tune_space.signature`), and hold the axes that select
     nothing at the default's value. profile_every: the profile records every step with prompt
@@ -80,7 +81,8 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
     confirm_candidates: how many of the search's tuples cheaper than the default, cheapest first,
     the confirmation measures (the winner, then its runners-up: `confirmed`). loops: under "tpot",
     the closed loops that stand for the workload's loads (`tune_engine.Loop`); None: measured on
-    the engine (`load_loops`), each Poisson load as the closed loop of its arrival rate."""
+    the engine (`load_loops`), each Poisson load as the closed loop of its arrival rate, a fraction
+    of `max_throughput` (requests/s; None: measured, every request at once)."""
     check_objective(objective)
     facts = engine_facts(llm)
     base = default_tuple(facts)
@@ -96,7 +98,7 @@ def tune(llm, workload, *, cost: str | Callable[[TupleInstaller, Calls], Any] = 
             loops = None
         elif loops is None:  # the batches each load decodes in (docs/tune.md, "Every load replays as a closed loop")
             progress(f"measuring the closed loops {workload.name}'s loads run in (under the engine's tuple)")
-            loops, throughput = load_loops(llm, workload, progress)
+            loops, throughput = load_loops(llm, workload, progress, max_throughput)
             phase("loops")
         sample = "every step" if profile_every == 1 else \
             f"steps with prompt rows and one decode-only step in {profile_every}"

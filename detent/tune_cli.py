@@ -34,6 +34,10 @@ def add_subparsers(sub) -> None:
     p.add_argument("--num-requests", type=int, default=None, help="a smaller workload: this many requests")
     p.add_argument("--max-len", type=int, default=None,
                    help="a smaller workload: each request's prompt + output at most this many tokens")
+    p.add_argument("--max-throughput", type=float, default=None, metavar="REQ_PER_S", help="the maximum "
+                   "throughput the workload's Poisson loads are fractions of (e.g. stock's, served; "
+                   "benchmarks/serve_arms.py's lambda_max); default: measured, every request at once under the "
+                   "default tuple")
     p.add_argument("--families", default=None, help="only these families, comma-separated (default: every family "
                    "with a choice that the workload calls)")
     p.add_argument("--max-candidates", type=int, default=32, help="per family, the grid's first rung (default 32)")
@@ -138,6 +142,8 @@ def _tune(a: argparse.Namespace) -> int:
         raise ValueError(f"--families: unknown {unknown} (families: {', '.join(programs.FAMILIES)})")
     if a.profile_every is not None and a.profile_every < 1:
         raise ValueError(f"--profile-every {a.profile_every}: one decode step in N is recorded, N must be at least 1")
+    if a.max_throughput is not None and not a.max_throughput > 0:
+        raise ValueError(f"--max-throughput {a.max_throughput:g}: requests per second, above 0")
     if a.time_budget < 0:
         raise ValueError(f"--time-budget {a.time_budget:g}: seconds, at least 0 (0: no budget)")
     if a.workload not in NAMES and not os.path.isfile(a.workload):
@@ -156,7 +162,7 @@ def _tune(a: argparse.Namespace) -> int:
         deadline = t_start + a.time_budget - WRITE_RESERVE_S if a.time_budget else None
         out = tune(llm, w, cost=a.cost, families=families, repeats=a.repeats, dedupe=a.dedupe, progress=say,
                    confirm=None if confirm == "none" else confirm, profile_every=every, deadline=deadline,
-                   confirm_candidates=a.confirm_candidates or CONFIRM_CANDIDATES,
+                   confirm_candidates=a.confirm_candidates or CONFIRM_CANDIDATES, max_throughput=a.max_throughput,
                    objective=a.objective, max_candidates=a.max_candidates, eta=a.eta, min_fraction=a.min_fraction,
                    refine=a.refine, interactions=a.interactions, seed=a.seed)
         res, prof = out.result, out.profile

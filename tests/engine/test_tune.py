@@ -269,6 +269,16 @@ def test_cli_writes_the_tuple_report_and_plot_and_the_tuple_serves(tmp_path, cap
     assert rep["search_cut"].startswith("family gemm") and rep["kept_default"] and rep["time_budget"] == 1
     assert rep["families"]["gemm"]["measured_assignments"] == 0
     assert "the search's share of --time-budget ran out" in capsys.readouterr().out
+    # Poisson loads at fractions of a given maximum (stock's, served): no replay of every request at once
+    given = tmp_path / "given.json"
+    assert main(["tune", "--model", model, "--workload", "W-B", "--num-requests", "2", "--max-len", "40",
+                 "--families", "gemm", "--interactions", "0", "--max-throughput", "1000", *args,
+                 "-o", str(given)]) == 0
+    rep = json.loads((tmp_path / "given.report.json").read_text())
+    assert rep["throughput"]["max_throughput"] == 1000 and rep["throughput"]["max_throughput_from"] == "given"
+    assert "maximum throughput: 1000.000 requests/s (given)" in capsys.readouterr().err
+    assert main(["tune", "--model", model, "--workload", "W-B", "--max-throughput", "0", *args, "-o", str(given)]) == 2
+    assert "--max-throughput 0" in capsys.readouterr().err
 
 
 def test_a_workload_file_of_requests(tmp_path):

@@ -324,7 +324,15 @@ def test_poisson_loads_are_measured_as_the_closed_loops_of_their_rates(monkeypat
     # rates 1.2, 2.4 and 4.0 requests/s: loops of 1 (0.8), 2 (1 + 0.9 / 1.3) and 3 (2 + 2 * 1.2 / 1.7)
     assert loops == [te.Loop(1, ("B1",), True), te.Loop(2, ("B2",), True), te.Loop(3, ("B3",), True)]
     assert runs == [(40, None), (16, 1), (16, 2), (32, 4)]  # the loop of 4 reached 4.0: no loop of 8
-    assert found == {"max_throughput": 4.0, "throughput": {"1": 1.5, "2": 2.8, "4": 4.5}}
+    assert found == {"max_throughput": 4.0, "max_throughput_from": "measured",
+                     "throughput": {"1": 1.5, "2": 2.8, "4": 4.5}}
+    # a given maximum (stock's, served) replaces the replay of every request at once: rates 0.75, 1.5
+    # and 2.5 land on loops of 1 (0.5), 1 (1.0) and 2 (1 + 1.0 / 1.3 = 1.77)
+    runs.clear()
+    loops, found = te.load_loops(None, w, max_throughput=2.5)
+    assert runs == [(16, 1), (16, 2)]  # the loop of 2 reached 2.5
+    assert loops == [te.Loop(1, ("B1", "B2"), True), te.Loop(2, ("B3",), True)]
+    assert found == {"max_throughput": 2.5, "max_throughput_from": "given", "throughput": {"1": 1.5, "2": 2.8}}
     assert [len(te.loop_requests(w, c).requests) for c in (1, 3, 8, None)] == [16, 24, 40, 40]
     # two loads in one loop weigh two; a rate above every loop's throughput runs every request at once;
     # a closed-loop load keeps its concurrency
