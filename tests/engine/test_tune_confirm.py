@@ -162,8 +162,11 @@ def test_kernel_cost_search_confirmed_on_the_engine(llm):
     out = tune(llm, workload(), cost="kernels", confirm="engine", families=["gemm"], max_candidates=2,
                min_fraction=1.0, refine=0, interactions=0)
     c = out.result.confirmed
-    if out.result.families["gemm"].chosen == out.result.families["gemm"].default:
-        assert c is None  # nothing to confirm: the search kept the default
+    # the search took the default tuple: nothing to confirm. The family's own winner may differ from
+    # its default while the whole-workload measurement still took the default tuple (a fresh clone's
+    # run, 2026-12-06: the family chose another chunk, the tuple stayed the default, nothing confirmed)
+    if out.result.pick == "default":
+        assert c is None
     else:
         # over the closed loops W-A's loads run in (their number depends on the engine's clock)
         assert c["unit"].startswith("ms per output token, row-weighted step time") and c["default"] > 0 \
