@@ -73,16 +73,19 @@ def build_mask_ids(params, eos_token_ids: Sequence[int], V: int) -> MaskIds:
 
 
 class RequestMaskIds:
-    """One request's `MaskIds`, built at its first masked step and kept for the rest.
+    """One request's `MaskIds` and bad words' index, built once and kept for the rest.
 
     The scheduler gives each request one (`Request.mask_ids`, passed in every
     SamplingRow): a request may list a vocabulary's worth of stop ids (banned
     under min_tokens), logit_bias or allowed ids, and building them from the
     lists at every step doubled a neighbouring request's time (49k stop ids).
-    Pickled, it carries the parameters and its key, no tables: a tensor-parallel
-    rank, which unpickles its plan at every step, keeps the tables it built for
-    a key (`_RANK_TABLES`, the last `RANK_TABLES` requests that built any), so
-    it builds them once a request too (100k bad words take 180 ms to index)."""
+    The engine builds them when the request is added (`build`), not at its
+    first masked step: 100k bad words take 180 ms to index, a stall for every
+    request of that step. Pickled, it carries the parameters and its key, no
+    tables: a tensor-parallel rank, which unpickles its plan at every step,
+    keeps the tables it built for a key (`_RANK_TABLES`, the last
+    `RANK_TABLES` requests that built any), so it builds them once a request
+    too."""
 
     def __init__(self, params, eos_token_ids: Sequence[int] = ()):
         self.params = params
@@ -91,6 +94,15 @@ class RequestMaskIds:
         self._by_vocab: dict[int, MaskIds] = {}
         self._bad_words_by_vocab: dict[int, BadWords] = {}
         self._unpickled = False
+
+    def build(self, V: int) -> "RequestMaskIds":
+        """Builds now the tables its parameters will need under V; itself."""
+        p = self.params
+        if p.allowed_token_ids or p.logit_bias or p.min_tokens:
+            self.under(V)
+        if p.bad_words_token_ids:
+            self.bad_words(V)
+        return self
 
     def under(self, V: int) -> MaskIds:
         ids = self._by_vocab.get(V)
