@@ -55,6 +55,7 @@ from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.engine.step_stats import HOST_PARTS, KIND_HOST_PARTS, StepStats, step_kind
 from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams, tokenize_bad_words
+from detent.sampling.processors import RequestMaskIds
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
 
@@ -134,17 +135,25 @@ class LLMEngine:
         # EngineCore.add_request): a full compile lane refuses the request to its caller
         # (CompileQueueFull), and the compile starts before the next step
         grammars = self._new_grammars(params)
+        masks = self._mask_ids(params)
         try:
             with self._inbox_lock:
                 if request_id in self._pending_ids or request_id in self._live_ids:
                     raise ValueError(f"request_id {request_id!r} is already in use")
                 self._pending_ids.add(request_id)
                 seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-                self._inbox.append(("add", (request_id, ids, params, prompt, seed, grammars)))
+                self._inbox.append(("add", (request_id, ids, params, prompt, seed, grammars, masks)))
         except BaseException:
             for g in grammars:
                 g.release()
             raise
+
+    def _mask_ids(self, params: SamplingParams) -> RequestMaskIds:
+        """The request's mask tables, built here rather than at its first masked step, where
+        100k bad words took 180 ms to index and stalled every request of that step. Under
+        tensor parallelism the ranks sample, and build their own."""
+        masks = RequestMaskIds(params, self.eos_token_ids)
+        return masks if self.dispatcher is None else masks.build(self.model_config.vocab_size)
 
     def _new_grammars(self, params: SamplingParams) -> list:
         """One grammar state per sample of a structured request (the compile shared), or none."""
@@ -211,11 +220,11 @@ class LLMEngine:
         aborted_outputs = []
         for kind, payload in items:
             if kind == "add":
-                rid, ids, params, prompt, seed, grammars = payload
+                rid, ids, params, prompt, seed, grammars, masks = payload
                 n = params.n
                 children = [Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
                                     block_size=self.config.block_size, sample_index=i,
-                                    eos_token_ids=self.eos_token_ids) for i in range(n)]
+                                    eos_token_ids=self.eos_token_ids, mask_ids=masks) for i in range(n)]
                 for c, g in zip(children, grammars):  # compiling off the step loop since add_request
                     c.grammar = g
                 self.outputs.add(rid, prompt, children)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -73,16 +72,17 @@ def build_mask_ids(params, eos_token_ids: Sequence[int], V: int) -> MaskIds:
 
 
 class RequestMaskIds:
-    """One request's `MaskIds`, built at its first masked step and kept for the rest.
+    """One request's `MaskIds` and bad words' index, built once and kept for the rest.
 
     The scheduler gives each request one (`Request.mask_ids`, passed in every
     SamplingRow): a request may list a vocabulary's worth of stop ids (banned
     under min_tokens), logit_bias or allowed ids, and building them from the
     lists at every step doubled a neighbouring request's time (49k stop ids).
-    Pickled, it carries the parameters and its key, no tables: a tensor-parallel
-    rank, which unpickles its plan at every step, keeps the tables it built for
-    a key (`_RANK_TABLES`, the last `RANK_TABLES` requests that built any), so
-    it builds them once a request too (100k bad words take 180 ms to index)."""
+    The engine builds them when the request is added (`build`), not at its
+    first masked step: 100k bad words take 180 ms to index, a stall for every
+    request of that step. Pickled, it carries the parameters and its key, no
+    tables: a tensor-parallel rank receives it once a request and keeps it
+    (engine/tp/plan.py), so it builds them once a request too."""
 
     def __init__(self, params, eos_token_ids: Sequence[int] = ()):
         self.params = params
@@ -90,46 +90,32 @@ class RequestMaskIds:
         self.key = f"{os.getpid()}-{next(_KEYS)}"
         self._by_vocab: dict[int, MaskIds] = {}
         self._bad_words_by_vocab: dict[int, BadWords] = {}
-        self._unpickled = False
+
+    def build(self, V: int) -> "RequestMaskIds":
+        """Builds now the tables its parameters will need under V; itself."""
+        p = self.params
+        if p.allowed_token_ids or p.logit_bias or p.min_tokens:
+            self.under(V)
+        if p.bad_words_token_ids:
+            self.bad_words(V)
+        return self
 
     def under(self, V: int) -> MaskIds:
         ids = self._by_vocab.get(V)
         if ids is None:
             ids = self._by_vocab[V] = build_mask_ids(self.params, self.eos_token_ids, V)
-            self._keep()
         return ids
 
     def bad_words(self, V: int) -> "BadWords":
         words = self._bad_words_by_vocab.get(V)
         if words is None:
             words = self._bad_words_by_vocab[V] = BadWords(self.params.bad_words_token_ids or (), V)
-            self._keep()
         return words
 
-    def _keep(self) -> None:
-        """An unpickled copy's tables, kept under its key for the next step's copy."""
-        if self._unpickled:
-            _RANK_TABLES[self.key] = (self._by_vocab, self._bad_words_by_vocab)
-            _RANK_TABLES.move_to_end(self.key)
-            while len(_RANK_TABLES) > RANK_TABLES:
-                _RANK_TABLES.popitem(last=False)
-
     def __getstate__(self):
-        return {**self.__dict__, "_by_vocab": {}, "_bad_words_by_vocab": {}, "_unpickled": True}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        tables = _RANK_TABLES.get(self.key)
-        if tables is not None:
-            _RANK_TABLES.move_to_end(self.key)
-            self._by_vocab, self._bad_words_by_vocab = tables
+        return {**self.__dict__, "_by_vocab": {}, "_bad_words_by_vocab": {}}
 
 
-# a tensor-parallel rank's tables of the requests it saw (RequestMaskIds, by key), the last
-# RANK_TABLES that built any: the live requests of a batch (max_num_seqs, 256 by default) and
-# some just finished; the driver holds the same tables for its live requests
-RANK_TABLES = 256
-_RANK_TABLES: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
 _KEYS = itertools.count()
 
 

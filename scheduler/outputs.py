@@ -38,6 +38,9 @@ class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]
     num_batched_tokens: int
     preempted_ids: tuple[str, ...] = ()
+    # requests finished since the plan run before, for a runner that keeps state per request (a
+    # tensor-parallel rank keeps a request's sampling parameters: engine/tp/plan.py)
+    finished_ids: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -38,7 +38,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  *, seed: int, block_size: int, sample_index: int = 0, extra_keys: tuple = (),
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), mask_ids: RequestMaskIds | None = None):
         self.request_id = request_id
         self.params = params
         self.seed = seed  # params.seed, or one drawn at admission (kept for replay)
@@ -46,6 +46,11 @@ class Request:
         self.block_size = block_size
         self.extra_keys = tuple(extra_keys)
         self.eos_token_ids = frozenset(eos_token_ids)
+        # the token ids its request masks write (allowed ids, logit_bias, the ids min_tokens bans,
+        # bad words' index), kept for every step: they can be a vocabulary's worth, too many to
+        # gather from the parameters' lists every step. The engine gives them built
+        # (RequestMaskIds.build at add_request); else its first masked step builds them
+        self.mask_ids = mask_ids or RequestMaskIds(params, self.eos_token_ids)
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self._outputs = np.empty(0, dtype=np.int64)  # output_token_ids' numpy mirror (output_array)
@@ -115,13 +120,6 @@ class Request:
         a = np.asarray(self.prompt_token_ids, dtype=np.int64)
         a.flags.writeable = False
         return a
-
-    @functools.cached_property
-    def mask_ids(self) -> RequestMaskIds:
-        """The token ids its request masks write (allowed ids, logit_bias, the ids min_tokens
-        bans), built at its first masked step and reused at every other: they can be a
-        vocabulary's worth, too many to gather from the parameters' lists every step."""
-        return RequestMaskIds(self.params, self.eos_token_ids)
 
     @functools.cached_property
     def stop_token_set(self) -> frozenset[int]:

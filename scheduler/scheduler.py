@@ -91,6 +91,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self.finished_ids: list[str] = []  # finished since the last plan run (SchedulerOutput.finished_ids)
         self.num_preemptions = 0
 
     # ------------------------------------------------------------ queue edits
@@ -110,6 +111,7 @@ class Scheduler:
             req.grammar.release()
         req.status, req.stop_reason = status, stop_reason
         self.requests.pop(req.request_id, None)
+        self.finished_ids.append(req.request_id)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -176,7 +178,10 @@ class Scheduler:
             req.num_computed_tokens += n
             if seqs[-1].sample is not None:
                 req.num_pending += 1
-        return SchedulerOutput(tuple(seqs), sum(planned.values()), tuple(preempted))
+        finished = ()
+        if seqs:  # an empty plan is not run: the next one says them
+            finished, self.finished_ids = tuple(self.finished_ids), []
+        return SchedulerOutput(tuple(seqs), sum(planned.values()), tuple(preempted), finished)
 
     def _plan_running(self, reqs: list[Request], budget: int, planned: dict[str, int],
                       preempted: list[str], align: int | None = None) -> int:
@@ -332,7 +337,9 @@ class Scheduler:
         """Undo a step that raised before its results came back: its requests
         return to the front of the queue to recompute, as after a preemption
         (which gives the same bits; not counted as one), and the blocks the step
-        was to fill leave the prefix cache, since their KV may not be written."""
+        was to fill leave the prefix cache, since their KV may not be written.
+        The requests it said finished are said so again by the next plan."""
+        self.finished_ids[:0] = plan.finished_ids
         for seq in reversed(plan.seqs):
             req = self.requests.get(seq.request_id)
             if req is None:

@@ -3,9 +3,10 @@
 The engine process keeps the scheduler, the block manager and the
 detokenizer; the N ranks are spawned processes (NCCL on GPU, gloo on CPU),
 each running the same `ModelRunner` on its shard. Per step the driver sends
-the plan (a `SchedulerOutput`: plain frozen dataclasses) to every rank over
-its pipe and gets rank 0's `ModelOutput` back, plus every rank's digest of
-its own output, which must agree.
+the plan (a `SchedulerOutput`: plain frozen dataclasses, made portable by
+engine/tp/plan.py, where a request's sampling parameters travel once) to
+every rank over its pipe and gets rank 0's `ModelOutput` back, plus every
+rank's digest of its own output, which must agree.
 
 Async scheduling: `launch(plan)` sends the plan and returns at once; each
 rank launches it and then answers with the result of the step before it, so
@@ -25,36 +26,16 @@ import pickle
 import socket
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from detent.engine.tp.plan import PlanSender
 from detent.engine.tp.worker import RankInfo, worker_main
 
 STARTUP_POLL_S = 1.0
-
-
-class FrozenGrammar:
-    """A grammar state's bitmask for this step, picklable: the matcher lives
-    with the scheduler in the driver; the ranks' sampler only reads the mask."""
-
-    def __init__(self, bitmask):
-        self._bitmask = bitmask.cpu()
-
-    def bitmask(self):
-        return self._bitmask
-
-
-def portable_plan(plan):
-    """The plan with each grammar state replaced by its current bitmask."""
-    if not any(s.sample is not None and s.sample.grammar is not None for s in plan.seqs):
-        return plan
-    seqs = tuple(s if s.sample is None or s.sample.grammar is None else
-                 replace(s, sample=replace(s.sample, grammar=FrozenGrammar(s.sample.grammar.bitmask())))
-                 for s in plan.seqs)
-    return replace(plan, seqs=seqs)
 
 
 class TPWorkerError(RuntimeError):
@@ -128,11 +109,12 @@ class TPExecutor:
         replies = self._collect("startup", timeout_s=startup_timeout_s)
         self.infos: list[RankInfo] = [r[1] for r in replies]
         self._launched = 0  # plans sent with "launch"
+        self._plans = PlanSender()  # each step's message; which requests' parameters the ranks keep
 
     # ------------------------------------------------------------ the step
     def execute(self, plan) -> Any:
         """Run one plan on every rank; rank 0's ModelOutput."""
-        self._send_all(("execute", portable_plan(plan)), "the step plan")
+        self._send_all(self._plans.message("execute", plan), "the step plan")
         return self._step_result()
 
     def launch(self, plan, prev=None) -> TPStep:
@@ -142,7 +124,7 @@ class TPExecutor:
         whose sampled tokens it used for this plan's `PLACEHOLDER` inputs:
         every rank samples the same tokens (the digests check it), so each
         fills them from its own device tensor. `prev` is that earlier step."""
-        self._send_all(("launch", portable_plan(plan)), "the step plan")
+        self._send_all(self._plans.message("launch", plan), "the step plan")
         self._launched += 1
         return TPStep(plan, self._launched)
 

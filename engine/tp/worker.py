@@ -3,12 +3,14 @@ model, sizes its KV cache, and runs the same `ModelRunner` as tp = 1 on
 every plan the driver sends.
 
 Protocol over the rank's pipe (pickled tuples):
-  driver -> rank: ("execute", SchedulerOutput) | ("launch", SchedulerOutput) | ("collect",)
-                  | ("call", fn, args) | ("shutdown",)
+  driver -> rank: ("execute", SchedulerOutput, params, drop) | ("launch", SchedulerOutput, params, drop)
+                  | ("collect",) | ("call", fn, args) | ("shutdown",)
   rank -> driver: ("ready", RankInfo) | ("result", ModelOutput | None, digest) | ("error", traceback)
 "launch" (async scheduling) queues the plan on the device and answers with
 the result of the previously launched plan, if any; "collect" answers with
-the last launched plan's result.
+the last launched plan's result. A plan's rows name their request's sampling
+parameters, which the rank keeps from the plan that first sent them (`params`)
+until the driver drops them (`drop`; engine/tp/plan.py).
 Rank 0 sends its ModelOutput; every rank sends a digest of its own, so the
 driver can check that all ranks agree without shipping N copies.
 """
@@ -20,7 +22,7 @@ import pickle
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from detent.engine.startup import build_runner, freeze_gc_heap
+from detent.engine.tp.plan import KeptParams
 
 # NVLink multicast (NVLS) reduces inside the switch in an order we do not control
 FORCED_ENV = {"NCCL_NVLS_ENABLE": "0"}
@@ -48,6 +51,7 @@ class RankInfo:
 class RankState:
     runner: Any  # ModelRunner
     info: RankInfo
+    params: KeptParams = field(default_factory=KeptParams)  # the sampling parameters the driver sent
 
 
 def rank_device(config, rank: int) -> torch.device:
@@ -122,9 +126,9 @@ def worker_main(rank: int, world: int, init_method: str, config, resolved, conn,
             msg = pickle.loads(conn.recv_bytes())
             kind = msg[0]
             if kind == "execute":
-                result(st.runner.execute(msg[1]))
+                result(st.runner.execute(st.params.plan(*msg[1:])))
             elif kind == "launch":  # async scheduling: launch, then hand over the step before
-                handle = st.runner.launch(msg[1], prev)
+                handle = st.runner.launch(st.params.plan(*msg[1:]), prev)
                 if prev is not None:
                     result(st.runner.collect(prev))
                 prev = handle

@@ -108,6 +108,26 @@ def test_abort_frees_blocks():
     assert not s.has_unfinished()
 
 
+def test_a_plan_says_which_requests_finished_since_the_plan_run_before():
+    """A runner that keeps state per request (a tensor-parallel rank keeps its sampling
+    parameters) drops it by SchedulerOutput.finished_ids: every finish, once, in the next plan
+    that has rows (an empty plan is not run), and again after a failed step is retracted."""
+    s = make()
+    s.add(req("a", 4, max_tokens=1))
+    s.add(req("b", 4, max_tokens=9))
+    s.add(req("c", 4))
+    assert run_step(s).finished_ids == ()  # a's one token finishes it
+    s.abort("c")
+    plan = s.schedule()
+    assert plan.finished_ids == ("a", "c") and [q.request_id for q in plan.seqs] == ["b"]
+    s.retract(plan)
+    assert run_step(s).finished_ids == ("a", "c")
+    s.abort("b")
+    assert s.schedule().finished_ids == ()  # nothing left to plan: the next plan says it
+    s.add(req("d", 4))
+    assert run_step(s).finished_ids == ("b",) and run_step(s).finished_ids == ()
+
+
 def test_stops():
     s = make()
     a = req("a", 4, max_tokens=3)

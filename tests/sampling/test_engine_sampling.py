@@ -244,6 +244,41 @@ def test_a_requests_long_id_lists_are_read_once_not_at_every_step(monkeypatch):
     # three passes each (validation, its stop-id set or a second field, its masks' build), not 12+
     assert _CountedIds.reads <= 4 * len(ids) and _CountedBias.reads <= 4 * len(ids), \
         (_CountedIds.reads, _CountedBias.reads)
-    monkeypatch.setattr(Request, "mask_ids", property(lambda self: None))  # rows build theirs per call
+    # rows build theirs per call: a request keeps none of the masks it is given
+    monkeypatch.setattr(Request, "mask_ids", property(lambda self: None, lambda self, masks: None), raising=False)
     fresh = [result_of(o) for o in llm.generate(prompts, [hostile, plain], use_tqdm=False)]
     assert all(same(a, b) for a, b in zip(kept, fresh))
+
+
+def test_a_requests_mask_tables_are_built_when_it_is_added_not_on_the_step_loop(monkeypatch):
+    """100k bad words took 180 ms to index at the request's first masked step, a stall for
+    every request of that step: add_request builds its tables (bad words' index, allowed ids,
+    logit_bias, min_tokens' bans), and no step builds any, for either sample of n = 2 (they share
+    them). Its tokens are those of rows that build their tables at every step."""
+    from detent.sampling import processors as P
+    built = []
+    real_words, real_ids = P.BadWords, P.build_mask_ids
+    monkeypatch.setattr(P, "BadWords", lambda words, V: built.append("words") or real_words(words, V))
+    monkeypatch.setattr(P, "build_mask_ids", lambda *a: built.append("ids") or real_ids(*a))
+    words = [[t] for t in range(100, 140)] + [[t, t + 1] for t in range(2, 100)]
+    masked = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, min_tokens=3, logprobs=2,
+                            bad_words_token_ids=words, logit_bias={t: 2.0 for t in range(2, 60)},
+                            ignore_eos=True)
+    llm = tiny_llm(VOCAB)
+    eng = llm.llm_engine
+    eng.add_request("masked", TARGET_PROMPT[:9], masked)
+    eng.add_request("plain", TARGET_PROMPT, target_params())
+    assert sorted(built) == ["ids", "words"]  # at add_request, once for both samples
+    built.clear()
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert built == []  # no step built any
+    kept = [result_of(done["masked"], i) for i in range(2)]
+    assert all(len(r.token_ids) == 10 and not set(r.token_ids) & set(range(100, 140)) for r in kept)
+    monkeypatch.setattr(P.RequestMaskIds, "build", lambda self, V: self)  # rows build theirs per step
+    from detent.scheduler.request import Request
+    monkeypatch.setattr(Request, "mask_ids", property(lambda self: None, lambda self, masks: None), raising=False)
+    fresh = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [masked], use_tqdm=False)[0]
+    assert all(same(a, result_of(fresh, i)) for i, a in enumerate(kept))
+    assert len(built) > 10  # the comparison's rows did build theirs at each step

@@ -301,29 +301,3 @@ def test_a_requests_bad_words_are_indexed_once_and_each_step_looks_up_its_tail(m
             assert torch.equal(P.apply_request_masks(x, rows, last), _masks_reference(x, rows, last))
         out.append(token)
     assert built == [V]  # once for the request, not at each of its 12 calls
-
-
-def test_a_tensor_parallel_rank_builds_a_requests_tables_once(monkeypatch):
-    """A rank unpickles the step's plan at every step, each row's RequestMaskIds with it (no
-    tables: the pickle carries the parameters). The rank keeps the tables it built under the
-    request's key, so a request's stop ids and bad words are indexed once on a rank too (100k
-    bad words take 180 ms to index, more than a step), and two requests never share tables."""
-    import pickle
-    built = []
-    real_words, real_ids = P.BadWords, P.build_mask_ids
-    monkeypatch.setattr(P, "BadWords", lambda words, V: built.append("words") or real_words(words, V))
-    monkeypatch.setattr(P, "build_mask_ids", lambda *a: built.append("ids") or real_ids(*a))
-    V = 300
-    p = SamplingParams(min_tokens=50, max_tokens=60, stop_token_ids=list(range(100, 200)),
-                       bad_words_token_ids=[[5], [6, 7]])
-    q = SamplingParams(bad_words_token_ids=[[9]])
-    first, second = P.RequestMaskIds(p, (0,)), P.RequestMaskIds(q)
-    g = torch.Generator().manual_seed(0)
-    for step in range(6):
-        a, b = pickle.loads(pickle.dumps((first, second)))  # this step's plan, on the rank
-        rows = [SamplingRow(p, 3, 4 + step, output_token_ids=[6] * step, eos_token_ids=(0,), mask_ids=a),
-                SamplingRow(q, 5, 4 + step, mask_ids=b)]
-        x = torch.randn(2, V, generator=g)
-        assert torch.equal(P.apply_request_masks(x, rows), _masks_reference(x, rows, None))
-    assert sorted(built) == ["ids", "words", "words"]  # each request's, once
-    assert first.key != second.key and not first._by_vocab  # the driver's own copy built nothing here

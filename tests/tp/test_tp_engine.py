@@ -348,7 +348,7 @@ def test_plan_sent_to_ranks_carries_the_grammar_bitmask_not_the_matcher():
 
     import torch
 
-    from detent.engine.tp.executor import portable_plan
+    from detent.engine.tp.plan import KeptParams, PlanSender
     from detent.sampling.sampler import SamplingRow
     from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
 
@@ -364,10 +364,11 @@ def test_plan_sent_to_ranks_carries_the_grammar_bitmask_not_the_matcher():
                             ScheduledSeq("c", (4,), 0, (3,), None)), 4)
     with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
         pickle.dumps(plan)
-    sent = pickle.loads(pickle.dumps(portable_plan(plan)))
+    kind, sent, params, drop = pickle.loads(pickle.dumps(PlanSender().message("launch", plan)))
+    sent = KeptParams().plan(sent, params, drop)
     assert torch.equal(sent.seqs[0].sample.grammar.bitmask(), torch.tensor([5, -1], dtype=torch.int32))
     assert sent.seqs[1] == plan.seqs[1] and sent.seqs[2] == plan.seqs[2]
-    assert portable_plan(SchedulerOutput(plan.seqs[1:], 2)) == SchedulerOutput(plan.seqs[1:], 2)
+    assert PlanSender().message("execute", SchedulerOutput(plan.seqs[1:], 2))[1] == SchedulerOutput(plan.seqs[1:], 2)
 
 
 def test_tp2_async_scheduling_gives_the_same_outputs(tiny_dir, count_placeholders):
@@ -394,3 +395,63 @@ def test_tp2_async_scheduling_gives_the_same_outputs(tiny_dir, count_placeholder
             _shutdown(llm)
     assert results[True] == results[False]
     assert sum(holes) >= 10, holes  # the overlap happened
+
+
+def _kept_params(st) -> list[str]:
+    return sorted(st.params.kept)
+
+
+def test_a_requests_sampling_parameters_reach_the_ranks_once(tiny_dir):
+    """50k bad words (and a logit_bias) pickled into every step's plan made every step's
+    message 0.4 MB. They reach the ranks with the request's first plan: later messages are
+    as small as a plain request's, and a finished request's parameters leave the ranks with
+    the next plan. Comparator: the request's tokens and logprobs with `==` against the same
+    tp = 2 engine sending them in every plan (the old way), and alone against among
+    neighbours; tokens `==` and logprobs within fp32 tolerance against tp = 1."""
+    import pickle
+    import random
+
+    from detent.models import ModelConfig, load_model
+    rng = random.Random(0)
+    words = [[t] for t in range(100, 110)] + [[rng.randrange(2, 256), rng.randrange(2, 256)] for _ in range(50_000)]
+    hostile = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True, bad_words_token_ids=words,
+                             logit_bias={t: 4.0 for t in range(100, 140)})
+    plain = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    llm = make_llm(tiny_dir, 2)
+    ex = llm.llm_engine.runner
+    sizes, send = {}, ex._send_all
+
+    def recorded(msg, what):
+        if msg[0] in ("execute", "launch"):
+            sizes[name].append(len(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
+        send(msg, what)
+    ex._send_all = recorded
+    try:
+        got = {}
+        for name, prompts, params in (("hostile", [TARGET], [hostile]), ("plain", [TARGET], [plain]),
+                                      ("among", [OTHERS[0], TARGET, OTHERS[1]], [OTHER_SP, hostile, OTHER_SP]),
+                                      ("last", [OTHERS[2]], [OTHER_SP])):
+            sizes[name] = []
+            outs = llm.generate([_prompt(p) for p in prompts], params, use_tqdm=False)
+            got[name] = _result(outs[params.index(hostile) if hostile in params else 0])
+        kept = ex.collective_rpc(_kept_params)  # "among"'s three dropped with "last"'s first plan
+        ex._plans.message = lambda kind, plan: (kind, plan, {}, ())  # every row's parameters in every plan
+        name = "every"
+        sizes[name] = []
+        every = _result(llm.generate([_prompt(TARGET)], hostile, use_tqdm=False)[0])
+    finally:
+        _shutdown(llm)
+    mc = ModelConfig.from_hf(tiny_dir)
+    tp1 = LLM.from_model(load_model(mc, device="cpu", dtype="auto", load_format="dummy", seed=0), mc, device="cpu",
+                         max_model_len=128, kv_cache_memory_bytes=1 << 22, seed=0)
+    ref = _result(tp1.generate([_prompt(TARGET)], hostile, use_tqdm=False)[0])
+    assert sizes["hostile"][0] > 400_000 and sizes["every"][-1] > 400_000
+    assert len(sizes["hostile"]) == len(sizes["plain"]) >= 6
+    assert all(h <= p + 64 for h, p in zip(sizes["hostile"][1:], sizes["plain"][1:])), sizes
+    assert every == got["hostile"] == got["among"]
+    assert not set(got["hostile"][0]) & set(range(100, 110)) and got["hostile"][0] != got["plain"][0]
+    assert got["hostile"][0] == ref[0]
+    for ref_pos, got_pos in zip(ref[1], got["hostile"][1]):
+        assert [t for t, _, _ in got_pos] == [t for t, _, _ in ref_pos]
+        assert all(abs(a - b) < 1e-4 for (_, a, _), (_, b, _) in zip(ref_pos, got_pos))
+    assert len(kept) == 2 and kept[0] == kept[1] and len(kept[0]) == 1
