@@ -38,9 +38,11 @@ FACTS="--load-format dummy --device cuda --dtype bfloat16 --max-model-len 8192"
 WL=${WORKLOADS:-W-A,W-C}
 [ "$WL" = W-A,W-C ] || ARMS=$TUNES-${WL//,/_}
 N=64  # requests a load; the tunes tune the same workload (W-B's 200 did not fit a tune's 600 s, lease 30)
-# LAMBDA_MAX_FROM=DIR: an earlier folder's stock lambda_max sets the rates, for arms served without a
-# stock part (lease 30: benchmarks/results/h100-2026-12-06-lease29/arms-W-B)
-A="--model $M $FACTS --num-requests $N --workloads $WL --out $ARMS ${LAMBDA_MAX_FROM:+--lambda-max-from $LAMBDA_MAX_FROM}"
+# LAMBDA_MAX_FROM="DIR [DIR...]": earlier folders' stock lambda_max sets the rates, for arms served
+# without a stock part (lease 30: benchmarks/results/h100-2026-12-06-lease29/arms-W-B)
+FROM=""
+for D in ${LAMBDA_MAX_FROM:-}; do FROM="$FROM --lambda-max-from $D"; done
+A="--model $M $FACTS --num-requests $N --workloads $WL --out $ARMS$FROM"
 mkdir -p "$OUT" "$ARMS" $TUNES
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M $SHAPE > /dev/null
 [ $TUNES = /tmp/arms ] && for T in h100-2026-12-06-lease28/tune/tuple-W-C.json \
@@ -77,7 +79,7 @@ for PART in "$@"; do
             LM=$(python3 -c "import json,sys
 for p in sys.argv[2:]:
     try: print(json.load(open(p))['lambda_max'][sys.argv[1]]); break
-    except (OSError, KeyError): pass" $W $ARMS/arms.json ${LAMBDA_MAX_FROM:+$LAMBDA_MAX_FROM/arms.json})
+    except (OSError, KeyError): pass" $W $ARMS/arms.json $(for D in ${LAMBDA_MAX_FROM:-}; do echo $D/arms.json; done))
             timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --num-requests $N --cost kernels \
                 --time-budget "$B" ${LM:+--max-throughput $LM} ${TUNE_ARGS:-} -o $TUNES/tuple-$W.json ;;
         vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)

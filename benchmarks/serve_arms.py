@@ -178,8 +178,8 @@ def run(a) -> None:
     wanted = [w for w in names if not a.loads or w in a.loads or any(ld.name in a.loads for ld in workloads[w].loads)]
     # a closed loop's rate is its own: only workloads with Poisson loads need stock's lambda_max
     missing = [w for w in wanted if w not in res["lambda_max"] and any(ld.fraction for ld in workloads[w].loads)]
-    if missing and a.lambda_max_from and "stock" not in arms:
-        missing = borrow_lambda_max(res, a.lambda_max_from, missing)
+    for src in a.lambda_max_from if "stock" not in arms else ():
+        missing = borrow_lambda_max(res, src, missing) if missing else missing
     if missing and "stock" not in arms and (arms or a.vllm_url):
         raise SystemExit(f"no stock lambda_max for {missing} yet: run --arms stock on them first")
     url = f"http://127.0.0.1:{a.port}"
@@ -229,8 +229,10 @@ def main(argv=None) -> None:
     r.add_argument("--loads", default="", help="only these loads or workloads' loads (A1,B2 or W-B); default all")
     r.add_argument("--vllm-url", default=None, help="a running `vllm serve` of the same model: the vLLM arm")
     r.add_argument("--api-key", default=None, help="the vLLM server's API key")
-    r.add_argument("--lambda-max-from", default=None, help="an earlier folder (or its arms.json) of the same "
-                   "workloads whose stock lambda_max sets the rates, for arms served without a stock run")
+    r.add_argument("--lambda-max-from", action="append", default=[], help="an earlier folder (or its arms.json) "
+                   "of the same workload arguments whose stock lambda_max sets the rates, for arms served without a "
+                   "stock run; repeat it for workloads whose lambda_max came from several folders (each workload's "
+                   "from the first folder that has it)")
     r.add_argument("--num-requests", type=int, default=None, help="smaller workloads (default: the full ones)")
     r.add_argument("--max-len", type=int, default=None, help="each request's prompt + output at most this")
     r.add_argument("--vocab", type=int, default=32000)

@@ -72,13 +72,16 @@ def test_arms_in_miniature(tmp_path):
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert early.returncode != 0 and "run --arms stock on them first" in early.stderr
     # an arm served without a stock run takes an earlier folder's lambda_max (lease 30), and says so
-    borrowed = tmp_path / "borrowed"
+    borrowed, lacking = tmp_path / "borrowed", tmp_path / "lacking"  # several folders: the first that has it
+    lacking.mkdir()
+    (lacking / "arms.json").write_text(json.dumps({"workload_args": res["workload_args"], "lambda_max": {}}))
     b = subprocess.run(cmd + ["--arms", "pinned-default", "--loads", "A1", "--out", str(borrowed),
-                              "--lambda-max-from", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+                              "--lambda-max-from", str(lacking), "--lambda-max-from", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
     got = json.loads((borrowed / "arms.json").read_text())
-    assert got["lambda_max"] == {"W-A": res["lambda_max"]["W-A"]} and got["lambda_max_from"] == {"W-A": str(out / "arms.json")}
+    assert got["lambda_max"] == {"W-A": res["lambda_max"]["W-A"]}
+    assert got["lambda_max_from"] == {"W-A": str(out / "arms.json")}
     assert list(got["arms"]["pinned-default"]) == ["A1"]
     assert got["arms"]["pinned-default"]["A1"]["rate"] == res["arms"]["stock"]["A1"]["rate"]
     n = cmd.index("--num-requests")
