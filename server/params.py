@@ -19,6 +19,7 @@ from detent.server.protocol import ChatCompletionRequest, CompletionRequest, _Sa
 from detent.server.vllm_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_vllm_fields
 
 MAX_LOGPROBS = 20
+_DECIMAL = re.compile(r"-?[0-9]{1,20}")  # a logit_bias key
 
 
 @dataclass(frozen=True)
@@ -224,11 +225,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for k, v in bias.items():
-        try:
-            out[int(k)] = v
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {k!r}",
-                              "logit_bias") from None
+        if not _DECIMAL.fullmatch(k):  # int() also reads " 1", "1_0" and "١": each a silent bias on some token
+            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {k[:40]!r}", "logit_bias")
+        out[int(k)] = v
     return out
 
 

@@ -60,7 +60,8 @@ def _check_spec_size(item: Any, where: str) -> None:
     """A record's structured-output spec against the engine's size bound, before parsing the
     record validates it (a 2 MB schema took 11 s against its meta-schema), as the generation
     routes bound theirs (server/params.py)."""
-    so = item.get("params", {}).get("structured_outputs") if isinstance(item.get("params"), dict) else None
+    params = item.get("params") if isinstance(item, dict) else None  # not an object: parse_record names it
+    so = params.get("structured_outputs") if isinstance(params, dict) else None
     for kind, value in (so.items() if isinstance(so, dict) else ()):
         if kind in ("json", "regex", "grammar", "choice") and value is not None:
             try:

@@ -207,3 +207,30 @@ def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, pat
         on_loop.clear()
         assert client.post(path, headers=AUTH, json=COMPLETION).status_code == 200
         assert on_loop and all(on_loop), on_loop
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_an_empty_stop_string_is_named_not_the_whole_list_echoed(client, path, body):
+    """Empty stop strings pass the character bound (they have none), and the 400 echoed the whole
+    list: 200,000 of them made an 800 KB error message (22 MB from a 16 MiB body), built and
+    scanned on the event loop. The message names the first bad entry."""
+    for stop, where in (([""] * 200_000, "stop[0]"), (["a", "b", ""], "stop[2]")):
+        err = _error(client.post(path, headers=AUTH, json={**body, "stop": stop}))
+        assert err["param"] == "stop" and where in err["message"] and len(err["message"]) < 200, err["message"][:300]
+
+
+@pytest.mark.parametrize("key", [" 1", "1 ", "1_0", "+1", "\u0661", "0x1", "", "1" * 30])
+def test_logit_bias_keys_are_decimal_token_ids(client, key):
+    """int() reads " 1", "1_0", "+1" and the Arabic-Indic "١" as ids, so such a key was a silent
+    bias on some token; docs/server.md says a key that is not an integer is a 400 naming logit_bias."""
+    err = _error(client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {key: 5}}))
+    assert err["param"] == "logit_bias", err
+    assert client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {"5": 5}}).status_code == 200
+
+
+@pytest.mark.parametrize("body", [[1], [None], ["x"], [[_record()]], 5])
+def test_verify_refuses_a_record_that_is_not_an_object(verifier, body):
+    """`[1]` was a 500 (AttributeError: the spec-size check read .get of an int); a record that is
+    not an object is a 400 naming it, as parse_record words it."""
+    err = _error(verifier.post("/v1/verify", headers=AUTH, json=body))
+    assert "object" in err["message"], err
