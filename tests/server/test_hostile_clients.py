@@ -177,18 +177,10 @@ def test_update_weights_with_a_nul_in_the_path_or_a_broken_index_is_a_400(tmp_pa
         assert c.get("/health").status_code == 200
 
 
-@pytest.mark.parametrize("path,body,formatter", [
-    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "detent.server.chat.chat_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "detent.server.chat.prompt_logprobs_json"),
-    ("/v1/completions", {**COMPLETION, "logprobs": 2}, "detent.server.completions._choice"),
-])
-def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, path, body, formatter):
-    """Up to --max-logprob-entries entries make a body of tens of MB: formatted on the event loop,
-    a 51 MB one held /health and every stream for 2.4 s. A response with logprobs is built (and
-    encoded) in a worker thread; one without stays on the loop (no thread hop on the common path)."""
+def _on_loop_spy(monkeypatch, module, name) -> list[bool]:
+    """Replaces module.name with a spy that records, per call, whether an event loop runs in its thread."""
     import asyncio
     import importlib
-    module, name = formatter.rsplit(".", 1)
     mod = importlib.import_module(module)
     real, on_loop = getattr(mod, name), []
 
@@ -200,6 +192,19 @@ def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, pat
             on_loop.append(False)
         return real(*a, **k)
     monkeypatch.setattr(mod, name, spy)
+    return on_loop
+
+
+@pytest.mark.parametrize("path,body,formatter", [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "detent.server.chat.chat_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "detent.server.chat.prompt_logprobs_json"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 2}, "detent.server.completions._choice"),
+])
+def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, path, body, formatter):
+    """Up to --max-logprob-entries entries make a body of tens of MB: formatted on the event loop,
+    a 51 MB one held /health and every stream for 2.4 s. A response with logprobs is built (and
+    encoded) in a worker thread; one without stays on the loop (no thread hop on the common path)."""
+    on_loop = _on_loop_spy(monkeypatch, *formatter.rsplit(".", 1))
     r = client.post(path, headers=AUTH, json=body)
     assert r.status_code == 200, r.text
     assert on_loop and not any(on_loop), on_loop
@@ -207,6 +212,46 @@ def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, pat
         on_loop.clear()
         assert client.post(path, headers=AUTH, json=COMPLETION).status_code == 200
         assert on_loop and all(on_loop), on_loop
+
+
+def test_a_large_body_is_parsed_checked_and_validated_off_the_event_loop(client, monkeypatch):
+    """A 16 MiB body of empty lists (`"x": [[], [], ...]`, or as `prompt`) held the event loop, so
+    /health and every stream, for 12 s (json.loads, the depth/Unicode/integer walk, pydantic, all
+    in the number of values). A body over 64 KiB is now read on the preprocessing pool; a small
+    one stays on the loop (no thread hop on the common path)."""
+    on_loop = _on_loop_spy(monkeypatch, "detent.server.serving", "parse_json")
+    big = {**COMPLETION, "x": [[]] * 30_000}  # ~120 KB
+    assert client.post("/v1/completions", headers=AUTH, json=big).status_code == 200
+    err = _error(client.post("/v1/completions", headers=AUTH, json={"prompt": [[]] * 30_000}))  # refused there too
+    assert "prompt" in err["message"], err
+    assert on_loop == [False, False], on_loop
+    on_loop.clear()
+    assert client.post("/v1/completions", headers=AUTH, json=COMPLETION).status_code == 200
+    assert on_loop == [True], on_loop
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {**COMPLETION, "prompt": ["a", "bb", "c"]}),
+                                       ("/v1/chat/completions", CHAT),
+                                       ("/v1/responses", {"input": "hi", "max_output_tokens": 2})])
+def test_sampling_params_are_built_off_the_event_loop_once_per_max_tokens(client, monkeypatch, path, body):
+    """SamplingParams checks every id and bias a request lists, in Python: 8M allowed_token_ids
+    took 1.2 s, and a vocabulary's logit_bias 48 ms per prompt, so 64 prompts held the event loop
+    (/health answered after 7 s on the tiny-model server). They are built on the preprocessing
+    pool, once for the prompts that share a max_tokens."""
+    on_loop = _on_loop_spy(monkeypatch, "detent.server.params", "sampling_params")
+    bias = {"logit_bias": {str(i): 1 for i in range(FakeTokenizer.vocab_size)}}
+    r = client.post(path, headers=AUTH, json={**body, **bias})
+    assert r.status_code == 200, r.text
+    assert on_loop == [False], on_loop
+
+
+def test_allowed_token_ids_reach_the_engine_once_each():
+    """As stop_token_ids: repeats mean nothing, and 8M of them were 16 MB to pickle to the engine."""
+    from detent.server.params import sampling_params
+    from detent.server.protocol import CompletionRequest
+    req = CompletionRequest.model_validate({"prompt": "hi", "allowed_token_ids": [7, 3] * 100_000 + [9]})
+    params = sampling_params(req, max_tokens=4, logprobs=None, prompt_logprobs=None, structured=None, vocab_size=100)
+    assert params.allowed_token_ids == [7, 3, 9]
 
 
 @pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
