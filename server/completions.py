@@ -97,7 +97,9 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
                 choices.append(_choice(req, state, tok, i * req.n + c.index, text0, ids, out, c))
         return {**ctx, "choices": choices, "usage": usage(gen.prompt_tokens, gen.completion_tokens),
                 "detent": {**state.fingerprint(), "seeds": seeds(finals)}}
-    return await respond(body, off_loop=req.logprobs is not None or prompt_lp is not None)
+    # echo repeats each prompt's text in each of its n choices: up to --max-sequences-per-request copies
+    # of a context's text (256 x 32k tokens: a 32 MB body, 0.2 s to encode), from a body of token ids
+    return await respond(body, off_loop=req.echo or req.logprobs is not None or prompt_lp is not None)
 
 
 def _echo_only(req: CompletionRequest) -> bool:

@@ -199,11 +199,14 @@ def _on_loop_spy(monkeypatch, module, name) -> list[bool]:
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "detent.server.chat.chat_logprobs"),
     ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "detent.server.chat.prompt_logprobs_json"),
     ("/v1/completions", {**COMPLETION, "logprobs": 2}, "detent.server.completions._choice"),
+    # echo: n choices each repeat the prompt's text (256 x a 32k-token context: 32 MB, 0.2 s to encode)
+    ("/v1/completions", {**COMPLETION, "echo": True, "n": 3}, "detent.server.completions._choice"),
 ])
 def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, path, body, formatter):
     """Up to --max-logprob-entries entries make a body of tens of MB: formatted on the event loop,
     a 51 MB one held /health and every stream for 2.4 s. A response with logprobs is built (and
-    encoded) in a worker thread; one without stays on the loop (no thread hop on the common path)."""
+    encoded) in a worker thread, as is one with echo; one without stays on the loop (no thread hop
+    on the common path)."""
     on_loop = _on_loop_spy(monkeypatch, *formatter.rsplit(".", 1))
     r = client.post(path, headers=AUTH, json=body)
     assert r.status_code == 200, r.text
