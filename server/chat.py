@@ -73,7 +73,8 @@ def check_generation_prompt(req: ChatCompletionRequest | TokenizeRequest) -> Non
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
                           param: str = "messages") -> list[int]:
-    dicts, final = messages_to_dicts(messages), None
+    # on the pool, as the rendering: a 16 MiB body holds 550,000 empty messages, 0.6 s of the event loop
+    dicts, final = await state.preprocess.run(messages_to_dicts, messages), None
     if continue_final_message:
         try:
             dicts, final = open_final_message(dicts)

@@ -282,3 +282,13 @@ def test_verify_refuses_a_record_that_is_not_an_object(verifier, body):
     not an object is a 400 naming it, as parse_record words it."""
     err = _error(verifier.post("/v1/verify", headers=AUTH, json=body))
     assert "object" in err["message"], err
+
+
+def test_a_conversation_becomes_template_input_off_the_event_loop(client, monkeypatch):
+    """A 16 MiB body holds 550,000 empty messages: turning them into the template's dicts took
+    0.6 s of the event loop (the rendering after it was already on the pool, and bounded)."""
+    on_loop = _on_loop_spy(monkeypatch, "detent.server.chat", "messages_to_dicts")
+    assert client.post("/v1/chat/completions", headers=AUTH, json=CHAT).status_code == 200
+    err = _error(client.post("/tokenize", headers=AUTH, json={"messages": [{"role": "user", "content": "x" * 9000}] * 2}))
+    assert err["param"] == "messages" and "--max-chars-per-token" in err["message"], err  # still refused before rendering
+    assert on_loop == [False, False], on_loop
