@@ -244,8 +244,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        bad = next((i for i, s in enumerate(self.stop) if not (isinstance(s, str) and s)), None)
+        if bad is not None:  # named by index: the whole list in the message made a 22 MB error body
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got stop[{bad}] = "
+                             f"{self.stop[bad]!r:.80}")
         self.stop_token_ids = _token_list("stop_token_ids", self.stop_token_ids)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -17,7 +17,8 @@ from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, chat_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import (FieldNames, bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
-                                  check_stop_chars, resolve_max_tokens, sampling_params, structured_outputs)
+                                  check_stop_chars, resolve_max_tokens, sampling_params_per_prompt,
+                                  structured_outputs)
 from detent.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from detent.server.reasoning import END, ReasoningParser
 from detent.server.serving import ServerState, SSEResponse, respond
@@ -72,7 +73,8 @@ def check_generation_prompt(req: ChatCompletionRequest | TokenizeRequest) -> Non
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
                           param: str = "messages") -> list[int]:
-    dicts, final = messages_to_dicts(messages), None
+    # on the pool, as the rendering: a 16 MiB body holds 550,000 empty messages, 0.6 s of the event loop
+    dicts, final = await state.preprocess.run(messages_to_dicts, messages), None
     if continue_final_message:
         try:
             dicts, final = open_final_message(dicts)
@@ -138,9 +140,11 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
     k = (req.top_logprobs or 0) if req.logprobs else None
     check_logprob_entries(state.limits, [len(ids)], [mt], req.n, k, req.prompt_logprobs, 1)
     check_stop_chars(req.stop, state.preprocess)
-    params = sampling_params(req, max_tokens=mt, logprobs=k, prompt_logprobs=req.prompt_logprobs,
-                             structured=structured, vocab_size=state.vocab_size, defaults=state.sampling_defaults,
-                             bad_words=await bad_words_ids(req, state.preprocess))
+    bad_words = await bad_words_ids(req, state.preprocess)
+    (params,) = await sampling_params_per_prompt(state.preprocess, req, [mt], logprobs=k,
+                                                 prompt_logprobs=req.prompt_logprobs, structured=structured,
+                                                 vocab_size=state.vocab_size, defaults=state.sampling_defaults,
+                                                 bad_words=bad_words)
     return ChatPlan(model, ids, params, shape, k, state.token_text(req.return_tokens_as_token_ids))
 
 

@@ -12,7 +12,8 @@ from detent.server.errors import bad_request
 from detent.server.formatting import ChoiceDelta, TokenText, completion_logprobs, prompt_logprobs_json, usage
 from detent.server.generation import Generation, output_error, seeds, sse_events
 from detent.server.params import (bad_words_ids, check_counts, check_logprob_entries, check_prompt_ids,
-                                  check_stop_chars, resolve_max_tokens, sampling_params, structured_outputs)
+                                  check_stop_chars, resolve_max_tokens, sampling_params_per_prompt,
+                                  structured_outputs)
 from detent.server.protocol import CompletionRequest
 from detent.server.serving import ServerState, SSEResponse, respond
 
@@ -70,9 +71,10 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
                           copies)
     check_stop_chars(req.stop, state.preprocess)
     bad = await bad_words_ids(req, state.preprocess)
-    params = [sampling_params(req, max_tokens=mt, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
-                              structured=structured, vocab_size=state.vocab_size,
-                              defaults=state.sampling_defaults, bad_words=bad) for mt in mts]
+    params = await sampling_params_per_prompt(state.preprocess, req, mts, logprobs=req.logprobs,
+                                              prompt_logprobs=prompt_lp, structured=structured,
+                                              vocab_size=state.vocab_size, defaults=state.sampling_defaults,
+                                              bad_words=bad)
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, rid, [ids for _, ids in prompts], params, endpoint="/v1/completions",
                      texts=[t for t, _ in prompts])
@@ -95,7 +97,9 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
                 choices.append(_choice(req, state, tok, i * req.n + c.index, text0, ids, out, c))
         return {**ctx, "choices": choices, "usage": usage(gen.prompt_tokens, gen.completion_tokens),
                 "detent": {**state.fingerprint(), "seeds": seeds(finals)}}
-    return await respond(body, off_loop=req.logprobs is not None or prompt_lp is not None)
+    # echo repeats each prompt's text in each of its n choices: up to --max-sequences-per-request copies
+    # of a context's text (256 x 32k tokens: a 32 MB body, 0.2 s to encode), from a body of token ids
+    return await respond(body, off_loop=req.echo or req.logprobs is not None or prompt_lp is not None)
 
 
 def _echo_only(req: CompletionRequest) -> bool:

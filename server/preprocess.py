@@ -116,7 +116,6 @@ class Preprocessor:
     async def render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any],
                      param: str = "messages") -> str:
         """The conversation through the chat template; errors name `param` (the request's messages)."""
-        self.check_chars(sum(len(m.get("content") or "") for m in messages), param)
         limit_s = self.limits.chat_template_timeout_s
         try:
             # the thread checks its own deadline; this answers the client even when
@@ -128,6 +127,7 @@ class Preprocessor:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any], param: str) -> str:
         """On a pool thread: the rendering, stopped at the time and size bounds."""
+        self.check_chars(sum(len(m.get("content") or "") for m in messages), param)  # a pass over every message
         limit_s = self.limits.chat_template_timeout_s
         deadline = time.monotonic() + limit_s
         kw = {**kwargs, "range": TimedRange.factory(deadline, limit_s)}

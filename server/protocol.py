@@ -10,11 +10,15 @@ OpenAI fields.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+T = TypeVar("T")
+# A list of the wrong items is reported by its first: pydantic builds an error per item, and listing
+# the 5M errors of a 20 MB `stop_token_ids: ["a", ...]` took 57 s, holding the GIL (so the event loop)
+Items = Annotated[list[T], Field(fail_fast=True)]
+Prompt = Union[str, Items[str], Items[int], Items[Items[int]]]
 
 
 class _Body(BaseModel):
@@ -43,7 +47,7 @@ class StructuredOutputsBody(_Body):
     """vLLM's `structured_outputs` extension: exactly one constraint."""
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Items[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -57,7 +61,7 @@ class _Extensions(_Body):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Items[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -67,21 +71,21 @@ class _Extensions(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Items[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs_mode: Literal["raw", "processed"] | None = None
-    golden_token_ids: list[int] | None = None
+    golden_token_ids: Items[int] | None = None
     structured_outputs: StructuredOutputsBody | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Items[str] | None = None
     guided_grammar: str | None = None
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     request_id: str | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: Items[int] | None = None
+    bad_words: Items[str] | None = None
 
 
 class _Sampling(_Extensions):
@@ -106,17 +110,17 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Body):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Items[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Items[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Items[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -146,14 +150,14 @@ class ResponsesRequest(_Extensions):
     """OpenAI's Responses API (server/responses_input.py turns it into a chat request).
     `input` items and `tools` are checked there, one by one, so that an unsupported
     item names its index and type."""
-    input: str | list[dict[str, Any]]
+    input: str | Items[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
     stream: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: Items[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     text: ResponseText | None = None
-    include: list[str] | None = None
+    include: Items[str] | None = None
     top_logprobs: int | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
@@ -168,7 +172,7 @@ class ResponsesRequest(_Extensions):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Items[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -178,4 +182,4 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: Items[int]

@@ -14,6 +14,7 @@ fact), or skipped (aborted or failed requests).
 """
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any
 
@@ -27,7 +28,7 @@ from detent.server.errors import APIError, bad_request
 from detent.server.generation import Generation
 from detent.server.params import (MAX_LOGPROBS, check_logprob_entries, check_prompt_ids, check_stop_chars,
                                   resolve_max_tokens)
-from detent.server.serving import ClientGone, ServerState, unless_disconnected
+from detent.server.serving import ClientGone, ServerState, checked_body, unless_disconnected
 
 
 def _records(body: Any, limit: int) -> tuple[list[Any], dict[str, dict]]:
@@ -60,7 +61,8 @@ def _check_spec_size(item: Any, where: str) -> None:
     """A record's structured-output spec against the engine's size bound, before parsing the
     record validates it (a 2 MB schema took 11 s against its meta-schema), as the generation
     routes bound theirs (server/params.py)."""
-    so = item.get("params", {}).get("structured_outputs") if isinstance(item.get("params"), dict) else None
+    params = item.get("params") if isinstance(item, dict) else None  # not an object: parse_record names it
+    so = params.get("structured_outputs") if isinstance(params, dict) else None
     for kind, value in (so.items() if isinstance(so, dict) else ()):
         if kind in ("json", "regex", "grammar", "choice") and value is not None:
             try:
@@ -101,7 +103,8 @@ def _check_record(state: ServerState, r: Any) -> None:
 async def verify_records(request: Request, state: ServerState) -> Response:
     if state.engine_fingerprint is None:  # a test server over a fake engine
         raise APIError(501, "this server's engine reports no fingerprint: it cannot verify records")
-    body = parse_json(await receive_body(request, state.limits), allow_list=True)
+    body = await checked_body(state, await receive_body(request, state.limits),
+                              functools.partial(parse_json, allow_list=True))
     # parsing a record validates its sampling parameters and structured-output spec: on the pool
     records, tuples = await state.preprocess.run(_records, body, state.limits.max_verify_records)
     _check_bounds(state, records)

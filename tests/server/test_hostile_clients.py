@@ -177,18 +177,10 @@ def test_update_weights_with_a_nul_in_the_path_or_a_broken_index_is_a_400(tmp_pa
         assert c.get("/health").status_code == 200
 
 
-@pytest.mark.parametrize("path,body,formatter", [
-    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "detent.server.chat.chat_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "detent.server.chat.prompt_logprobs_json"),
-    ("/v1/completions", {**COMPLETION, "logprobs": 2}, "detent.server.completions._choice"),
-])
-def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, path, body, formatter):
-    """Up to --max-logprob-entries entries make a body of tens of MB: formatted on the event loop,
-    a 51 MB one held /health and every stream for 2.4 s. A response with logprobs is built (and
-    encoded) in a worker thread; one without stays on the loop (no thread hop on the common path)."""
+def _on_loop_spy(monkeypatch, module, name) -> list[bool]:
+    """Replaces module.name with a spy that records, per call, whether an event loop runs in its thread."""
     import asyncio
     import importlib
-    module, name = formatter.rsplit(".", 1)
     mod = importlib.import_module(module)
     real, on_loop = getattr(mod, name), []
 
@@ -200,6 +192,22 @@ def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, pat
             on_loop.append(False)
         return real(*a, **k)
     monkeypatch.setattr(mod, name, spy)
+    return on_loop
+
+
+@pytest.mark.parametrize("path,body,formatter", [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "detent.server.chat.chat_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "detent.server.chat.prompt_logprobs_json"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 2}, "detent.server.completions._choice"),
+    # echo: n choices each repeat the prompt's text (256 x a 32k-token context: 32 MB, 0.2 s to encode)
+    ("/v1/completions", {**COMPLETION, "echo": True, "n": 3}, "detent.server.completions._choice"),
+])
+def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, path, body, formatter):
+    """Up to --max-logprob-entries entries make a body of tens of MB: formatted on the event loop,
+    a 51 MB one held /health and every stream for 2.4 s. A response with logprobs is built (and
+    encoded) in a worker thread, as is one with echo; one without stays on the loop (no thread hop
+    on the common path)."""
+    on_loop = _on_loop_spy(monkeypatch, *formatter.rsplit(".", 1))
     r = client.post(path, headers=AUTH, json=body)
     assert r.status_code == 200, r.text
     assert on_loop and not any(on_loop), on_loop
@@ -207,3 +215,92 @@ def test_a_logprob_response_is_built_off_the_event_loop(client, monkeypatch, pat
         on_loop.clear()
         assert client.post(path, headers=AUTH, json=COMPLETION).status_code == 200
         assert on_loop and all(on_loop), on_loop
+
+
+def test_a_large_body_is_parsed_checked_and_validated_off_the_event_loop(client, monkeypatch):
+    """A 16 MiB body of empty lists (`"x": [[], [], ...]`, or as `prompt`) held the event loop, so
+    /health and every stream, for 12 s (json.loads, the depth/Unicode/integer walk, pydantic, all
+    in the number of values). A body over 64 KiB is now read on the preprocessing pool; a small
+    one stays on the loop (no thread hop on the common path)."""
+    on_loop = _on_loop_spy(monkeypatch, "detent.server.serving", "parse_json")
+    big = {**COMPLETION, "x": [[]] * 30_000}  # ~120 KB
+    assert client.post("/v1/completions", headers=AUTH, json=big).status_code == 200
+    err = _error(client.post("/v1/completions", headers=AUTH, json={"prompt": [[]] * 30_000}))  # refused there too
+    assert "prompt" in err["message"], err
+    assert on_loop == [False, False], on_loop
+    on_loop.clear()
+    assert client.post("/v1/completions", headers=AUTH, json=COMPLETION).status_code == 200
+    assert on_loop == [True], on_loop
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {**COMPLETION, "prompt": ["a", "bb", "c"]}),
+                                       ("/v1/chat/completions", CHAT),
+                                       ("/v1/responses", {"input": "hi", "max_output_tokens": 2})])
+def test_sampling_params_are_built_off_the_event_loop_once_per_max_tokens(client, monkeypatch, path, body):
+    """SamplingParams checks every id and bias a request lists, in Python: 8M allowed_token_ids
+    took 1.2 s, and a vocabulary's logit_bias 48 ms per prompt, so 64 prompts held the event loop
+    (/health answered after 7 s on the tiny-model server). They are built on the preprocessing
+    pool, once for the prompts that share a max_tokens."""
+    on_loop = _on_loop_spy(monkeypatch, "detent.server.params", "sampling_params")
+    bias = {"logit_bias": {str(i): 1 for i in range(FakeTokenizer.vocab_size)}}
+    r = client.post(path, headers=AUTH, json={**body, **bias})
+    assert r.status_code == 200, r.text
+    assert on_loop == [False], on_loop
+
+
+def test_allowed_token_ids_reach_the_engine_once_each():
+    """As stop_token_ids: repeats mean nothing, and 8M of them were 16 MB to pickle to the engine."""
+    from detent.server.params import sampling_params
+    from detent.server.protocol import CompletionRequest
+    req = CompletionRequest.model_validate({"prompt": "hi", "allowed_token_ids": [7, 3] * 100_000 + [9]})
+    params = sampling_params(req, max_tokens=4, logprobs=None, prompt_logprobs=None, structured=None, vocab_size=100)
+    assert params.allowed_token_ids == [7, 3, 9]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_an_empty_stop_string_is_named_not_the_whole_list_echoed(client, path, body):
+    """Empty stop strings pass the character bound (they have none), and the 400 echoed the whole
+    list: 200,000 of them made an 800 KB error message (22 MB from a 16 MiB body), built and
+    scanned on the event loop. The message names the first bad entry."""
+    for stop, where in (([""] * 200_000, "stop[0]"), (["a", "b", ""], "stop[2]")):
+        err = _error(client.post(path, headers=AUTH, json={**body, "stop": stop}))
+        assert err["param"] == "stop" and where in err["message"] and len(err["message"]) < 200, err["message"][:300]
+
+
+@pytest.mark.parametrize("key", [" 1", "1 ", "1_0", "+1", "\u0661", "0x1", "", "1" * 30])
+def test_logit_bias_keys_are_decimal_token_ids(client, key):
+    """int() reads " 1", "1_0", "+1" and the Arabic-Indic "١" as ids, so such a key was a silent
+    bias on some token; docs/server.md says a key that is not an integer is a 400 naming logit_bias."""
+    err = _error(client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {key: 5}}))
+    assert err["param"] == "logit_bias", err
+    assert client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {"5": 5}}).status_code == 200
+
+
+@pytest.mark.parametrize("body", [[1], [None], ["x"], [[_record()]], 5])
+def test_verify_refuses_a_record_that_is_not_an_object(verifier, body):
+    """`[1]` was a 500 (AttributeError: the spec-size check read .get of an int); a record that is
+    not an object is a 400 naming it, as parse_record words it."""
+    err = _error(verifier.post("/v1/verify", headers=AUTH, json=body))
+    assert "object" in err["message"], err
+
+
+def test_a_conversation_becomes_template_input_off_the_event_loop(client, monkeypatch):
+    """A 16 MiB body holds 550,000 empty messages: turning them into the template's dicts took
+    0.6 s of the event loop (the rendering after it was already on the pool, and bounded)."""
+    on_loop = _on_loop_spy(monkeypatch, "detent.server.chat", "messages_to_dicts")
+    assert client.post("/v1/chat/completions", headers=AUTH, json=CHAT).status_code == 200
+    err = _error(client.post("/tokenize", headers=AUTH, json={"messages": [{"role": "user", "content": "x" * 9000}] * 2}))
+    assert err["param"] == "messages" and "--max-chars-per-token" in err["message"], err  # still refused before rendering
+    assert on_loop == [False, False], on_loop
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": ["a"] * 200_000}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": 5}] * 100_000}),
+    ("/detokenize", {"tokens": [0.5] * 200_000}),
+])
+def test_a_list_of_wrong_items_is_reported_by_its_first(client, path, body):
+    """pydantic built one error per wrong item, and listing them (to report eight) held the GIL:
+    the 5M errors of a 20 MB `stop_token_ids: ["a", ...]` took 57 s. A list stops at its first."""
+    err = _error(client.post(path, headers=AUTH, json=body))
+    assert "more fields" not in err["message"] and err["message"].count(";") <= 1, err["message"][:300]
