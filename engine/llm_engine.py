@@ -201,6 +201,7 @@ class LLMEngine:
                 p.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
         if hasattr(p, "verify_vocab"):
             p.verify_vocab(vocab)
+        self._check_some_token_allowed(p)
         if self.config.rl:
             from detent.engine.rl_contract import check_rl_params
             check_rl_params(p)
@@ -213,6 +214,20 @@ class LLMEngine:
             if k is not None and k > self.config.max_logprobs:
                 raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
         return ids
+
+    def _check_some_token_allowed(self, p: SamplingParams) -> None:
+        """allowed_token_ids that the request's own bans cover leave no token to sample: every
+        logit -inf, and the sampler took token 0 with a finite logprob (a hostile-client audit).
+        Banned always: one-token bad words; while min_tokens holds: EOS and stop_token_ids."""
+        if not p.allowed_token_ids:
+            return
+        allowed = set(p.allowed_token_ids)
+        banned = {w[0] for w in p.bad_words_token_ids or () if len(w) == 1}
+        if allowed <= banned:
+            raise ValueError("allowed_token_ids: every allowed id is a one-token bad word, no token can be sampled")
+        if p.min_tokens > 0 and allowed <= banned | set(self.eos_token_ids) | set(p.stop_token_ids or ()):
+            raise ValueError(f"allowed_token_ids: min_tokens={p.min_tokens} bans EOS and stop_token_ids, and every "
+                             "allowed id is one of them (or a one-token bad word): no token can be sampled")
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._inbox_lock:

@@ -131,6 +131,16 @@ def test_bad_input_errors(llm):
         llm.generate([{"prompt_token_ids": [3, 100_000]}], sp, use_tqdm=False)
     with pytest.raises(ValueError, match="logprobs=3 exceeds max_logprobs=2"):
         text_llm(max_logprobs=2).generate(["x"], SamplingParams(max_tokens=2, logprobs=3, **G), use_tqdm=False)
+    # allowed ids the request's own bans cover: no token to sample (the sampler took token 0)
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    for kw in ({"allowed_token_ids": eos, "min_tokens": 1}, {"allowed_token_ids": [7], "bad_words_token_ids": [[7]]},
+               {"allowed_token_ids": [7, *eos], "min_tokens": 3, "stop_token_ids": [7]}):
+        with pytest.raises(ValueError, match="no token can be sampled"):
+            llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(max_tokens=4, **kw, **G), use_tqdm=False)
+    for kw in ({"allowed_token_ids": eos}, {"allowed_token_ids": [7, *eos], "min_tokens": 1},
+               {"allowed_token_ids": [7, 8], "bad_words_token_ids": [[7], [3, 8]]}):
+        out = llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(max_tokens=4, **kw, **G), use_tqdm=False)
+        assert set(out[0].outputs[0].token_ids) <= set(kw["allowed_token_ids"])
     with pytest.raises(ValueError, match="2 prompts but 1 sampling_params"):
         llm.generate(["a", "b"], [sp], use_tqdm=False)
     with pytest.raises(ValueError, match="selection"):
