@@ -4,24 +4,29 @@ Every step's plan (a `SchedulerOutput`) is pickled and sent to every rank.
 Two things in it do not travel as they are:
 - a grammar state, whose matcher lives with the scheduler in the driver: the
   ranks get this step's bitmask (`FrozenGrammar`);
-- a row's sampling parameters. A request may carry 100k bad words, a
-  40k-entry logit_bias or a vocabulary of allowed ids; pickled into every
-  step's plan, they made each step's message as large (400 KB a step for 50k
-  two-token bad words; now 1.1 KB after the first, as a plain request's).
-  The driver (`PlanSender`) sends a request's parameters (its
-  `RequestMaskIds`, which holds them) with the first plan that samples it,
-  and a `ParamsRef` after; each rank (`KeptParams`) keeps them, with the mask
+- a row's sampling parameters and token ids. A request may carry 100k bad
+  words, a 40k-entry logit_bias or a vocabulary of allowed ids; pickled into
+  every step's plan, they made each step's message as large (400 KB a step
+  for 50k two-token bad words; now 1.1 KB after the first, as a plain
+  request's). Its prompt (for the penalties) is as constant, and was 8 bytes a
+  token a row a step (64 rows of 8k-token prompts: 4 MB a step), and its
+  output only grows. The driver (`PlanSender`) sends a request's parameters
+  (its `RequestMaskIds`, which holds them) and prompt with the first plan
+  that samples it, then a `ParamsRef`, and of the output only the tokens the
+  ranks have not had; each rank (`KeptParams`) keeps them, with the mask
   tables it builds from them, until the driver drops them: when the request
   finishes (`SchedulerOutput.finished_ids`), or when more than `KEPT_PARAMS`
   requests are kept (the least recently planned, sent again if planned
-  again). A rank asked for parameters it does not hold raises, so the step
-  fails instead of sampling under other parameters.
+  again). A rank asked for parameters or outputs it does not hold raises, so
+  the step fails instead of sampling under others.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 # requests whose parameters the ranks keep at most: a batch's (max_num_seqs, 256 by default)
 # and some planned before (preempted, or finished and not yet dropped)
@@ -41,10 +46,14 @@ class FrozenGrammar:
 
 @dataclass(frozen=True)
 class ParamsRef:
-    """A row's `mask_ids` in a plan sent to the ranks, whose `params` is None: the
-    request's RequestMaskIds (its SamplingParams with it), which every rank keeps
-    under the request's id, is the one of this key."""
+    """A row's `mask_ids` in a plan sent to the ranks, whose `params` is None and whose
+    `prompt_token_ids` are empty: the request's RequestMaskIds (its SamplingParams with
+    it) and prompt, which every rank keeps under the request's id, are the ones of this
+    key. The row's `output_token_ids` are the output's tokens from `start` on, `total`
+    in all: the rank holds those before `start`."""
     key: str
+    start: int = 0
+    total: int = 0
 
 
 class PlanSender:
@@ -55,53 +64,78 @@ class PlanSender:
         self.capacity = capacity
         # request id -> the key of the RequestMaskIds the ranks keep for it, least recently planned first
         self.kept: OrderedDict[str, str] = OrderedDict()
+        self.outputs: dict[str, int] = {}  # request id -> how many of its output tokens the ranks hold
 
     def message(self, kind: str, plan) -> tuple[str, Any, dict[str, Any], tuple[str, ...]]:
         """(kind, plan, params, drop): the plan with its grammar states frozen and its rows'
         parameters referenced; the RequestMaskIds the ranks lack, by request id; the request
         ids whose parameters the ranks drop before they take `params`."""
-        drop = [rid for rid in plan.finished_ids if self.kept.pop(rid, None) is not None]
+        drop = [rid for rid in plan.finished_ids if self._forget(rid)]
         params, seqs, referenced = {}, [], set()
         for s in plan.seqs:
-            row = s.sample
+            row, rid = s.sample, s.request_id
             if row is not None and row.grammar is not None:
                 row = replace(row, grammar=FrozenGrammar(row.grammar.bitmask()))
             if row is not None and row.mask_ids is not None:
-                key = row.mask_ids.key
-                if self.kept.get(s.request_id) != key:
-                    params[s.request_id] = row.mask_ids
-                self.kept[s.request_id] = key
-                self.kept.move_to_end(s.request_id)
-                referenced.add(s.request_id)
-                row = replace(row, params=None, mask_ids=ParamsRef(key))
+                key, outs = row.mask_ids.key, row.output_token_ids
+                if self.kept.get(rid) != key:
+                    params[rid] = (row.mask_ids, np.asarray(row.prompt_token_ids, dtype=np.int64))
+                    self.outputs[rid] = 0
+                start = self.outputs[rid] if self.outputs[rid] <= len(outs) else 0  # outputs only grow
+                self.kept[rid], self.outputs[rid] = key, len(outs)
+                self.kept.move_to_end(rid)
+                referenced.add(rid)
+                row = replace(row, params=None, mask_ids=ParamsRef(key, start, len(outs)), prompt_token_ids=(),
+                              output_token_ids=np.asarray(outs[start:], dtype=np.int64))
             seqs.append(s if row is s.sample else replace(s, sample=row))
         # this plan's, the most recently planned, are never dropped for room
         while len(self.kept) > self.capacity and next(iter(self.kept)) not in referenced:
-            drop.append(self.kept.popitem(last=False)[0])
+            rid = next(iter(self.kept))
+            self._forget(rid)
+            drop.append(rid)
         return kind, replace(plan, seqs=tuple(seqs)), params, tuple(drop)
+
+    def _forget(self, rid: str) -> bool:
+        """Whether the ranks kept `rid`'s parameters, which they drop now."""
+        self.outputs.pop(rid, None)
+        return self.kept.pop(rid, None) is not None
 
 
 class KeptParams:
     """A rank's side: the RequestMaskIds (parameters, and the mask tables built from
-    them) of the requests the driver sent, by request id."""
+    them), prompt and output tokens of the requests the driver sent, by request id."""
 
     def __init__(self):
         self.kept: dict[str, Any] = {}
+        self.prompts: dict[str, np.ndarray] = {}
+        self.outputs: dict[str, np.ndarray] = {}
 
     def plan(self, plan, params: dict[str, Any], drop: tuple[str, ...]):
-        """The sent plan with its rows' parameters back."""
+        """The sent plan with its rows' parameters and token ids back."""
         for rid in drop:
             self.kept.pop(rid, None)
-        self.kept.update(params)
+            self.prompts.pop(rid, None)
+            self.outputs.pop(rid, None)
+        for rid, (masks, prompt) in params.items():
+            prompt.flags.writeable = False  # shared by every step's row, as the driver's Request.prompt_array
+            self.kept[rid], self.prompts[rid], self.outputs[rid] = masks, prompt, np.empty(0, dtype=np.int64)
         seqs = []
         for s in plan.seqs:
             ref = None if s.sample is None else s.sample.mask_ids
             if isinstance(ref, ParamsRef):
-                masks = self.kept.get(s.request_id)
+                rid = s.request_id
+                masks = self.kept.get(rid)
                 if masks is None or masks.key != ref.key:
-                    raise LookupError(f"this rank holds no sampling parameters for request {s.request_id!r} "
+                    raise LookupError(f"this rank holds no sampling parameters for request {rid!r} "
                                       f"(key {ref.key}; it holds {'none' if masks is None else masks.key}): "
                                       "the driver sends them once, with a request's first plan")
-                s = replace(s, sample=replace(s.sample, params=masks.params, mask_ids=masks))
+                held, tail = self.outputs[rid], s.sample.output_token_ids
+                if len(held) < ref.start or ref.start + len(tail) != ref.total:
+                    raise LookupError(f"request {rid!r}: this rank holds {len(held)} output tokens, the plan "
+                                      f"sends {len(tail)} from {ref.start} of {ref.total}")
+                outs = self.outputs[rid] = np.concatenate([held[:ref.start], tail])
+                outs.flags.writeable = False
+                s = replace(s, sample=replace(s.sample, params=masks.params, mask_ids=masks,
+                                              prompt_token_ids=self.prompts[rid], output_token_ids=outs))
             seqs.append(s)
         return replace(plan, seqs=tuple(seqs))

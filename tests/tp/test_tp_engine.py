@@ -403,7 +403,7 @@ def _kept_params(st) -> list[str]:
 
 def test_a_requests_sampling_parameters_reach_the_ranks_once(tiny_dir):
     """50k bad words (and a logit_bias) pickled into every step's plan made every step's
-    message 0.4 MB. They reach the ranks with the request's first plan: later messages are
+    message 0.4 MB; the prompt and output travelled whole at every step too. They reach the ranks with the request's first plan: later messages are
     as small as a plain request's, and a finished request's parameters leave the ranks with
     the next plan. Comparator: the request's tokens and logprobs with `==` against the same
     tp = 2 engine sending them in every plan (the old way), and alone against among
@@ -417,6 +417,10 @@ def test_a_requests_sampling_parameters_reach_the_ranks_once(tiny_dir):
     hostile = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True, bad_words_token_ids=words,
                              logit_bias={t: 4.0 for t in range(100, 140)})
     plain = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    # the penalties read the prompt and the output, which the ranks rebuild from the prompt sent once
+    # and the output's new tokens (engine/tp/plan.py)
+    penalised = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True, repetition_penalty=3.0,
+                               frequency_penalty=2.0)
     llm = make_llm(tiny_dir, 2)
     ex = llm.llm_engine.runner
     sizes, send = {}, ex._send_all
@@ -430,7 +434,7 @@ def test_a_requests_sampling_parameters_reach_the_ranks_once(tiny_dir):
         got = {}
         for name, prompts, params in (("hostile", [TARGET], [hostile]), ("plain", [TARGET], [plain]),
                                       ("among", [OTHERS[0], TARGET, OTHERS[1]], [OTHER_SP, hostile, OTHER_SP]),
-                                      ("last", [OTHERS[2]], [OTHER_SP])):
+                                      ("last", [OTHERS[2]], [OTHER_SP]), ("penalised", [TARGET], [penalised])):
             sizes[name] = []
             outs = llm.generate([_prompt(p) for p in prompts], params, use_tqdm=False)
             got[name] = _result(outs[params.index(hostile) if hostile in params else 0])
@@ -439,6 +443,9 @@ def test_a_requests_sampling_parameters_reach_the_ranks_once(tiny_dir):
         name = "every"
         sizes[name] = []
         every = _result(llm.generate([_prompt(TARGET)], hostile, use_tqdm=False)[0])
+        name = "every-penalised"
+        sizes[name] = []
+        every_penalised = _result(llm.generate([_prompt(TARGET)], penalised, use_tqdm=False)[0])
     finally:
         _shutdown(llm)
     mc = ModelConfig.from_hf(tiny_dir)
@@ -449,6 +456,7 @@ def test_a_requests_sampling_parameters_reach_the_ranks_once(tiny_dir):
     assert len(sizes["hostile"]) == len(sizes["plain"]) >= 6
     assert all(h <= p + 64 for h, p in zip(sizes["hostile"][1:], sizes["plain"][1:])), sizes
     assert every == got["hostile"] == got["among"]
+    assert every_penalised == got["penalised"] and got["penalised"][0] != got["plain"][0]
     assert not set(got["hostile"][0]) & set(range(100, 110)) and got["hostile"][0] != got["plain"][0]
     assert got["hostile"][0] == ref[0]
     for ref_pos, got_pos in zip(ref[1], got["hostile"][1]):
