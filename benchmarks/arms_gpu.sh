@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 20's arms on one GPU, one part per device call, results merged in /tmp/arms* (keep the
 # machine warm between calls) and packed into OUTDIR/ARMS.tgz after each part (with the tuples)
-# (docs/performance.md, "Arms and workloads"; Llama-3.1-8B shapes, dummy weights, word-level
-# tokenizer, W-A and W-C at 64 requests):
+# (docs/performance.md, "Arms and workloads"; Llama-3.1-8B shapes, or Qwen3-30B-A3B's with MODEL=
+# below, dummy weights, word-level tokenizer, 64 requests a load):
 #   stock | pinned-default | conservative | tuned-W-A | tuned-W-B | tuned-W-C:  serve_arms.py run --arms PART
 #   pinned-default-again:  the default once more (--tag @2), for the report's run-to-run drift
 #       (stock first: its lambda_max sets the others' rates; tuned-W-X takes the last lease's tuple
