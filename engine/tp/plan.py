@@ -62,15 +62,15 @@ class PlanSender:
 
     def __init__(self, capacity: int = KEPT_PARAMS):
         self.capacity = capacity
-        # request id -> the key of the RequestMaskIds the ranks keep for it, least recently planned first
-        self.kept: OrderedDict[str, str] = OrderedDict()
-        self.outputs: dict[str, int] = {}  # request id -> how many of its output tokens the ranks hold
+        # request id -> (the key of the RequestMaskIds the ranks keep for it, how many of its
+        # output tokens they hold), least recently planned first
+        self.kept: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def message(self, kind: str, plan) -> tuple[str, Any, dict[str, Any], tuple[str, ...]]:
         """(kind, plan, params, drop): the plan with its grammar states frozen and its rows'
-        parameters referenced; the RequestMaskIds the ranks lack, by request id; the request
-        ids whose parameters the ranks drop before they take `params`."""
-        drop = [rid for rid in plan.finished_ids if self._forget(rid)]
+        parameters referenced; the RequestMaskIds and prompts the ranks lack, by request id;
+        the request ids whose parameters the ranks drop before they take `params`."""
+        drop = [rid for rid in plan.finished_ids if self.kept.pop(rid, None) is not None]
         params, seqs, referenced = {}, [], set()
         for s in plan.seqs:
             row, rid = s.sample, s.request_id
@@ -78,11 +78,12 @@ class PlanSender:
                 row = replace(row, grammar=FrozenGrammar(row.grammar.bitmask()))
             if row is not None and row.mask_ids is not None:
                 key, outs = row.mask_ids.key, row.output_token_ids
-                if self.kept.get(rid) != key:
+                held_key, held = self.kept.get(rid, (None, 0))
+                if held_key != key:
                     params[rid] = (row.mask_ids, np.asarray(row.prompt_token_ids, dtype=np.int64))
-                    self.outputs[rid] = 0
-                start = self.outputs[rid] if self.outputs[rid] <= len(outs) else 0  # outputs only grow
-                self.kept[rid], self.outputs[rid] = key, len(outs)
+                    held = 0
+                start = held if held <= len(outs) else 0  # outputs only grow
+                self.kept[rid] = (key, len(outs))
                 self.kept.move_to_end(rid)
                 referenced.add(rid)
                 row = replace(row, params=None, mask_ids=ParamsRef(key, start, len(outs)), prompt_token_ids=(),
@@ -90,52 +91,49 @@ class PlanSender:
             seqs.append(s if row is s.sample else replace(s, sample=row))
         # this plan's, the most recently planned, are never dropped for room
         while len(self.kept) > self.capacity and next(iter(self.kept)) not in referenced:
-            rid = next(iter(self.kept))
-            self._forget(rid)
-            drop.append(rid)
+            drop.append(self.kept.popitem(last=False)[0])
         return kind, replace(plan, seqs=tuple(seqs)), params, tuple(drop)
 
-    def _forget(self, rid: str) -> bool:
-        """Whether the ranks kept `rid`'s parameters, which they drop now."""
-        self.outputs.pop(rid, None)
-        return self.kept.pop(rid, None) is not None
+
+@dataclass
+class Held:
+    """What a rank keeps of one request: its RequestMaskIds (parameters, and the mask tables
+    built from them), its prompt, and the output tokens sent so far."""
+    masks: Any
+    prompt: np.ndarray
+    outputs: np.ndarray
 
 
 class KeptParams:
-    """A rank's side: the RequestMaskIds (parameters, and the mask tables built from
-    them), prompt and output tokens of the requests the driver sent, by request id."""
+    """A rank's side: what it holds of the requests the driver sent, by request id."""
 
     def __init__(self):
-        self.kept: dict[str, Any] = {}
-        self.prompts: dict[str, np.ndarray] = {}
-        self.outputs: dict[str, np.ndarray] = {}
+        self.kept: dict[str, Held] = {}
 
     def plan(self, plan, params: dict[str, Any], drop: tuple[str, ...]):
         """The sent plan with its rows' parameters and token ids back."""
         for rid in drop:
             self.kept.pop(rid, None)
-            self.prompts.pop(rid, None)
-            self.outputs.pop(rid, None)
         for rid, (masks, prompt) in params.items():
             prompt.flags.writeable = False  # shared by every step's row, as the driver's Request.prompt_array
-            self.kept[rid], self.prompts[rid], self.outputs[rid] = masks, prompt, np.empty(0, dtype=np.int64)
+            self.kept[rid] = Held(masks, prompt, np.empty(0, dtype=np.int64))
         seqs = []
         for s in plan.seqs:
             ref = None if s.sample is None else s.sample.mask_ids
             if isinstance(ref, ParamsRef):
                 rid = s.request_id
-                masks = self.kept.get(rid)
-                if masks is None or masks.key != ref.key:
+                h = self.kept.get(rid)
+                if h is None or h.masks.key != ref.key:
                     raise LookupError(f"this rank holds no sampling parameters for request {rid!r} "
-                                      f"(key {ref.key}; it holds {'none' if masks is None else masks.key}): "
+                                      f"(key {ref.key}; it holds {'none' if h is None else h.masks.key}): "
                                       "the driver sends them once, with a request's first plan")
-                held, tail = self.outputs[rid], s.sample.output_token_ids
-                if len(held) < ref.start or ref.start + len(tail) != ref.total:
-                    raise LookupError(f"request {rid!r}: this rank holds {len(held)} output tokens, the plan "
+                tail = s.sample.output_token_ids
+                if len(h.outputs) < ref.start or ref.start + len(tail) != ref.total:
+                    raise LookupError(f"request {rid!r}: this rank holds {len(h.outputs)} output tokens, the plan "
                                       f"sends {len(tail)} from {ref.start} of {ref.total}")
-                outs = self.outputs[rid] = np.concatenate([held[:ref.start], tail])
-                outs.flags.writeable = False
-                s = replace(s, sample=replace(s.sample, params=masks.params, mask_ids=masks,
-                                              prompt_token_ids=self.prompts[rid], output_token_ids=outs))
+                h.outputs = np.concatenate([h.outputs[:ref.start], tail])
+                h.outputs.flags.writeable = False
+                s = replace(s, sample=replace(s.sample, params=h.masks.params, mask_ids=h.masks,
+                                              prompt_token_ids=h.prompt, output_token_ids=h.outputs))
             seqs.append(s)
         return replace(plan, seqs=tuple(seqs))

@@ -110,7 +110,7 @@ def test_the_ranks_drop_a_requests_parameters_when_it_finishes_or_to_make_room()
     params["b"] = SamplingParams(bad_words_token_ids=[[99]])
     masks["b"] = P.RequestMaskIds(params["b"])
     assert step("b", finished="b", seed=2) == ["b", "c"]  # "b" reused: the new request's
-    assert rank.kept["b"].key == masks["b"].key
+    assert rank.kept["b"].masks.key == masks["b"].key
 
 
 def test_a_rank_that_lacks_a_requests_parameters_fails_the_step():
