@@ -76,10 +76,7 @@ for PART in "$@"; do
             B=${TUNE_BUDGET:-570}  # less when the call also installs (its 600 s holds both)
             # the Poisson loads' rates are fractions of stock's served lambda_max where a stock part (or
             # LAMBDA_MAX_FROM) gave one: the tune's own maximum, offline under the default, is higher
-            LM=$(python3 -c "import json,sys
-for p in sys.argv[2:]:
-    try: print(json.load(open(p))['lambda_max'][sys.argv[1]]); break
-    except (OSError, KeyError): pass" $W $ARMS/arms.json $(for D in ${LAMBDA_MAX_FROM:-}; do echo $D/arms.json; done))
+            LM=$(python3 benchmarks/serve_arms.py lambda-max $W $ARMS ${LAMBDA_MAX_FROM:-})
             timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --num-requests $N --cost kernels \
                 --time-budget "$B" ${LM:+--max-throughput $LM} ${TUNE_ARGS:-} -o $TUNES/tuple-$W.json ;;
         vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)

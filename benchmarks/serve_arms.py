@@ -59,13 +59,15 @@ def workload_args(a) -> list[str]:
     return out
 
 
-def tune_all(a, names: list[str]) -> dict[str, str]:
+def tune_all(a, names: list[str], lambda_max: dict[str, float]) -> dict[str, str]:
+    """Each workload's tuple; its Poisson loads at fractions of stock's lambda_max where known."""
     paths = {}
     for w in names:
         path = os.path.join(a.out, f"tuple-{w}.json")
         if not os.path.exists(path):
+            rate = ["--max-throughput", str(lambda_max[w])] if w in lambda_max else []
             cmd = [sys.executable, "-m", "detent.cli", "tune", "--model", a.model, "--workload", w, *workload_args(a),
-                   *engine_args(a), "--cost", "kernels", *shlex.split(a.tune_args), "-o", path]
+                   *engine_args(a), "--cost", "kernels", *rate, *shlex.split(a.tune_args), "-o", path]
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
         paths[w] = path
@@ -133,14 +135,30 @@ def load_results(a, names: list[str], wargs: dict) -> tuple[str, dict]:
     return path, res
 
 
+def read_arms(src: str) -> tuple[str, dict]:
+    """A folder's arms.json (or the file itself): its path and contents."""
+    path = os.path.join(src, "arms.json") if os.path.isdir(src) else src
+    with open(path) as f:
+        return path, json.load(f)
+
+
+def first_lambda_max(workload: str, srcs: list[str]) -> float | None:
+    """Stock's lambda_max for `workload` from the first of `srcs` that has one (a missing folder
+    has none): benchmarks/arms_gpu.sh gives it to `detent tune --max-throughput`."""
+    for src in srcs:
+        try:
+            return read_arms(src)[1]["lambda_max"][workload]
+        except (OSError, KeyError):
+            continue
+    return None
+
+
 def borrow_lambda_max(res: dict, src: str, missing: list[str]) -> list[str]:
     """Take stock's lambda_max for `missing` from an earlier folder of the same workloads (its
     arms.json), so the default and tuned arms serve the same rates without a stock run (330 s of
     a lease on W-B); res records where each came from, and the report says so. Returns the
     workloads still missing."""
-    path = os.path.join(src, "arms.json") if os.path.isdir(src) else src
-    with open(path) as f:
-        other = json.load(f)
+    path, other = read_arms(src)
     if other.get("workload_args") != res["workload_args"]:
         raise SystemExit(f"--lambda-max-from {path}: other workloads ({other.get('workload_args')}, not "
                          f"{res['workload_args']})")
@@ -167,19 +185,22 @@ def run(a) -> None:
     unknown = [x for x in arms if x not in ARMS and x not in {f"tuned-{w}" for w in names}]
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; arms: {', '.join(ARMS)}, or tuned-W for one workload's tuple")
+    wanted = [w for w in names if not a.loads or w in a.loads or any(ld.name in a.loads for ld in workloads[w].loads)]
+    # a closed loop's rate is its own: only workloads with Poisson loads need stock's lambda_max
+    missing = [w for w in wanted if w not in res["lambda_max"] and any(ld.fraction for ld in workloads[w].loads)]
+    if "stock" not in arms:  # borrowed before the tunes, which place the loads by it
+        for src in a.lambda_max_from:
+            if not missing:
+                break
+            missing = borrow_lambda_max(res, src, missing)
     if a.tune_only or any(x == "pinned-tuned" or x.startswith("tuned-") for x in arms):
         # kept and skipped once written: repeat a call cut short; tuned-W needs only W's tuple
         need = names if a.tune_only or "pinned-tuned" in arms else [w for w in names if f"tuned-{w}" in arms]
-        res["tuples"] = {**res.get("tuples", {}), **tune_all(a, need)}
+        res["tuples"] = {**res.get("tuples", {}), **tune_all(a, need, res["lambda_max"])}
     if a.tune_only:
         return save(res_path, res)
     res.update(deployment=engine_args(a), model=a.model, prompt_format=a.prompt_format,
                prefix_reuse={w: workloads[w].prefix_reuse for w in names})
-    wanted = [w for w in names if not a.loads or w in a.loads or any(ld.name in a.loads for ld in workloads[w].loads)]
-    # a closed loop's rate is its own: only workloads with Poisson loads need stock's lambda_max
-    missing = [w for w in wanted if w not in res["lambda_max"] and any(ld.fraction for ld in workloads[w].loads)]
-    for src in a.lambda_max_from if "stock" not in arms else ():
-        missing = borrow_lambda_max(res, src, missing) if missing else missing
     if missing and "stock" not in arms and (arms or a.vllm_url):
         raise SystemExit(f"no stock lambda_max for {missing} yet: run --arms stock on them first")
     url = f"http://127.0.0.1:{a.port}"
@@ -257,9 +278,15 @@ def main(argv=None) -> None:
     r.add_argument("--seed", type=int, default=0)
     rep = sub.add_parser("report")
     rep.add_argument("dir")
+    lm = sub.add_parser("lambda-max", help="print stock's lambda_max for a workload from the first of these "
+                        "folders (or arms.json files) that has it; nothing if none")
+    lm.add_argument("workload")
+    lm.add_argument("src", nargs="*")
     a = p.parse_args(argv)
     if a.cmd == "run":
         run(a)
+    elif a.cmd == "lambda-max":
+        print(first_lambda_max(a.workload, a.src) or "")
     else:
         from arms_report import report
         report(a.dir)

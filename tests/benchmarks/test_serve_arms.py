@@ -84,6 +84,10 @@ def test_arms_in_miniature(tmp_path):
     assert got["lambda_max_from"] == {"W-A": str(out / "arms.json")}
     assert list(got["arms"]["pinned-default"]) == ["A1"]
     assert got["arms"]["pinned-default"]["A1"]["rate"] == res["arms"]["stock"]["A1"]["rate"]
+    # arms_gpu.sh asks for the rate its tunes place the loads at: the first folder that has it
+    lm = subprocess.run([sys.executable, os.path.join(BENCH, "serve_arms.py"), "lambda-max", "W-A",
+                         str(tmp_path / "none"), str(lacking), str(out)], capture_output=True, text=True, timeout=60)
+    assert lm.returncode == 0 and float(lm.stdout) == res["lambda_max"]["W-A"]
     n = cmd.index("--num-requests")
     unlike = subprocess.run(cmd[:n + 1] + ["3"] + cmd[n + 2:] + ["--arms", "pinned-default", "--out",
                             str(tmp_path / "unlike"), "--lambda-max-from", str(out)], cwd=ROOT, env=env,
@@ -98,3 +102,18 @@ def test_arms_in_miniature(tmp_path):
     stale = subprocess.run(cmd + ["--arms", "pinned-default", "--out", str(old)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
     assert stale.returncode != 0 and "re-sent the workload's own prompts" in stale.stderr
+
+
+def test_a_tune_places_the_poisson_loads_at_stocks_lambda_max(tmp_path, monkeypatch):
+    """`run` tunes after it has stock's lambda_max (its own folder's, or borrowed), and gives it to
+    `detent tune --max-throughput`; a workload without one is measured by the tune itself."""
+    import argparse
+    sys.path.insert(0, BENCH)
+    import serve_arms
+    ran = []
+    monkeypatch.setattr(serve_arms.subprocess, "run", lambda cmd, check: ran.append(cmd))
+    a = argparse.Namespace(out=str(tmp_path), model="m", tune_args="", num_requests=64, max_len=None, device="cuda",
+                           dtype="bfloat16", max_model_len=None, max_num_batched_tokens=None, max_num_seqs=None,
+                           tp=None, load_format=None)
+    serve_arms.tune_all(a, ["W-B", "W-A"], {"W-B": 3.005})
+    assert ran[0][ran[0].index("--max-throughput") + 1] == "3.005" and "--max-throughput" not in ran[1]
