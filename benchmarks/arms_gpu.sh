@@ -23,11 +23,14 @@
 set -u
 OUT=$1
 shift
-# MODEL=qwen3-30b-a3b: Qwen3-30B-A3B shapes (/tmp/wlq3; its tunes and arms in /tmp/arms-q3*, no
-# earlier lease's tuples); default Llama-3.1-8B's (/tmp/wl8b, /tmp/arms*)
+# MODEL=qwen3-30b-a3b: Qwen3-30B-A3B shapes (/tmp/wlq3; its tunes and arms in /tmp/arms-q3*; W-C's
+# tuple from lease 31); default Llama-3.1-8B's (/tmp/wl8b, /tmp/arms*; SEEDS: the tuples named above)
 case ${MODEL:-llama-3.1-8b} in
-    llama-3.1-8b) M=/tmp/wl8b; TUNES=/tmp/arms; SHAPE="" ;;
-    qwen3-30b-a3b) M=/tmp/wlq3; TUNES=/tmp/arms-q3; SHAPE=--qwen3-30b-a3b ;;
+    llama-3.1-8b) M=/tmp/wl8b; TUNES=/tmp/arms; SHAPE=""
+        SEEDS="h100-2026-12-06-lease28/tune/tuple-W-C.json h200-2026-12-05-lease22/tune/tuple-W-A.json
+               h100-2026-12-06-lease30/tune/tuple-W-B.json" ;;
+    qwen3-30b-a3b) M=/tmp/wlq3; TUNES=/tmp/arms-q3; SHAPE=--qwen3-30b-a3b
+        SEEDS=h100-2026-12-06-lease31/tune/tuple-W-C.json ;;
     *) echo "MODEL: llama-3.1-8b or qwen3-30b-a3b"; exit 2 ;;
 esac
 ARMS=$TUNES
@@ -45,9 +48,8 @@ for D in ${LAMBDA_MAX_FROM:-}; do FROM="$FROM --lambda-max-from $D"; done
 A="--model $M $FACTS --num-requests $N --workloads $WL --out $ARMS$FROM"
 mkdir -p "$OUT" "$ARMS" $TUNES
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M $SHAPE > /dev/null
-[ $TUNES = /tmp/arms ] && for T in h100-2026-12-06-lease28/tune/tuple-W-C.json \
-        h200-2026-12-05-lease22/tune/tuple-W-A.json h100-2026-12-06-lease30/tune/tuple-W-B.json; do
-    [ -f /tmp/arms/$(basename $T) ] || cp benchmarks/results/$T /tmp/arms/
+for T in $SEEDS; do  # the last leases' tuples, unless this machine tuned its own
+    [ -f $TUNES/$(basename $T) ] || cp benchmarks/results/$T $TUNES/
 done
 source "$(dirname "$0")/gpu_timed.sh"
 TIMED_TAIL=12
