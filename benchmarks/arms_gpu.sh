@@ -19,6 +19,8 @@
 #              deployment facts, then the same client and rates (serve_arms.py --vllm-url)
 #   vllm-bi:   the same with VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant mode), stored as arm vllm-bi
 #   report:    serve_arms.py report
+# SERVER_ARGS="..." TAG=-X with stock, pinned-default or conservative: more detent-serve arguments (not
+# deployment facts), the arm stored as ARM-X (e.g. SERVER_ARGS="--max-mixed-batched-tokens 8192" TAG=-mix8k)
 # Usage: bash benchmarks/arms_gpu.sh OUTDIR PART [PART...]
 set -u
 OUT=$1
@@ -69,8 +71,9 @@ for PART in "$@"; do
             else
                 echo "$PART: no $T; run tune-${PART#tuned-} first"
             fi ;;
-        stock|pinned-default|conservative)
-            timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART" ;;
+        stock|pinned-default|conservative)  # SERVER_ARGS, TAG: a scheduling experiment stored as its own arm
+            timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms "$PART" ${TAG:+"--tag=$TAG"} \
+                ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} ;;
         pinned-default-again)  # the default's second run, pinned-default@2: the run-to-run drift
             timed "arms-$PART" 560 python3 benchmarks/serve_arms.py run $A --arms pinned-default --tag @2 ;;
         tune-W-A|tune-W-B|tune-W-C)  # W-C: with FA4 on the path (its attention candidates)

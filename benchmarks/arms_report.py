@@ -29,11 +29,15 @@ def workload_of(res: dict) -> dict[str, str]:
 
 
 def arms_by_load(res: dict) -> tuple[list[str], dict[str, dict[str, dict]]]:
-    """(the loads in order, arm -> load -> result), with pinned-tuned resolved per load."""
+    """(the loads in order, arm -> load -> result), with pinned-tuned resolved per load. An arm
+    stored under a tag that starts with '-' (`serve_arms.py run --tag=-mix8k --server-args ...`:
+    an experiment with the server's other arguments) is a row of its own, after ORDER's; the
+    tuned arms and a second run (`@2`) are not."""
     wl = workload_of(res)
     loads = sorted(wl)  # A1..A4, B1..B3, C1, C2: workload, then load
     table: dict[str, dict[str, dict]] = {}
-    for arm in ORDER:
+    tagged = sorted(a for a in res["arms"] if a not in ORDER and "@" not in a and not a.startswith("tuned-"))
+    for arm in (*ORDER, *tagged):
         if arm == "pinned-tuned":
             row = {ld: res["arms"].get(f"tuned-{wl[ld]}", {}).get(ld) for ld in loads}
         else:

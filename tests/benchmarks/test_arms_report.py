@@ -110,3 +110,21 @@ def test_each_arm_against_vllm_per_workload(tmp_path):
     del res["arms"]["vllm"]
     (tmp_path / "arms.json").write_text(json.dumps(res))
     assert arms_report.report(str(tmp_path))["against_vllm"] == {}
+
+
+def test_an_arm_served_with_other_server_arguments_is_a_row_of_its_own(tmp_path):
+    # arms_gpu.sh SERVER_ARGS="--max-mixed-batched-tokens 8192" TAG=-mix8k stores pinned-default-mix8k:
+    # an experiment beside the default, with its own ratios to stock; a second run (@2) stays the drift
+    res = {"lambda_max": {"W-B": 3.0}, "tuples": {}, "arms": {
+        "stock": {"B1": _load("W-B", 8.0), "B2": _load("W-B", 16.0)},
+        "pinned-default": {"B1": _load("W-B", 6.0), "B2": _load("W-B", 12.0)},
+        "pinned-default-mix8k": {"B1": _load("W-B", 4.0), "B2": _load("W-B", 16.0)},
+        "pinned-default@2": {"B1": _load("W-B", 6.0), "B2": _load("W-B", 12.0)},
+    }}
+    (tmp_path / "arms.json").write_text(json.dumps(res))
+    rep = arms_report.report(str(tmp_path))
+    ratios = rep["geomean_ratio_to_stock"]
+    assert set(ratios) == {"pinned-default", "pinned-default-mix8k"}
+    assert math.isclose(ratios["pinned-default-mix8k"]["tpot_p50_ms"], math.sqrt(4 / 8 * 16 / 16))
+    md = (tmp_path / "arms.md").read_text()
+    assert "| B1 | pinned-default-mix8k | 4.00 |" in md and "pinned-default@2 |" not in md
