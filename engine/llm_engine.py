@@ -55,6 +55,7 @@ from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.engine.step_stats import HOST_PARTS, KIND_HOST_PARTS, StepStats, step_kind
 from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams, tokenize_bad_words
+from detent.sampling import processors
 from detent.sampling.processors import RequestMaskIds
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
@@ -225,7 +226,8 @@ class LLMEngine:
         banned = {w[0] for w in p.bad_words_token_ids or () if len(w) == 1}
         if allowed <= banned:
             raise ValueError("allowed_token_ids: every allowed id is a one-token bad word, no token can be sampled")
-        if p.min_tokens > 0 and allowed <= banned | set(self.eos_token_ids) | set(p.stop_token_ids or ()):
+        if p.min_tokens > 0 and allowed <= banned | set(  # the ids the sampler bans, by its definition
+                processors.min_tokens_bans(p, self.eos_token_ids).tolist()):
             raise ValueError(f"allowed_token_ids: min_tokens={p.min_tokens} bans EOS and stop_token_ids, and every "
                              "allowed id is one of them (or a one-token bad word): no token can be sampled")
 

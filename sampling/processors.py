@@ -59,14 +59,21 @@ class MaskIds(NamedTuple):
     min_tokens_bans: np.ndarray  # int64: EOS and stop_token_ids (a repeat bans once)
 
 
+def min_tokens_bans(params, eos_token_ids: Sequence[int]) -> np.ndarray:
+    """int64 ids a request bans while its output is shorter than min_tokens: EOS and its
+    stop_token_ids (a repeat bans once). The one definition: the sampler's mask reads it, and so
+    does the engine's check that some allowed_token_ids stay sampleable (LLMEngine._validate)."""
+    return np.concatenate([np.asarray(tuple(eos_token_ids), dtype=np.int64),
+                           np.asarray(params.stop_token_ids or (), dtype=np.int64)])
+
+
 def build_mask_ids(params, eos_token_ids: Sequence[int], V: int) -> MaskIds:
     """`MaskIds` of one request's parameters: a pass over every id it lists."""
     allowed = np.unique(np.asarray(params.allowed_token_ids or (), dtype=np.int64))
     bias = params.logit_bias or {}
     bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
     bias_vals = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
-    bans = np.concatenate([np.asarray(tuple(eos_token_ids), dtype=np.int64),
-                           np.asarray(params.stop_token_ids or (), dtype=np.int64)])
+    bans = min_tokens_bans(params, eos_token_ids)
     under = bias_ids < V
     return MaskIds(allowed[allowed < V], bias_ids[under], bias_vals[under], bans[bans < V])
 

@@ -333,3 +333,21 @@ def test_a_requests_bad_words_index_is_built_in_array_passes_not_a_loop_over_the
         x = torch.randn(1, V, generator=torch.Generator().manual_seed(step))
         last = torch.tensor([out[-1] if out else 0])
         assert torch.equal(P.apply_request_masks(x, [row], last), _masks_reference(x, [row], last))
+
+
+def test_the_ids_min_tokens_bans_have_one_definition_for_the_mask_and_the_engines_check(monkeypatch):
+    """The ids banned while min_tokens holds were listed twice: in the sampler's mask ids and in the
+    engine's check that allowed_token_ids leave a token to sample, free to drift apart. Both read
+    `processors.min_tokens_bans`: a change to it (here, banning id 9 as well) reaches the two."""
+    from .engine_util import tiny_llm
+    llm = tiny_llm(V)
+    p = SamplingParams(temperature=0, max_tokens=2, min_tokens=2, allowed_token_ids=[9], stop_token_ids=[5])
+    x = torch.zeros(1, V)
+    row = SamplingRow(p, 0, 3, eos_token_ids=(1,))
+    assert not torch.isinf(P.apply_request_masks(x, [row])[0, 9])
+    assert llm.generate([{"prompt_token_ids": [3, 4]}], p, use_tqdm=False)[0].outputs[0].token_ids == [9, 9]
+    real = P.min_tokens_bans
+    monkeypatch.setattr(P, "min_tokens_bans", lambda params, eos: np.append(real(params, eos), 9))
+    assert torch.isinf(P.apply_request_masks(x, [SamplingRow(p, 0, 3, eos_token_ids=(1,))])[0, 9])
+    with pytest.raises(ValueError, match="min_tokens=2 bans EOS and stop_token_ids"):
+        llm.generate([{"prompt_token_ids": [3, 4]}], p, use_tqdm=False)
