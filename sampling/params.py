@@ -14,7 +14,9 @@ Semantics (documented in sampling/README.md-style here, tested in tests/sampling
   modes; "raw_logprobs" / "processed_logprobs" are accepted as aliases).
 - golden_token_ids (Detent extension): the first len(golden_token_ids)
   output tokens are these ids whatever the model says (teacher forcing); the
-  reported logprobs are the model's along that continuation.
+  reported logprobs are the model's along that continuation. At most
+  max_tokens of them: the ids past it could never be emitted, so a longer
+  list is an error rather than silently cut.
 - seed: any int in [-2**63, 2**64); negative seeds are taken mod 2**64.
 
 Every numeric field has an upper bound as well as a lower one, so nothing a
@@ -261,6 +263,10 @@ class SamplingParams:
         self.logprobs_mode = _LOGPROBS_MODES[self.logprobs_mode]
         if self.golden_token_ids is not None:
             self.golden_token_ids = _token_list("golden_token_ids", self.golden_token_ids)
+            if self.max_tokens is not None and len(self.golden_token_ids) > self.max_tokens:
+                raise ValueError(f"golden_token_ids has {len(self.golden_token_ids)} ids, more than max_tokens="
+                                 f"{self.max_tokens}: the output ends at max_tokens, so the ids after it would "
+                                 "never be used; send at most max_tokens of them")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):

@@ -250,8 +250,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def _field_named(message: str) -> str | None:
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                 "seed", "stop_token_ids", "stop", "golden_token_ids", "logit_bias", "allowed_token_ids", "structured_outputs", "n"):
+                 "repetition_penalty", "golden_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                 "seed", "stop_token_ids", "stop", "logit_bias", "allowed_token_ids", "structured_outputs", "n"):
         if re.search(rf"\b{name}\b", message):
             return name
     return None

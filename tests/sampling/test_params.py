@@ -37,6 +37,8 @@ BAD = [
     (dict(prompt_logprobs=2**70), "prompt_logprobs must be an integer in \\[0, 2147483647\\]"),
     (dict(logprobs_mode="cooked"), "logprobs_mode must be one of"),
     (dict(golden_token_ids=[1, "x"]), "golden_token_ids"),
+    (dict(golden_token_ids=[1, 2, 3], max_tokens=2), "golden_token_ids has 3 ids, more than max_tokens=2"),
+    (dict(golden_token_ids=list(range(17))), "golden_token_ids has 17 ids, more than max_tokens=16"),  # the default
     (dict(logit_bias={5: 101}), "logit_bias\\[5\\] must be a finite number in \\[-100, 100\\]"),
     (dict(logit_bias={-5: 1}), "logit_bias keys"),
     (dict(logit_bias={"99999999999999999999999": 1}), "logit_bias keys must be token ids \\(integers in \\[0, 2147483647\\]"),
@@ -59,6 +61,13 @@ def test_defaults_and_normalisation():
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=1e-6).greedy
     assert not SamplingParams(temperature=0.01).greedy
     assert SamplingParams(top_k=0).top_k == 0  # 0 and -1 both disable top-k (vLLM)
+
+
+def test_golden_token_ids_may_be_as_many_as_max_tokens():
+    """Forced ids past max_tokens could never be emitted (the output ends there): a longer list is an
+    error above; up to max_tokens of them, or any number without a max_tokens, is a request."""
+    assert SamplingParams(golden_token_ids=[1, 2], max_tokens=2).golden_token_ids == [1, 2]
+    assert SamplingParams(golden_token_ids=[1] * 100, max_tokens=None).golden_token_ids == [1] * 100
 
 
 def test_verify_vocab_names_the_field():

@@ -165,7 +165,7 @@ def test_generated_forced_outputs_never_fail_the_server_or_a_neighbour(which, re
         ids = token_ids(server, "".join(pieces)) + ([EOS] if end else [])
         body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
                 "max_tokens": max(1, len(ids) - cut), "temperature": 0, "stream": stream,
-                "golden_token_ids": ids}
+                "golden_token_ids": ids[:max(1, len(ids) - cut)]}
         if choice is not None:
             body["tool_choice"] = choice
         with ThreadPoolExecutor(2) as pool:

@@ -304,3 +304,19 @@ def test_a_list_of_wrong_items_is_reported_by_its_first(client, path, body):
     the 5M errors of a 20 MB `stop_token_ids: ["a", ...]` took 57 s. A list stops at its first."""
     err = _error(client.post(path, headers=AUTH, json=body))
     assert "more fields" not in err["message"] and err["message"].count(";") <= 1, err["message"][:300]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
+                                       ("/v1/responses", {"input": "hi", "max_output_tokens": 2})])
+def test_golden_token_ids_longer_than_max_tokens_is_a_400_naming_them(client, path, body):
+    """The forced ids past max_tokens could never be emitted, yet the request was taken and they
+    were dropped in silence. A 400 names golden_token_ids and both counts; as many ids as
+    max_tokens is a request. The official client reads the 400."""
+    import openai
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=client, max_retries=0)
+    err = _error(client.post(path, headers=AUTH, json={**body, "golden_token_ids": [3, 4, 5]}))
+    assert err["param"] == "golden_token_ids" and "3 ids, more than max_tokens=2" in err["message"], err
+    assert client.post(path, headers=AUTH, json={**body, "golden_token_ids": [3, 4]}).status_code == 200
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model="m", prompt="hi", max_tokens=1, extra_body={"golden_token_ids": [3, 4]})
+    assert e.value.status_code == 400 and e.value.body["param"] == "golden_token_ids", e.value.body
