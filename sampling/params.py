@@ -168,9 +168,15 @@ class StructuredOutputs:
         return json.dumps([self.kind, value, self.any_whitespace], sort_keys=True, ensure_ascii=False)
 
 
+# xgrammar's C++ errors begin "[11:12:51] /project/cpp/regex_converter.cc:94: ": a time and the
+# source file of its build, nothing a client can act on. A compile worker's error comes back with
+# the exception's type before it ("RuntimeError: [11:12:51] ..."), which goes too.
+_XGRAMMAR_PREFIX = re.compile(r"(?:\w+: )?\[[0-9:]+\] \S+: ")
+
+
 def _short(e: Exception) -> str:
-    msg = str(e).strip()
-    return re.sub(r"^\[[0-9:]+\] \S+: ", "", msg)  # drop xgrammar's "[time] file.cc:line: "
+    """An xgrammar error's reason alone: "Regex parsing error at position 3: Lookbehind is not supported yet"."""
+    return _XGRAMMAR_PREFIX.sub("", str(e).strip())
 
 
 def _check_schema(schema: Any) -> dict:

@@ -180,6 +180,19 @@ def test_response_format_json_schema_validates(client, seed):
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
+def test_a_schema_xgrammar_cannot_compile_is_a_400_with_its_reason_and_no_source_path(client):
+    """The 400 carried xgrammar's C++ source path ("[11:12:51] /project/cpp/regex_converter.cc:94:");
+    it gives the reason alone, through the official client."""
+    import openai
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    message = e.value.body["message"]
+    assert "Lookbehind is not supported yet" in message and e.value.body["param"] == "structured_outputs", message
+    assert not re.search(r"\.cc\b|/project/|\[\d\d:\d\d:\d\d\]|RuntimeError", message), message
+
+
 def test_json_object_regex_choice_grammar(client):
     msg = [{"role": "user", "content": "Describe a cat as JSON."}]
     r = client.chat.completions.create(model=MODEL, max_tokens=64, temperature=0, messages=msg,
