@@ -10,7 +10,8 @@ token when the probability mass strictly before it is < top_p (the smallest
 prefix reaching top_p); min-p keeps x_i - x_max >= log(min_p), i.e. p_i >= min_p * p_max. If the grammar mask
 leaves no token the truncation kept, the grammar's allowed set (under the
 temperature-scaled distribution) is used instead, so a constrained request
-never stalls.
+never stalls; that set stays within allowed_token_ids, a mask as hard as the
+grammar's (sampler._grammar_allowed).
 
 No float cumsum (its addition order is not the same for every batch on GPU):
 top-p (kernels/nucleus.py, the `top_p` family) sums probabilities as integers, exact in any
@@ -221,14 +222,14 @@ def apply_request_masks(x: torch.Tensor, rows, last: torch.Tensor | None = None)
     if allow_rows:  # a row with allowed_token_ids keeps those alone
         keep = torch.ones(B, V, dtype=torch.bool, device=dev).index_fill_(
             0, list_to_device(allow_rows, torch.long, dev), False)
-        at = _cells(allowed, dev)
+        at = cells(allowed, dev)
         if len(at[0]):
             keep.index_put_(at, torch.ones(len(at[0]), dtype=torch.bool, device=dev))
         x = torch.where(keep, x, NEG_INF)
     else:
         x = x.clone()
     if biased:  # (row, token) pairs are unique: a dict's keys per row
-        at = _cells([(i, ids.bias_ids) for i, ids in biased], dev)
+        at = cells([(i, ids.bias_ids) for i, ids in biased], dev)
         bias = np.concatenate([ids.bias for _, ids in biased])
         x.index_put_(at, x[at] + to_device(torch.from_numpy(bias).to(x.dtype), dev))
     ban_rows, ban_tokens = _host_cells(banned)
@@ -257,7 +258,7 @@ def _host_cells(parts: list[tuple[int, np.ndarray]]) -> np.ndarray:
     return np.stack([rows, np.concatenate(ids)])
 
 
-def _cells(parts: list[tuple[int, np.ndarray]], device) -> tuple[torch.Tensor, torch.Tensor]:
+def cells(parts: list[tuple[int, np.ndarray]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """`_host_cells` as (rows, tokens) index tensors on the device."""
     both = to_device(torch.from_numpy(_host_cells(parts)), device)
     return both[0], both[1]

@@ -219,11 +219,24 @@ def _sample_block(x_raw: torch.Tensor, rows: list[SamplingRow], last: torch.Tens
 
 
 def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:
-    """bool [B, V]: the grammar's allowed tokens per row (all True for rows without a grammar)."""
+    """bool [B, V]: the grammar's allowed tokens per row (all True for rows without a grammar), and of
+    those only its allowed_token_ids where the row lists some: both are hard constraints (as in
+    vLLM), so the fallbacks for an empty row drop truncation and the soft request masks, never
+    these. A row whose grammar allows none of its ids is all False (Scheduler.update fails it)."""
     allowed = torch.ones(len(rows), V, dtype=torch.bool, device=dev)
     js = [j for j, r in enumerate(rows) if r.grammar is not None]
     masks = to_device(torch.stack([rows[j].grammar.bitmask() for j in js]), dev)  # [G, W] int32
-    return allowed.index_copy_(0, list_to_device(js, torch.long, dev), P.bitmask_to_bool(masks, V))
+    allowed.index_copy_(0, list_to_device(js, torch.long, dev), P.bitmask_to_bool(masks, V))
+    listed = [j for j in js if rows[j].params.allowed_token_ids]
+    if listed:
+        ids = [(i, (rows[j].mask_ids or P.RequestMaskIds(rows[j].params)).under(V).allowed)
+               for i, j in enumerate(listed)]
+        only = torch.zeros(len(listed), V, dtype=torch.bool, device=dev)
+        at = P.cells(ids, dev)
+        only.index_put_(at, torch.ones(len(at[0]), dtype=torch.bool, device=dev))
+        idx = list_to_device(listed, torch.long, dev)
+        allowed.index_copy_(0, idx, allowed.index_select(0, idx) & only)
+    return allowed
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> SamplerOutput:

@@ -127,6 +127,13 @@ class Request:
         up in it, and a list of 49k ids costs a scan a step."""
         return frozenset(self.params.stop_token_ids)
 
+    @functools.cached_property
+    def allowed_token_set(self) -> frozenset[int] | None:
+        """params.allowed_token_ids as a set, made once (None: every token allowed): `Scheduler.update`
+        checks a grammar request's sampled tokens against it."""
+        ids = self.params.allowed_token_ids
+        return frozenset(ids) if ids else None
+
     @property
     def output_array(self) -> np.ndarray:
         """The outputs so far as int64 numpy (a view of a buffer `append_output_token`

@@ -311,6 +311,9 @@ class Scheduler:
                 continue
             req.num_pending -= 1
             st = out.sampled[seq.request_id]
+            if req.grammar is not None and self._no_common_token(req, st.token_id):
+                progressed.append(req)
+                continue
             req.append_output_token(st.token_id)
             req.output_logprobs.append(st.logprobs)
             stop = self._check_stop(req, st.token_id)
@@ -363,6 +366,19 @@ class Scheduler:
             req.error = req.grammar.error
             self.finish(req, RequestStatus.FINISHED_ERROR)
         return failed
+
+    def _no_common_token(self, req: Request, tok: int) -> bool:
+        """allowed_token_ids and the grammar are both hard masks (as in vLLM): the sampler draws from
+        their intersection and never falls back past either, so a sampled token outside
+        allowed_token_ids means the grammar allowed none of them at this position. The request
+        fails there (its token is not emitted), naming both. A golden token is forced, not drawn."""
+        allowed, golden = req.allowed_token_set, req.params.golden_token_ids
+        if allowed is None or tok in allowed or (golden is not None and req.num_output_tokens < len(golden)):
+            return False
+        req.error = (f"allowed_token_ids and the structured_outputs grammar have no token in common at output "
+                     f"token {req.num_output_tokens}: the grammar allows none of the allowed ids there")
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+        return True
 
     @staticmethod
     def _advance_grammar(req: Request, tok: int, stop):

@@ -491,3 +491,35 @@ def test_a_full_compile_lane_refuses_a_new_spec_at_add_request():
         ("h2", "h2b", "new"), "abort")
     assert done["h1"].outputs[0].finish_reason in ("abort", "error")  # its compile may time out first
 
+
+def test_allowed_token_ids_and_a_grammar_are_both_hard_masks_and_a_request_they_leave_no_token_fails():
+    """allowed_token_ids with a grammar: each token comes from the intersection of the two (as in vLLM,
+    where both are masks on the logits). Where the grammar allows none of the allowed ids, the
+    sampler fell back to the grammar's tokens and broke allowed_token_ids in silence; the request
+    now fails there (finish_reason "error", naming both), without emitting a token outside
+    allowed_token_ids, and its neighbour's bits are its solo run's."""
+    llm = tiny_llm(VOCAB)
+    tok = llm.get_tokenizer()
+    ids = {c: tok.encode(c, add_special_tokens=False)[0] for c in "abcdef0123456789-"}
+    regex = StructuredOutputs(regex="[a-f]{2,6}-[0-9]{1,4}")
+
+    def req(allowed, seed=3):
+        return ("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+            temperature=1.0, top_k=3, seed=seed, max_tokens=12, structured_outputs=regex,
+            allowed_token_ids=[ids[c] for c in allowed] + [1]))  # and EOS (1), which the grammar ends with
+    neighbour = ("n", {"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=2))
+    (_, solo), = run(llm, [neighbour])
+    # overlapping: the output keeps to both (top_k=3 among the model's tokens would leave them out)
+    (_, ok), = run(llm, [req("ab-7")])
+    assert ok.outputs[0].finish_reason == "stop" and re.fullmatch("[ab]{2,6}-7{1,4}", ok.outputs[0].text), ok
+    # disjoint at the first token, and at the first token after the letters (no digit allowed)
+    for allowed, emitted in (("0123456789", 0), ("abcdef-", None)):
+        (_, bad), (_, n) = run(llm, [req(allowed), neighbour])
+        c = bad.outputs[0]
+        k = len(c.token_ids)
+        assert c.finish_reason == "error" and bad.error == (
+            f"allowed_token_ids and the structured_outputs grammar have no token in common at output token {k}: "
+            "the grammar allows none of the allowed ids there"), bad.error
+        assert set(c.token_ids) <= {ids[ch] for ch in allowed} | {1} and (emitted is None or k == emitted), c.token_ids
+        assert emitted == 0 or re.fullmatch("[a-f]{2,6}-", c.text), c.text
+        assert same(result_of(n), result_of(solo))

@@ -193,6 +193,20 @@ def test_a_schema_xgrammar_cannot_compile_is_a_400_with_its_reason_and_no_source
     assert not re.search(r"\.cc\b|/project/|\[\d\d:\d\d:\d\d\]|RuntimeError", message), message
 
 
+def test_allowed_token_ids_the_grammar_never_allows_is_a_400_naming_both(client, server):
+    """allowed_token_ids and a structured output are both masks (vLLM's reading): where the grammar
+    allows none of the ids, the grammar won in silence and the output broke allowed_token_ids. The
+    request fails there; the official client reads a 400 naming both."""
+    import openai
+    ids = httpx.post(server.url + "/v1/tokenize", json={"prompt": " hello world", "add_special_tokens": False},
+                     headers=AUTH).json()["tokens"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                                       response_format={"type": "json_object"}, extra_body={"allowed_token_ids": ids})
+    assert "allowed_token_ids and the structured_outputs grammar have no token in common at output token 0" \
+        in e.value.body["message"], e.value.body
+
+
 def test_json_object_regex_choice_grammar(client):
     msg = [{"role": "user", "content": "Describe a cat as JSON."}]
     r = client.chat.completions.create(model=MODEL, max_tokens=64, temperature=0, messages=msg,
