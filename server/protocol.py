@@ -12,13 +12,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
+from pydantic_core import PydanticCustomError
 
 T = TypeVar("T")
 # A list of the wrong items is reported by its first: pydantic builds an error per item, and listing
 # the 5M errors of a 20 MB `stop_token_ids: ["a", ...]` took 57 s, holding the GIL (so the event loop)
 Items = Annotated[list[T], Field(fail_fast=True)]
 Prompt = Union[str, Items[str], Items[int], Items[Items[int]]]
+
+
+def _bias_size(v: Any, info: ValidationInfo) -> Any:
+    """logit_bias's entry count against the vocabulary (the validation context's `vocab_size`, set
+    by server/serving.py), before pydantic reads an entry: each key must be a distinct token id, so
+    a longer object cannot be valid, and 1M entries held the GIL for seconds in validation."""
+    vocab = (info.context or {}).get("vocab_size")
+    if vocab is not None and isinstance(v, dict) and len(v) > vocab:
+        raise PydanticCustomError("logit_bias_too_long", "{n} entries, more than the model's vocabulary of {vocab} "
+                                  "tokens (each key must be a different token id)", {"n": len(v), "vocab": vocab})
+    return v
+
+
+# As Items: an object of wrong values is reported by its first (1M of them stalled /health 2.9 s)
+LogitBias = Annotated[dict[str, float], Field(fail_fast=True), BeforeValidator(_bias_size)]
 
 
 class _Body(BaseModel):
@@ -64,7 +80,7 @@ class _Extensions(_Body):
     stop: str | Items[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # extensions (vLLM names)
     top_k: int | None = None

@@ -113,12 +113,13 @@ async def checked_body(state: ServerState, raw: bytes, build: Callable[[bytes], 
 
 async def read_body(request: Request, state: ServerState, cls: type[M]) -> M:
     """The JSON body as `cls`: 413/408 over the size/time limits, 400 if malformed or mistyped."""
-    return await checked_body(state, await receive_body(request, state.limits), functools.partial(_validated, cls))
+    return await checked_body(state, await receive_body(request, state.limits),
+                              functools.partial(_validated, cls, state.vocab_size))
 
 
-def _validated(cls: type[M], raw: bytes) -> M:
-    try:
-        return cls.model_validate(parse_json(raw))
+def _validated(cls: type[M], vocab_size: int | None, raw: bytes) -> M:
+    try:  # the vocabulary bounds logit_bias's size (server/protocol.py)
+        return cls.model_validate(parse_json(raw), context={"vocab_size": vocab_size})
     except ValidationError as e:
         raise validation_error(e) from None
 

@@ -320,3 +320,31 @@ def test_golden_token_ids_longer_than_max_tokens_is_a_400_naming_them(client, pa
     with pytest.raises(openai.BadRequestError) as e:
         sdk.completions.create(model="m", prompt="hi", max_tokens=1, extra_body={"golden_token_ids": [3, 4]})
     assert e.value.status_code == 400 and e.value.body["param"] == "golden_token_ids", e.value.body
+
+
+def test_logit_bias_is_bounded_by_the_vocabulary_and_read_to_its_first_wrong_value():
+    """1M logit_bias entries of wrong values held /health for 2.9 s: pydantic built an error per
+    entry (on the preprocessing pool, holding the GIL all along). An object with more entries than
+    the model's vocabulary cannot be valid (each key is a different token id): it is a 400 before
+    any entry is read. One within the bound is reported by its first wrong value; a vocabulary's
+    worth of biases is a request. The official client reads the 400."""
+    import openai
+    V = FakeTokenizer.vocab_size
+    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
+                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
+                        api_key=API_KEY, vocab_size=V)
+    with TestClient(build_app(state)) as c:
+        for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
+                           ("/v1/responses", {"input": "hi", "max_output_tokens": 2})):
+            err = _error(c.post(path, headers=AUTH, json={**body, "logit_bias": {str(i): 1 for i in range(V + 1)}}))
+            assert err["param"] == "logit_bias", err
+            assert f"{V + 1} entries, more than the model's vocabulary of {V} tokens" in err["message"], err
+            err = _error(c.post(path, headers=AUTH, json={**body, "logit_bias": {str(i): "x" for i in range(V)}}))
+            assert err["param"] == "logit_bias.0" and "more fields" not in err["message"], err
+            assert c.post(path, headers=AUTH, json={**body, "logit_bias": {str(i): 1 for i in range(V)}}).status_code == 200
+        err = _error(c.post("/v1/completions", headers=AUTH,
+                            json={**COMPLETION, "logit_bias": {str(i): "x" for i in range(1_000_000)}}))
+        assert f"1000000 entries, more than the model's vocabulary of {V} tokens" in err["message"], err
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=c, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="more than the model's vocabulary"):
+            sdk.completions.create(model="m", prompt="hi", max_tokens=1, logit_bias={str(i): 1 for i in range(V + 1)})
