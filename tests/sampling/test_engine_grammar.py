@@ -415,7 +415,9 @@ def _warm_large_lane(eng):
 def _begun(eng, rid):
     import time
     eng.step()  # drains the inbox
-    fut, t0 = eng.scheduler.requests[rid].grammar._future, time.monotonic()
+    req = eng.scheduler.requests.get(rid)
+    assert req is not None, f"{rid} finished before its compile was seen begun (its compile timeout passed?)"
+    fut, t0 = req.grammar._future, time.monotonic()
     while fut.started is None:
         assert time.monotonic() - t0 < 60
         time.sleep(0.01)
@@ -441,15 +443,19 @@ def test_the_offline_engine_bounds_no_compile_lane():
 def test_an_aborted_requests_queued_compile_is_dropped():
     """Three hostile schemas in the large lane, compile timeout 2 s; the last two requests are
     aborted while the first compiles. Their compiles are dropped, never run: a good request behind
-    them waits for one compile timeout, not three, and only the first one's worker is killed."""
+    them waits for one compile timeout, not three, and only the first one's worker is killed. The
+    two join the lane once the first has begun (adding a 1,000-property schema takes a while on a
+    busy CPU: added first, the first's 2 s could pass before the step that shows it begun)."""
     from detent.sampling import grammar_workers
     eng = tiny_llm(VOCAB).llm_engine
     _warm_large_lane(eng).timeout_s = 2.0
     large = grammar_workers.lanes()["large"]
     kills = large.kills
-    for rid in ("h1", "h2", "h3"):
-        eng.add_request(rid, [3, 4], SamplingParams(max_tokens=4, structured_outputs=_slow(rid)))
+    slow = {rid: SamplingParams(max_tokens=4, structured_outputs=_slow(rid)) for rid in ("h1", "h2", "h3")}
+    eng.add_request("h1", [3, 4], slow["h1"])
     _begun(eng, "h1")
+    for rid in ("h2", "h3"):
+        eng.add_request(rid, [3, 4], slow[rid])
     eng.abort_request(["h2", "h3"])
     eng.add_request("good", [5, 6], SamplingParams(seed=0, max_tokens=3, structured_outputs=StructuredOutputs(
         grammar='root ::= "' + "g" * 5000 + '"')))
