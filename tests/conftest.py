@@ -32,9 +32,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _cpu_threads():
-    # the CI machine has 2 cores; keep results independent of thread count
+    # the CI machine has 2 cores; keep results independent of thread count. Under pytest-xdist
+    # (the README's `-n 2`) each worker is one of the two: one intra-op thread each, since two
+    # workers of two threads on two cores spin-wait on each other in OpenMP
     if not torch.cuda.is_available():
-        torch.set_num_threads(int(os.environ.get("DETENT_TEST_THREADS", "2")))
+        default = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
+        torch.set_num_threads(int(os.environ.get("DETENT_TEST_THREADS", default)))
     yield
 
 
