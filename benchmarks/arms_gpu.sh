@@ -85,8 +85,8 @@ for PART in "$@"; do
             timed "$PART" $((B + 20)) detent tune --model $M $FACTS --workload $W --num-requests $N --cost kernels \
                 --time-budget "$B" ${LM:+--max-throughput $LM} ${TUNE_ARGS:-} -o $TUNES/tuple-$W.json ;;
         vllm|vllm-bi)  # vllm-bi: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant mode (the paper's vLLM-Det)
-            BI=0; TAG=""
-            [ "$PART" = vllm-bi ] && BI=1 && TAG=-bi
+            BI=0; VTAG=""
+            [ "$PART" = vllm-bi ] && BI=1 && VTAG=-bi
             VLLM_BATCH_INVARIANT=$BI PYTHONPATH=${VLLM_PATH:-/tmp/vsite} \
                 setsid python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
                 --dtype bfloat16 --max-model-len 8192 --served-model-name m --port 8200 \
@@ -97,7 +97,7 @@ for PART in "$@"; do
                     2> /dev/null && break
                 sleep 1
             done
-            timed "arms-$PART" 480 python3 benchmarks/serve_arms.py run $A --arms '' --tag="$TAG" \
+            timed "arms-$PART" 480 python3 benchmarks/serve_arms.py run $A --arms '' --tag="$VTAG" \
                 --vllm-url http://127.0.0.1:8200
             kill -- -$V; wait $V 2> /dev/null ;;  # its process group: vLLM's engine core too
         report)
