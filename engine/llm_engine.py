@@ -55,7 +55,6 @@ from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.engine.step_stats import HOST_PARTS, KIND_HOST_PARTS, StepStats, step_kind
 from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams, tokenize_bad_words
-from detent.sampling import processors
 from detent.sampling.processors import RequestMaskIds
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
@@ -132,11 +131,12 @@ class LLMEngine:
         """Queue a request. Raises ValueError on bad input (naming the field)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids = self._validate(request_id, prompt_token_ids, params)
+        masks = self._mask_ids(params)
+        self._check_some_token_allowed(masks)
         # the grammar compile is submitted here, not when step() drains the inbox (as vLLM's
         # EngineCore.add_request): a full compile lane refuses the request to its caller
         # (CompileQueueFull), and the compile starts before the next step
         grammars = self._new_grammars(params)
-        masks = self._mask_ids(params)
         try:
             with self._inbox_lock:
                 if request_id in self._pending_ids or request_id in self._live_ids:
@@ -202,7 +202,6 @@ class LLMEngine:
                 p.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
         if hasattr(p, "verify_vocab"):
             p.verify_vocab(vocab)
-        self._check_some_token_allowed(p)
         if self.config.rl:
             from detent.engine.rl_contract import check_rl_params
             check_rl_params(p)
@@ -216,18 +215,20 @@ class LLMEngine:
                 raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
         return ids
 
-    def _check_some_token_allowed(self, p: SamplingParams) -> None:
+    def _check_some_token_allowed(self, masks: RequestMaskIds) -> None:
         """allowed_token_ids that the request's own bans cover leave no token to sample: every
         logit -inf, and the sampler took token 0 with a finite logprob (a hostile-client audit).
-        Banned always: one-token bad words; while min_tokens holds: EOS and stop_token_ids."""
+        The bans are the sampler's own tables (`masks`): one-token bad words always, and EOS and
+        stop_token_ids while min_tokens holds."""
+        p, V = masks.params, self.model_config.vocab_size
         if not p.allowed_token_ids:
             return
-        allowed = set(p.allowed_token_ids)
-        banned = {w[0] for w in p.bad_words_token_ids or () if len(w) == 1}
+        ids = masks.under(V)
+        allowed = set(ids.allowed.tolist())
+        banned = set(masks.bad_words(V).always[:, 0].tolist()) if p.bad_words_token_ids else set()
         if allowed <= banned:
             raise ValueError("allowed_token_ids: every allowed id is a one-token bad word, no token can be sampled")
-        if p.min_tokens > 0 and allowed <= banned | set(  # the ids the sampler bans, by its definition
-                processors.min_tokens_bans(p, self.eos_token_ids).tolist()):
+        if p.min_tokens > 0 and allowed <= banned | set(ids.min_tokens_bans.tolist()):
             raise ValueError(f"allowed_token_ids: min_tokens={p.min_tokens} bans EOS and stop_token_ids, and every "
                              "allowed id is one of them (or a one-token bad word): no token can be sampled")
 

@@ -62,8 +62,9 @@ class MaskIds(NamedTuple):
 
 def min_tokens_bans(params, eos_token_ids: Sequence[int]) -> np.ndarray:
     """int64 ids a request bans while its output is shorter than min_tokens: EOS and its
-    stop_token_ids (a repeat bans once). The one definition: the sampler's mask reads it, and so
-    does the engine's check that some allowed_token_ids stay sampleable (LLMEngine._validate)."""
+    stop_token_ids (a repeat bans once). The one definition, through `MaskIds.min_tokens_bans`: the
+    sampler's mask reads it, and so does the engine's check that some allowed_token_ids stay
+    sampleable (LLMEngine._check_some_token_allowed)."""
     return np.concatenate([np.asarray(tuple(eos_token_ids), dtype=np.int64),
                            np.asarray(params.stop_token_ids or (), dtype=np.int64)])
 
@@ -204,7 +205,7 @@ def apply_request_masks(x: torch.Tensor, rows, last: torch.Tensor | None = None)
         under_min = len(r.output_token_ids) + r.pending < p.min_tokens
         if not (p.allowed_token_ids or p.logit_bias or under_min or p.bad_words_token_ids):
             continue
-        request = r.mask_ids or RequestMaskIds(p, r.eos_token_ids)
+        request = r.request_masks()
         if p.allowed_token_ids or p.logit_bias or under_min:
             ids = request.under(V)
             if p.allowed_token_ids:

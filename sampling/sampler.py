@@ -56,6 +56,10 @@ class SamplingRow:
     # None: apply_request_masks builds them for the call
     mask_ids: P.RequestMaskIds | None = field(default=None, compare=False, repr=False)
 
+    def request_masks(self) -> P.RequestMaskIds:
+        """`mask_ids`, or the row's own built for this call."""
+        return self.mask_ids or P.RequestMaskIds(self.params, self.eos_token_ids)
+
 
 @dataclass
 class SamplerOutput:
@@ -229,8 +233,7 @@ def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:
     allowed.index_copy_(0, list_to_device(js, torch.long, dev), P.bitmask_to_bool(masks, V))
     listed = [j for j in js if rows[j].params.allowed_token_ids]
     if listed:
-        ids = [(i, (rows[j].mask_ids or P.RequestMaskIds(rows[j].params)).under(V).allowed)
-               for i, j in enumerate(listed)]
+        ids = [(i, rows[j].request_masks().under(V).allowed) for i, j in enumerate(listed)]
         only = torch.zeros(len(listed), V, dtype=torch.bool, device=dev)
         at = P.cells(ids, dev)
         only.index_put_(at, torch.ones(len(at[0]), dtype=torch.bool, device=dev))
