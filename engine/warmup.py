@@ -37,6 +37,7 @@ from detent.selection.context import AttentionMetadata, ForwardContext, forward_
 log = logging.getLogger("detent.engine.warmup")
 
 RUNTIME_KEYS = ("num_tokens", "num_seqs", "max_seqlen_q", "max_seqlen_k", "total_kv")
+VARIANT_FAMILIES = ("attention", "moe")  # whose candidates may declare step variants (`probe_variants`)
 
 
 @dataclass(frozen=True)
@@ -196,17 +197,18 @@ def probe_variants(selectors: dict, facts: dict[str, Any], lim: Limits, shapes: 
     A selection fixes a candidate's parameters, not every kernel it launches:
     the Triton attention decides from the step itself whether a decode-only
     launch, a short launch for a chunk's decodes, or the split combine runs
-    (`Candidate.variants`, kernels/attention_triton.py), each its own compile.
-    Lease 6 saw five such compiles while serving (docs/performance.md). Here
-    every probe step whose variants the planned steps miss is added, greedily,
+    (`Candidate.variants`, kernels/attention_triton.py), each its own compile;
+    the fused MoE sizes its alignment's launch by the step's tokens
+    (kernels/moe_triton.py). Lease 6 saw five attention compiles while
+    serving, lease 31's tune one alignment (docs/performance.md). Here every
+    probe step whose variants the planned steps miss is added, greedily,
     until no probe adds one."""
     from detent.selection import ops
 
     added: list[StepShape] = []
     for (family, site), selector in sorted(selectors.items(), key=repr):
-        step = dict(num_heads=dict(site).get("num_heads"), num_kv_heads=dict(site).get("num_kv_heads"),
-                    num_sms=facts.get("num_sms"))
-        if family != "attention" or None in step.values():
+        step = {**dict(site), "num_sms": facts.get("num_sms")}
+        if family not in VARIANT_FAMILIES or None in step.values():
             continue
         first = StepShape((1,), (1,))  # one implementation per deployment: does it declare variants?
         if ops.launch_variants(family, selector(**first.runtime()), query_lens=first.query_lens,

@@ -116,7 +116,7 @@ def kernel_variants(plan: LaunchPlan, *, block_m: int, num_warps: int = 4, num_s
 
 
 def step_variants(selection: dict, *, query_lens, kv_lens, num_heads: int, num_kv_heads: int,
-                  num_sms: int) -> set[tuple]:
+                  num_sms: int, **_site) -> set[tuple]:
     """`kernel_variants` of a step given by its query and KV lengths per sequence."""
     keys = ("split_tokens", "block_m", "combine", "rowsum", "short_launch", "tile_loop", "short_combine")
     plan = launch_plan(sum(query_lens), len(query_lens), max(query_lens), max(kv_lens), tuple(query_lens),

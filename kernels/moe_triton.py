@@ -230,20 +230,37 @@ def align_fused(topi: torch.Tensor, num_experts: int, block_m: int):
     blk_expert = torch.empty(max_blocks, dtype=torch.int32, device=topi.device)
     if r == 0:
         return rows, blk_expert
-    r_pad = triton.next_power_of_2(r)
-    sub = min(64, r_pad)
-    counted = r > 4096
-    ch = 512 if counted else sub
-    e_pad = triton.next_power_of_2(num_experts)
+    const = align_constexprs(r, num_experts, block_m)
     ids = topi.reshape(-1)
     hist = rows  # not read unless counted
-    if counted:
-        hist = torch.empty((triton.cdiv(r, ch), e_pad), dtype=torch.int32, device=topi.device)
-        _align_count_kernel[(hist.shape[0],)](ids, hist, r, E_PAD=e_pad, CH=ch, num_warps=4)
-    _align_kernel[(triton.cdiv(max(r, max_blocks), ch),)](
-        ids, hist, rows, blk_expert, r, max_blocks, HCH=min(r_pad, 4096), E_PAD=e_pad, BLOCK_M=block_m, CH=ch,
-        SUB=sub, COUNTED=counted, num_warps=4)
+    if const["COUNTED"]:
+        hist = torch.empty((triton.cdiv(r, const["CH"]), const["E_PAD"]), dtype=torch.int32, device=topi.device)
+        _align_count_kernel[(hist.shape[0],)](ids, hist, r, E_PAD=const["E_PAD"], CH=const["CH"], num_warps=4)
+    _align_kernel[(triton.cdiv(max(r, max_blocks), const["CH"]),)](
+        ids, hist, rows, blk_expert, r, max_blocks, **const, num_warps=4)
     return rows, blk_expert
+
+
+def align_constexprs(rows: int, num_experts: int, block_m: int) -> dict:
+    """`_align_kernel`'s constexprs for `rows` (tokens x top_k) > 0: each distinct value is
+    its own compile, which the step's size decides (`step_variants`)."""
+    r_pad = triton.next_power_of_2(rows)
+    sub = min(64, r_pad)
+    counted = rows > 4096
+    return dict(HCH=min(r_pad, 4096), E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+                CH=512 if counted else sub, SUB=sub, COUNTED=counted)
+
+
+def step_variants(selection: dict, *, query_lens, num_experts: int, top_k: int, **_step) -> set[tuple]:
+    """The compiles an eager step of these query lengths needs from `selection` beyond what it
+    fixes: the alignment's (`align_constexprs`, from the step's token count). The warm start
+    runs a step for each (engine/warmup.py `probe_variants`): lease 31's tune profiled
+    Qwen3-30B-A3B steps of more than 512 tokens eagerly and compiled the counted alignment
+    then. The routing, combine and grouped GEMM launches take theirs from the selection."""
+    if not selection.get("fuse_glue"):
+        return set()
+    rows = sum(query_lens) * top_k
+    return {("align", *sorted(align_constexprs(rows, num_experts, selection["block_m"]).items()))} if rows else set()
 
 
 @lazy_jit
@@ -315,7 +332,7 @@ def _config(name: str, tile: dict) -> dict:
     return {"group_m": 1, "num_warps": 4, "num_stages": 3, **given}
 
 
-@register("moe", "triton_fused", params=TILE_PARAMS + ("fuse_glue",), devices=("cuda",))
+@register("moe", "triton_fused", params=TILE_PARAMS + ("fuse_glue",), devices=("cuda",), variants=step_variants)
 def moe_triton_fused(x, router_logits, w13, w2, top_k: int, renormalize: bool,
                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                      group_m: int | None = None, num_warps: int | None = None,
@@ -377,5 +394,5 @@ def moe_reference(x, router_logits, w13, w2, top_k, renormalize):
     return combine(y, topw)
 
 
-__all__ = ["align", "align_fused", "combine", "combine_fused",
-           "moe_reference", "moe_triton_fused", "route", "route_fused"]
+__all__ = ["align", "align_constexprs", "align_fused", "combine", "combine_fused",
+           "moe_reference", "moe_triton_fused", "route", "route_fused", "step_variants"]

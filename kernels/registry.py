@@ -25,7 +25,8 @@ class Candidate:
     params: tuple[str, ...]  # the selection parameters it accepts
     devices: tuple[str, ...]  # device types it runs on ("cpu", "cuda")
     # the compiles a step needs beyond what its selection fixes (the warm start covers them):
-    # variants(selection, *, query_lens, kv_lens, num_heads, num_kv_heads, num_sms) -> set
+    # variants(selection, *, query_lens, kv_lens, num_sms, **site) -> set, where site is the
+    # call site's values (attention's num_heads and num_kv_heads, the MoE's num_experts and top_k)
     variants: Callable | None = None
 
 

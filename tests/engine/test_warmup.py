@@ -230,6 +230,33 @@ def test_warm_steps_reach_every_attention_compile_a_served_step_needs(preset_nam
         assert missing  # what lease 6 met
 
 
+@pytest.mark.parametrize("probes", [True, False])
+def test_warm_steps_reach_every_moe_alignment_an_eager_step_needs(probes, monkeypatch):
+    """Lease 31: the tune's profile ran Qwen3-30B-A3B steps of more than 512 tokens eagerly and
+    compiled the fused MoE's counted alignment, which no warm step had reached (its selection is
+    one tile for every step). Each alignment launch any of 5,000 served steps needs must be
+    among the planned steps'; without the probe steps the counted one is not (the control)."""
+    pytest.importorskip("detent.kernels.moe_triton")
+    from detent.kernels.moe_triton import step_variants
+    c, sites, logits, lim, facts, d = _gpu_deployment("qwen3-30b-a3b")
+    if not probes:
+        monkeypatch.setattr("detent.engine.warmup.probe_variants", lambda *a, **k: [])
+    plan = plan_warmup(d, facts, lim, {logits})
+    (site,) = [s for f, s in sites if f == "moe"]
+    sel = d._selectors[("moe", site)]
+
+    def variants(s):
+        return step_variants(sel(**s.runtime()), query_lens=s.query_lens, **dict(site))
+    covered = set().union(*(variants(s) for s in plan.shapes))
+    needed = {v for s in _served_steps(5000, lim) for v in variants(s)}
+    assert any(dict(v[1:])["COUNTED"] for v in needed)  # served steps of more than 512 tokens
+    if probes:
+        assert needed - covered == set()
+        assert len(plan.shapes) <= 110
+    else:
+        assert needed - covered  # what lease 31's tune met
+
+
 def test_the_h200_deployments_attention_may_go_inside_whole_step_graphs():
     # engine/mixed_graph.refusal on the real pinned selector (pure Python: runs on CPU)
     from detent.engine.mixed_graph import refusal
