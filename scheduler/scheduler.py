@@ -311,14 +311,17 @@ class Scheduler:
                 continue
             req.num_pending -= 1
             st = out.sampled[seq.request_id]
-            if req.grammar is not None and self._no_common_token(req, st.token_id):
-                progressed.append(req)
-                continue
+            accepted = None  # the grammar's verdict on the token, where the request has a grammar
+            if req.grammar is not None:
+                accepted = self._accept_or_none_in_common(req, st.token_id)
+                if accepted is None:
+                    progressed.append(req)
+                    continue
             req.append_output_token(st.token_id)
             req.output_logprobs.append(st.logprobs)
             stop = self._check_stop(req, st.token_id)
             if req.grammar is not None:
-                stop = self._advance_grammar(req, st.token_id, stop)
+                stop = self._grammar_stop(req, st.token_id, accepted, stop)
             if stop is not None:
                 self.finish(req, *stop)
             if self.stop_strings is not None:  # after the finish: a finished request flushes its text
@@ -367,23 +370,36 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_ERROR)
         return failed
 
-    def _no_common_token(self, req: Request, tok: int) -> bool:
-        """allowed_token_ids and the grammar are both hard masks (as in vLLM): the sampler draws from
-        their intersection and never falls back past either, so a sampled token outside
-        allowed_token_ids means the grammar allowed none of them at this position. The request
-        fails there (its token is not emitted), naming both. A golden token is forced, not drawn."""
+    def _accept_or_none_in_common(self, req: Request, tok: int) -> bool | None:
+        """The grammar's verdict on the sampled token (it advances when True), or None where the
+        request failed here because allowed_token_ids and the grammar had no token in common.
+
+        Both are hard masks (as in vLLM): the sampler draws from their intersection and never
+        falls back past either. So a drawn token outside allowed_token_ids, or one the grammar
+        refuses, means the intersection was empty at this position: whatever the sampler drew
+        from a row with no token left (a token of allowed_token_ids too, when it is among them,
+        which the grammar then refuses). The request fails there, its token not emitted, naming
+        both. (One-token bad words that cover the rest of the intersection empty the row too; the
+        engine refuses at admission only the request whose allowed ids they cover whole.) A golden
+        token is forced, not drawn: only the grammar judges it."""
         allowed, golden = req.allowed_token_set, req.params.golden_token_ids
-        if allowed is None or tok in allowed or (golden is not None and req.num_output_tokens < len(golden)):
-            return False
+        drawn = allowed is not None and not (golden is not None and req.num_output_tokens < len(golden))
+        if drawn and tok not in allowed:
+            accepted = False
+        else:
+            accepted = req.grammar.accept(tok)
+        if accepted or not drawn:
+            return accepted
         req.error = (f"allowed_token_ids and the structured_outputs grammar have no token in common at output "
                      f"token {req.num_output_tokens}: the grammar allows none of the allowed ids there")
         self.finish(req, RequestStatus.FINISHED_ERROR)
-        return True
+        return None
 
     @staticmethod
-    def _advance_grammar(req: Request, tok: int, stop):
-        """Commit the token to the request's grammar matcher (docs/architecture.md, Grammar in the scheduler)."""
-        if not req.grammar.accept(tok):
+    def _grammar_stop(req: Request, tok: int, accepted: bool, stop):
+        """The request's stop after its grammar judged the token (`_accept_or_none_in_common`):
+        a refused token fails it (docs/architecture.md, Grammar in the scheduler)."""
+        if not accepted:
             req.error = f"token {tok} is not allowed by the request's structured_outputs grammar"
             return RequestStatus.FINISHED_ERROR, None
         if stop is None and req.grammar.is_terminated():

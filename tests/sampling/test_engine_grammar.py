@@ -396,18 +396,20 @@ def test_allowed_token_ids_and_a_grammar_are_both_hard_masks_and_a_request_they_
     ids = {c: tok.encode(c, add_special_tokens=False)[0] for c in "abcdef0123456789-"}
     regex = StructuredOutputs(regex="[a-f]{2,6}-[0-9]{1,4}")
 
-    def req(allowed, seed=3):
+    def req(allowed, seed=3, extra=()):
         return ("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(
             temperature=1.0, top_k=3, seed=seed, max_tokens=12, structured_outputs=regex,
-            allowed_token_ids=[ids[c] for c in allowed] + [1]))  # and EOS (1), which the grammar ends with
+            allowed_token_ids=[ids[c] for c in allowed] + [1, *extra]))  # and EOS (1), which the grammar ends with
     neighbour = ("n", {"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=2))
     (_, solo), = run(llm, [neighbour])
     # overlapping: the output keeps to both (top_k=3 among the model's tokens would leave them out)
     (_, ok), = run(llm, [req("ab-7")])
     assert ok.outputs[0].finish_reason == "stop" and re.fullmatch("[ab]{2,6}-7{1,4}", ok.outputs[0].text), ok
     # disjoint at the first token, and at the first token after the letters (no digit allowed)
-    for allowed, emitted in (("0123456789", 0), ("abcdef-", None)):
-        (_, bad), (_, n) = run(llm, [req(allowed), neighbour])
+    # the third: token 0 allowed too, which is what the sampler draws from a row with no token left
+    # (every logit -inf): drawn inside allowed_token_ids, refused by the grammar
+    for allowed, extra, emitted in (("0123456789", (), 0), ("abcdef-", (), None), ("0123456789", (0,), 0)):
+        (_, bad), (_, n) = run(llm, [req(allowed, extra=extra), neighbour])
         c = bad.outputs[0]
         k = len(c.token_ids)
         assert c.finish_reason == "error" and bad.error == (
