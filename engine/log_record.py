@@ -60,6 +60,8 @@ def params_json(p: SamplingParams, seed: int | None) -> dict[str, Any]:
             v = dataclasses.asdict(v)
         elif f.name == "logit_bias" and v is not None:
             v = {str(k): b for k, b in v.items()}
+        elif f.name == "bad_words_token_ids" and v is not None:
+            v = [list(w) for w in v]  # lists, or a TokenWords where the params were pickled
         out[f.name] = v
     out["seed"] = seed
     return out

@@ -27,11 +27,14 @@ wide: no useful value is refused.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_INT32 = 2**31 - 1  # top_k, token ids, token counts: any vocabulary and context is smaller
@@ -202,6 +205,58 @@ def _check_schema(schema: Any) -> dict:
     return schema
 
 
+class TokenWords(Sequence):
+    """`bad_words_token_ids` as it crosses a process boundary: every word's ids in one int64
+    array, and where each word ends. A request may list 100k bad words, and unpickling them as
+    100k lists held detent-serve's engine core 43-190 ms between two steps (the garbage
+    collector walked them as they came), a stall of every running request; two arrays
+    unpickle in under a millisecond. `SamplingParams` pickles its words this way, and the
+    bad-words index (sampling/processors.py) reads the arrays as they are. A read-only sequence
+    of lists of ints, equal to the lists it holds."""
+
+    __slots__ = ("flat", "ends")
+
+    def __init__(self, flat: np.ndarray, ends: np.ndarray):
+        self.flat, self.ends = flat, ends
+
+    @classmethod
+    def of(cls, words: Sequence[Sequence[int]]) -> "TokenWords":
+        if isinstance(words, TokenWords):
+            return words
+        lens = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+        flat = np.fromiter(itertools.chain.from_iterable(words), dtype=np.int64, count=int(lens.sum()))
+        return cls(flat, np.cumsum(lens))
+
+    @property
+    def lens(self) -> np.ndarray:
+        return np.diff(self.ends, prepend=0)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # negative indices, and IndexError
+        return self.flat[(self.ends[i - 1] if i else 0):self.ends[i]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (w.tolist() for w in (np.split(self.flat, self.ends[:-1]) if len(self) else ()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenWords):
+            return np.array_equal(self.flat, other.flat) and np.array_equal(self.ends, other.ends)
+        return isinstance(other, (list, tuple)) and list(self) == [list(w) for w in other]
+
+    __hash__ = None  # a sequence of lists: unhashable, as they are
+
+    def __repr__(self) -> str:
+        return f"TokenWords({list(self)!r})"
+
+    def __reduce__(self):
+        return TokenWords, (self.flat, self.ends)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -302,6 +357,14 @@ class SamplingParams:
                 raise ValueError("bad_words_token_ids must hold non-empty lists of token ids")
             self.bad_words_token_ids = words
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields, with the bad words as `TokenWords` (to the engine core, and to
+        tensor-parallel ranks)."""
+        state = dict(self.__dict__)
+        if state.get("bad_words_token_ids"):
+            state["bad_words_token_ids"] = TokenWords.of(state["bad_words_token_ids"])
+        return state
+
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
@@ -316,8 +379,10 @@ class SamplingParams:
         lists = {"stop_token_ids": self.stop_token_ids, "golden_token_ids": self.golden_token_ids,
                  "allowed_token_ids": self.allowed_token_ids,
                  "logit_bias": list(self.logit_bias or {}),
-                 "bad_words": [t for w in self.bad_words_token_ids or () for t in w]}
+                 "bad_words": TokenWords.of(self.bad_words_token_ids or ()).flat}
         for name, ids in lists.items():
-            for t in ids or ():
-                if t >= vocab_size:
-                    raise ValueError(f"{name} contains token id {t}, outside the vocabulary [0, {vocab_size})")
+            ids = np.asarray(ids if ids is not None else (), dtype=np.int64)
+            over = np.flatnonzero(ids >= vocab_size)
+            if len(over):
+                raise ValueError(f"{name} contains token id {int(ids[over[0]])}, outside the vocabulary "
+                                 f"[0, {vocab_size})")

@@ -26,6 +26,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from detent.sampling.params import TokenWords
 from detent.sampling.rng import list_to_device, to_device
 from detent.selection import ops
 
@@ -140,9 +141,8 @@ class BadWords:
     detent-serve's step loop, which admits requests between steps."""
 
     def __init__(self, words: Sequence[Sequence[int]], V: int):
-        lens = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
-        flat = np.fromiter(itertools.chain.from_iterable(words), dtype=np.int64, count=int(lens.sum()))
-        ends = np.cumsum(lens)  # word i is flat[ends[i] - lens[i]:ends[i]]
+        packed = TokenWords.of(words)  # as the engine core receives them already (sampling/params.py)
+        flat, ends, lens = packed.flat, packed.ends, packed.lens  # word i is flat[ends[i] - lens[i]:ends[i]]
         ok = flat[ends - 1] < V
         always = np.unique(flat[ends[ok & (lens == 1)] - 1])
         self.always = np.stack([always, np.full_like(always, -1)], axis=1)  # [n, 2]

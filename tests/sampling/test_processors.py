@@ -1,12 +1,14 @@
 """Sampler details: request masks, logprob modes vs float64, ranks, top-k ties, fallbacks, golden rows."""
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
 from detent.sampling import processors as P
-from detent.sampling.params import SamplingParams, StructuredOutputs
+from detent.sampling.params import SamplingParams, StructuredOutputs, TokenWords
 from detent.sampling.sampler import SamplingRow, sample, sample_async
 
 from .reference import reference_probs
@@ -303,17 +305,21 @@ def test_a_requests_bad_words_are_indexed_once_and_each_step_looks_up_its_tail(m
     assert built == [V]  # once for the request, not at each of its 12 calls
 
 
-def test_a_requests_bad_words_index_built_by_word_length_bans_what_the_reference_scan_bans():
+@pytest.mark.parametrize("pickled", [False, True])
+def test_a_requests_bad_words_index_built_by_word_length_bans_what_the_reference_scan_bans(pickled):
     """detent-serve's engine core admits a request between two steps (engine/core_process.py), so
     its bad words are indexed there: word by word, 100k words took 350 ms, a stall of every running
     request; built with numpy (a sort per word length) about 40 ms (measured, not asserted here:
     speed lives in benchmarks/). Its bans stay those of the reference scan, with the last token known
     or pending and words of every length up to 4 (duplicates and a word whose last token is outside
-    V too)."""
+    V too); also from the words as the core receives them (`pickled`: a `TokenWords`)."""
     rng = np.random.default_rng(5)
     V = 30
     small = [rng.integers(0, V, size=int(rng.integers(1, 5))).tolist() for _ in range(40)] + [[3, 4], [3, 4], [2, V]]
     p = SamplingParams(bad_words_token_ids=small)
+    if pickled:
+        p = pickle.loads(pickle.dumps(p))
+        assert isinstance(p.bad_words_token_ids, TokenWords)
     ids = P.RequestMaskIds(p)
     for step in range(60):
         out = rng.integers(0, 6, size=step % 7).tolist()
@@ -340,3 +346,24 @@ def test_the_ids_min_tokens_bans_have_one_definition_for_the_mask_and_the_engine
     assert torch.isinf(P.apply_request_masks(x, [SamplingRow(p, 0, 3, eos_token_ids=(1,))])[0, 9])
     with pytest.raises(ValueError, match="min_tokens=2 bans EOS and stop_token_ids"):
         llm.generate([{"prompt_token_ids": [3, 4]}], p, use_tqdm=False)
+
+
+def test_bad_words_cross_a_process_boundary_as_two_arrays_equal_to_the_lists():
+    """100k bad words unpickled as 100k lists held the engine core 43-190 ms between two steps (the
+    collector walked them as they came); `SamplingParams` pickles them as a `TokenWords` (two
+    arrays), which reads as the same lists: equality, items, iteration, the request log's lists,
+    and the vocabulary check's message. The params a caller holds keep their lists."""
+    from detent.engine.log_record import params_json
+    words = [[5, 6, 7], [9], [2, 2], [11, 3, 0, 4]]
+    p = SamplingParams(bad_words_token_ids=words, stop_token_ids=[3])
+    q = pickle.loads(pickle.dumps(p))
+    w = q.bad_words_token_ids
+    assert isinstance(w, TokenWords) and isinstance(p.bad_words_token_ids, list)
+    assert w == words and list(w) == words and len(w) == 4 and w[1] == [9] and w[-1] == [11, 3, 0, 4]
+    assert w[1:3] == [[9], [2, 2]] and w != words[:3] and pickle.loads(pickle.dumps(q)).bad_words_token_ids == words
+    assert params_json(q, 1)["bad_words_token_ids"] == params_json(p, 1)["bad_words_token_ids"] == words
+    for params in (p, q):
+        with pytest.raises(ValueError, match=r"^bad_words contains token id 11, outside the vocabulary \[0, 10\)$"):
+            params.verify_vocab(10)
+        params.verify_vocab(12)
+    assert pickle.loads(pickle.dumps(SamplingParams(bad_words_token_ids=[]))).bad_words_token_ids == []
