@@ -221,12 +221,9 @@ def apply_request_masks(x: torch.Tensor, rows, last: torch.Tensor | None = None)
                 bad_words.append((i, word_bans))
     dev = x.device
     if allow_rows:  # a row with allowed_token_ids keeps those alone
-        keep = torch.ones(B, V, dtype=torch.bool, device=dev).index_fill_(
-            0, list_to_device(allow_rows, torch.long, dev), False)
-        at = cells(allowed, dev)
-        if len(at[0]):
-            keep.index_put_(at, torch.ones(len(at[0]), dtype=torch.bool, device=dev))
-        x = torch.where(keep, x, NEG_INF)
+        listed = set(allow_rows)
+        unlisted = list_to_device([i not in listed for i in range(B)], torch.bool, dev)
+        x = torch.where(id_mask(allowed, B, V, dev) | unlisted[:, None], x, NEG_INF)
     else:
         x = x.clone()
     if biased:  # (row, token) pairs are unique: a dict's keys per row
@@ -263,6 +260,15 @@ def cells(parts: list[tuple[int, np.ndarray]], device) -> tuple[torch.Tensor, to
     """`_host_cells` as (rows, tokens) index tensors on the device."""
     both = to_device(torch.from_numpy(_host_cells(parts)), device)
     return both[0], both[1]
+
+
+def id_mask(parts: list[tuple[int, np.ndarray]], n: int, V: int, device) -> torch.Tensor:
+    """bool [n, V]: True at each part's (row, token ids) cells, False elsewhere (allowed_token_ids)."""
+    mask = torch.zeros(n, V, dtype=torch.bool, device=device)
+    at = cells(parts, device)
+    if len(at[0]):
+        mask.index_put_(at, torch.ones(len(at[0]), dtype=torch.bool, device=device))
+    return mask
 
 
 def apply_penalties(x: torch.Tensor, rows, last: torch.Tensor | None = None) -> torch.Tensor:

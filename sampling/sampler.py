@@ -234,9 +234,7 @@ def _grammar_allowed(rows: list[SamplingRow], V: int, dev) -> torch.Tensor:
     listed = [j for j in js if rows[j].params.allowed_token_ids]
     if listed:
         ids = [(i, rows[j].request_masks().under(V).allowed) for i, j in enumerate(listed)]
-        only = torch.zeros(len(listed), V, dtype=torch.bool, device=dev)
-        at = P.cells(ids, dev)
-        only.index_put_(at, torch.ones(len(at[0]), dtype=torch.bool, device=dev))
+        only = P.id_mask(ids, len(listed), V, dev)
         idx = list_to_device(listed, torch.long, dev)
         allowed.index_copy_(0, idx, allowed.index_select(0, idx) & only)
     return allowed
