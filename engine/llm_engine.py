@@ -43,6 +43,7 @@ import time
 from collections import deque
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from detent.engine.config import EngineConfig, EngineLimits
@@ -152,9 +153,9 @@ class LLMEngine:
     def _mask_ids(self, params: SamplingParams) -> RequestMaskIds:
         """The request's mask tables, built here rather than at its first masked step, where
         100k bad words took 180 ms to index and stalled every request of that step. Under
-        tensor parallelism the ranks sample, and build their own."""
-        masks = RequestMaskIds(params, self.eos_token_ids)
-        return masks if self.dispatcher is None else masks.build(self.model_config.vocab_size)
+        tensor parallelism the ranks sample, and build their own (they travel without tables);
+        this process's serve the admission check and the scheduler's (`leaves_out`)."""
+        return RequestMaskIds(params, self.eos_token_ids).build(self.model_config.vocab_size)
 
     def _new_grammars(self, params: SamplingParams) -> list:
         """One grammar state per sample of a structured request (the compile shared), or none."""
@@ -216,21 +217,24 @@ class LLMEngine:
         return ids
 
     def _check_some_token_allowed(self, masks: RequestMaskIds) -> None:
-        """allowed_token_ids that the request's own bans cover leave no token to sample: every
-        logit -inf, and the sampler took token 0 with a finite logprob (a hostile-client audit).
+        """Bans that cover allowed_token_ids, or the whole vocabulary, leave no token to sample:
+        every logit -inf, and the sampler took token 0 with a finite logprob (a hostile-client audit).
         The bans are the sampler's own tables (`masks`): one-token bad words always, and EOS and
-        stop_token_ids while min_tokens holds."""
+        stop_token_ids while min_tokens holds. Bans that only a longer bad word's prefix brings
+        fail the request where they do (Scheduler._none_left)."""
         p, V = masks.params, self.model_config.vocab_size
-        if not p.allowed_token_ids:
+        if not (p.allowed_token_ids or p.bad_words_token_ids):
             return
         ids = masks.under(V)
-        allowed = set(ids.allowed.tolist())
-        banned = set(masks.bad_words(V).always[:, 0].tolist()) if p.bad_words_token_ids else set()
-        if allowed <= banned:
-            raise ValueError("allowed_token_ids: every allowed id is a one-token bad word, no token can be sampled")
-        if p.min_tokens > 0 and allowed <= banned | set(ids.min_tokens_bans.tolist()):
-            raise ValueError(f"allowed_token_ids: min_tokens={p.min_tokens} bans EOS and stop_token_ids, and every "
-                             "allowed id is one of them (or a one-token bad word): no token can be sampled")
+        what = "every allowed id" if p.allowed_token_ids else "every token of the vocabulary"
+        always = masks.bad_words(V).always[:, 0] if p.bad_words_token_ids else ids.allowed[:0]
+        left = np.setdiff1d(ids.allowed if p.allowed_token_ids else np.arange(V), always, assume_unique=True)
+        if not len(left):
+            raise ValueError(f"{'allowed_token_ids' if p.allowed_token_ids else 'bad_words'}: {what} is a "
+                             "one-token bad word, no token can be sampled")
+        if p.min_tokens > 0 and not len(np.setdiff1d(left, ids.min_tokens_bans)):
+            raise ValueError(f"min_tokens={p.min_tokens} bans EOS and stop_token_ids, and {what} is one of them "
+                             "(or a one-token bad word): no token can be sampled")
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._inbox_lock:

@@ -100,10 +100,16 @@ class RequestMaskIds:
         self.key = f"{os.getpid()}-{next(_KEYS)}"
         self._by_vocab: dict[int, MaskIds] = {}
         self._bad_words_by_vocab: dict[int, BadWords] = {}
+        self.vocab_size: int | None = None  # what `build` built under, and `leaves_out` judges by
+        p = params  # the masks that can leave a row no token at all (logit_bias is finite)
+        self.kinds = [name for name, on in (("allowed_token_ids", p.allowed_token_ids),
+                                            ("bad_words", p.bad_words_token_ids),
+                                            ("min_tokens (EOS and stop_token_ids)", p.min_tokens)) if on]
 
     def build(self, V: int) -> "RequestMaskIds":
         """Builds now the tables its parameters will need under V; itself."""
         p = self.params
+        self.vocab_size = V
         if p.allowed_token_ids or p.logit_bias or p.min_tokens:
             self.under(V)
         if p.bad_words_token_ids:
@@ -122,8 +128,29 @@ class RequestMaskIds:
             words = self._bad_words_by_vocab[V] = BadWords(self.params.bad_words_token_ids or (), V)
         return words
 
+    def leaves_out(self, tok: int, output_token_ids: Sequence[int]) -> bool:
+        """Whether the request's own masks ban `tok` after these outputs, under the vocabulary it was
+        built for (False before `build`): outside allowed_token_ids, a bad word's last token, or EOS
+        or a stop id while min_tokens holds. The sampler draws such a token only from a row they
+        left with no token at all (every logit -inf: it takes token 0), so the scheduler fails the
+        request there rather than emit it (Scheduler._none_left)."""
+        V, p = self.vocab_size, self.params
+        if V is None or not self.kinds:
+            return False
+        ids = self.under(V) if p.allowed_token_ids or p.min_tokens else None
+        if p.allowed_token_ids and not _holds(ids.allowed, tok):
+            return True
+        if len(output_token_ids) < p.min_tokens and tok in ids.min_tokens_bans:
+            return True
+        return bool(p.bad_words_token_ids) and bool((self.bad_words(V).bans(output_token_ids, False)[:, 0] == tok).any())
+
     def __getstate__(self):
         return {**self.__dict__, "_by_vocab": {}, "_bad_words_by_vocab": {}}
+
+
+def _holds(sorted_ids: np.ndarray, tok: int) -> bool:
+    i = int(np.searchsorted(sorted_ids, tok))
+    return i < len(sorted_ids) and int(sorted_ids[i]) == tok
 
 
 _KEYS = itertools.count()

@@ -317,6 +317,9 @@ class Scheduler:
                 if accepted is None:
                     progressed.append(req)
                     continue
+            elif req.mask_ids is not None and req.mask_ids.kinds and self._none_left(req, st.token_id):
+                progressed.append(req)
+                continue
             req.append_output_token(st.token_id)
             req.output_logprobs.append(st.logprobs)
             stop = self._check_stop(req, st.token_id)
@@ -382,8 +385,8 @@ class Scheduler:
         both. (One-token bad words that cover the rest of the intersection empty the row too; the
         engine refuses at admission only the request whose allowed ids they cover whole.) A golden
         token is forced, not drawn: only the grammar judges it."""
-        allowed, golden = req.allowed_token_set, req.params.golden_token_ids
-        drawn = allowed is not None and not (golden is not None and req.num_output_tokens < len(golden))
+        allowed = req.allowed_token_set
+        drawn = allowed is not None and self._drawn(req)
         if drawn and tok not in allowed:
             accepted = False
         else:
@@ -394,6 +397,28 @@ class Scheduler:
                      f"token {req.num_output_tokens}: the grammar allows none of the allowed ids there")
         self.finish(req, RequestStatus.FINISHED_ERROR)
         return None
+
+    def _none_left(self, req: Request, tok: int) -> bool:
+        """Whether the request failed here because its own masks left no token to sample (a request
+        without a grammar): allowed_token_ids, bad words and min_tokens' bans are hard masks
+        without one, and a drawn token that one of them bans came from a row they emptied, whatever
+        the sampler took there (token 0). Admission refuses the masks that empty every row
+        (LLMEngine._check_some_token_allowed); a longer bad word's prefix bans a token only where
+        the output has it, and can leave allowed_token_ids or the vocabulary none there. The token
+        is not emitted. (Under a grammar the sampler's fallbacks drop bad words and min_tokens,
+        so only allowed_token_ids can empty its row: `_accept_or_none_in_common`.)"""
+        if not self._drawn(req) or not req.mask_ids.leaves_out(tok, req.output_token_ids):
+            return False
+        req.error = (f"no token left to sample at output token {req.num_output_tokens}: the request's "
+                     f"{' and '.join(req.mask_ids.kinds)} ban every token there")
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+        return True
+
+    @staticmethod
+    def _drawn(req: Request) -> bool:
+        """The request's next token is drawn by the sampler (not one of its golden tokens, which are forced)."""
+        golden = req.params.golden_token_ids
+        return not (golden is not None and req.num_output_tokens < len(golden))
 
     @staticmethod
     def _grammar_stop(req: Request, tok: int, accepted: bool, stop):

@@ -137,6 +137,12 @@ def test_bad_input_errors(llm):
                {"allowed_token_ids": [7, *eos], "min_tokens": 3, "stop_token_ids": [7]}):
         with pytest.raises(ValueError, match="no token can be sampled"):
             llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(max_tokens=4, **kw, **G), use_tqdm=False)
+    # one-token bad words (with min_tokens' bans) over the whole vocabulary: the same, without allowed ids
+    V = llm.llm_engine.model_config.vocab_size
+    for kw in ({"bad_words_token_ids": [[i] for i in range(V)]},
+               {"bad_words_token_ids": [[i] for i in range(V) if i not in eos], "min_tokens": 1}):
+        with pytest.raises(ValueError, match="every token of the vocabulary .*no token can be sampled"):
+            llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(max_tokens=4, **kw, **G), use_tqdm=False)
     for kw in ({"allowed_token_ids": eos}, {"allowed_token_ids": [7, *eos], "min_tokens": 1},
                {"allowed_token_ids": [7, 8], "bad_words_token_ids": [[7], [3, 8]]}):
         out = llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(max_tokens=4, **kw, **G), use_tqdm=False)
@@ -148,6 +154,28 @@ def test_bad_input_errors(llm):
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_longer_bad_word_that_bans_what_is_left_fails_its_request_alone(llm, temperature):
+    """A two-token bad word bans its last token only after its first: [[7], [8, 8]] with
+    allowed_token_ids [7, 8] leaves 8 at the first token and nothing at the second, and so does
+    [8, 8] beside one-token words over the rest of the vocabulary. The sampler draws from a row
+    with every logit -inf there (token 0, outside both, with a finite logprob, before): the
+    request fails at that token, which is not emitted, and its neighbour's bits are its solo run's."""
+    V = llm.llm_engine.model_config.vocab_size
+    neighbour = ({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, logprobs=2, temperature=0.8, seed=3))
+    solo = llm.generate([neighbour[0]], [neighbour[1]], use_tqdm=False)[0].outputs[0]
+    for kw, kinds in (({"allowed_token_ids": [7, 8], "bad_words_token_ids": [[7], [8, 8]]},
+                       "allowed_token_ids and bad_words"),
+                      ({"bad_words_token_ids": [[i] for i in range(V) if i != 8] + [[8, 8]]}, "bad_words")):
+        sp = SamplingParams(max_tokens=4, logprobs=1, temperature=temperature, seed=1, ignore_eos=True, **kw)
+        bad, n = llm.generate([{"prompt_token_ids": [3, 4]}, neighbour[0]], [sp, neighbour[1]], use_tqdm=False)
+        c = bad.outputs[0]
+        assert (c.finish_reason, c.token_ids) == ("error", [8]), c
+        assert bad.error == f"no token left to sample at output token 1: the request's {kinds} ban every token there"
+        got = n.outputs[0]
+        assert got.token_ids == solo.token_ids and got.logprobs == solo.logprobs
 
 
 def test_kv_cache_too_small_is_a_clear_error():
