@@ -223,16 +223,20 @@ class LLMEngine:
         stop_token_ids while min_tokens holds. Bans that only a longer bad word's prefix brings
         fail the request where they do (Scheduler._none_left)."""
         p, V = masks.params, self.model_config.vocab_size
-        if not (p.allowed_token_ids or p.bad_words_token_ids):
+        if not (p.allowed_token_ids or p.bad_words_token_ids or p.min_tokens):
             return
         ids = masks.under(V)
         what = "every allowed id" if p.allowed_token_ids else "every token of the vocabulary"
-        always = masks.bad_words(V).always[:, 0] if p.bad_words_token_ids else ids.allowed[:0]
-        left = np.setdiff1d(ids.allowed if p.allowed_token_ids else np.arange(V), always, assume_unique=True)
-        if not len(left):
+        always = masks.bad_words(V).always[:, 0] if p.bad_words_token_ids else ids.allowed[:0]  # unique, < V
+        if p.allowed_token_ids:
+            left = np.setdiff1d(ids.allowed, always, assume_unique=True)
+            some, some_under_min = len(left), len(np.setdiff1d(left, ids.min_tokens_bans))
+        else:  # the bans are ids < V: a count tells whether they cover the vocabulary
+            some, some_under_min = V - len(always), V - len(np.union1d(always, ids.min_tokens_bans))
+        if not some:
             raise ValueError(f"{'allowed_token_ids' if p.allowed_token_ids else 'bad_words'}: {what} is a "
                              "one-token bad word, no token can be sampled")
-        if p.min_tokens > 0 and not len(np.setdiff1d(left, ids.min_tokens_bans)):
+        if p.min_tokens > 0 and not some_under_min:
             raise ValueError(f"min_tokens={p.min_tokens} bans EOS and stop_token_ids, and {what} is one of them "
                              "(or a one-token bad word): no token can be sampled")
 

@@ -375,26 +375,29 @@ class Scheduler:
 
     def _accept_or_none_in_common(self, req: Request, tok: int) -> bool | None:
         """The grammar's verdict on the sampled token (it advances when True), or None where the
-        request failed here because allowed_token_ids and the grammar had no token in common.
+        request failed here because its grammar, with its allowed_token_ids where it lists some,
+        left no token to sample.
 
-        Both are hard masks (as in vLLM): the sampler draws from their intersection and never
-        falls back past either. So a drawn token outside allowed_token_ids, or one the grammar
+        Both are hard masks (as in vLLM): the sampler draws from their intersection, and its
+        fallbacks drop truncation and the soft request masks (bad words, logit_bias, min_tokens'
+        bans), never these. So a drawn token outside allowed_token_ids, or one the grammar
         refuses, means the intersection was empty at this position: whatever the sampler drew
-        from a row with no token left (a token of allowed_token_ids too, when it is among them,
-        which the grammar then refuses). The request fails there, its token not emitted, naming
-        both. (One-token bad words that cover the rest of the intersection empty the row too; the
-        engine refuses at admission only the request whose allowed ids they cover whole.) A golden
-        token is forced, not drawn: only the grammar judges it."""
+        from a row with no token left (token 0, which may be an allowed id the grammar refuses,
+        or a grammar that allows nothing, as `root ::= root`). The request fails there, its
+        token not emitted, naming the masks. A golden token is forced, not drawn: only the
+        grammar judges it (`_grammar_stop`)."""
         allowed = req.allowed_token_set
-        drawn = allowed is not None and self._drawn(req)
-        if drawn and tok not in allowed:
+        drawn = self._drawn(req)
+        if drawn and allowed is not None and tok not in allowed:
             accepted = False
         else:
             accepted = req.grammar.accept(tok)
         if accepted or not drawn:
             return accepted
-        req.error = (f"allowed_token_ids and the structured_outputs grammar have no token in common at output "
-                     f"token {req.num_output_tokens}: the grammar allows none of the allowed ids there")
+        at = f"at output token {req.num_output_tokens}"
+        req.error = (f"allowed_token_ids and the structured_outputs grammar have no token in common {at}: the "
+                     "grammar allows none of the allowed ids there" if allowed is not None else
+                     f"the structured_outputs grammar allows no token {at}")
         self.finish(req, RequestStatus.FINISHED_ERROR)
         return None
 
@@ -423,7 +426,8 @@ class Scheduler:
     @staticmethod
     def _grammar_stop(req: Request, tok: int, accepted: bool, stop):
         """The request's stop after its grammar judged the token (`_accept_or_none_in_common`):
-        a refused token fails it (docs/architecture.md, Grammar in the scheduler)."""
+        a refused token fails it: a golden one, since a drawn one the grammar refuses failed there
+        (docs/architecture.md, Grammar in the scheduler)."""
         if not accepted:
             req.error = f"token {tok} is not allowed by the request's structured_outputs grammar"
             return RequestStatus.FINISHED_ERROR, None

@@ -140,7 +140,8 @@ def test_bad_input_errors(llm):
     # one-token bad words (with min_tokens' bans) over the whole vocabulary: the same, without allowed ids
     V = llm.llm_engine.model_config.vocab_size
     for kw in ({"bad_words_token_ids": [[i] for i in range(V)]},
-               {"bad_words_token_ids": [[i] for i in range(V) if i not in eos], "min_tokens": 1}):
+               {"bad_words_token_ids": [[i] for i in range(V) if i not in eos], "min_tokens": 1},
+               {"stop_token_ids": list(range(V)), "min_tokens": 2}):
         with pytest.raises(ValueError, match="every token of the vocabulary .*no token can be sampled"):
             llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(max_tokens=4, **kw, **G), use_tqdm=False)
     for kw in ({"allowed_token_ids": eos}, {"allowed_token_ids": [7, *eos], "min_tokens": 1},

@@ -418,3 +418,20 @@ def test_allowed_token_ids_and_a_grammar_are_both_hard_masks_and_a_request_they_
         assert set(c.token_ids) <= {ids[ch] for ch in allowed} | {1} and (emitted is None or k == emitted), c.token_ids
         assert emitted == 0 or re.fullmatch("[a-f]{2,6}-", c.text), c.text
         assert same(result_of(n), result_of(solo))
+
+
+def test_a_grammar_that_allows_no_token_fails_its_request_alone_naming_the_grammar():
+    """`root ::= root` compiles to a grammar with no string: it allows no token, the sampler draws
+    token 0 from the empty row, and the request failed as if the grammar had refused a token it
+    sampled ("token 0 is not allowed ...", a hostile-client audit). It fails naming the grammar,
+    with no token emitted; its neighbour's bits are its solo run's."""
+    llm = tiny_llm(VOCAB)
+    neighbour = ("n", {"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=2))
+    (_, solo), = run(llm, [neighbour])
+    for temperature in (0.0, 1.0):
+        none = ("b", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+            temperature=temperature, seed=3, max_tokens=4, structured_outputs=StructuredOutputs(grammar="root ::= root")))
+        (_, bad), (_, n) = run(llm, [none, neighbour])
+        assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", []), bad
+        assert bad.error == "the structured_outputs grammar allows no token at output token 0", bad.error
+        assert same(result_of(n), result_of(solo))
