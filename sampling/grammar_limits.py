@@ -80,6 +80,10 @@ def check_limits(spec: StructuredOutputs, limits: GrammarLimits = GrammarLimits(
                 props += len(p)
             e = node.get("enum")
             enums += (len(e) if isinstance(e, list) else 0) + ("const" in node)
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):  # the compiler read it as any value
+                raise ValueError(f"structured_outputs.{kind}: $ref {ref[:200]!r} names another document; only "
+                                 "references inside the schema (#/...) are resolved, nothing is fetched")
             stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))

@@ -43,10 +43,18 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+RENDERER_FIELDS = {"add_generation_prompt", "continue_final_message"}  # the request's own fields
+RENDERER_SETS = RENDERER_FIELDS | {"messages", "range"}  # (range: the renderer's time-bounded one)
+
+
 def client_template(req: ChatCompletionRequest | TokenizeRequest, trusted: bool) -> dict[str, Any]:
     """The template kwargs a request may pass: a client's own template only when the
     server trusts them (--trust-request-chat-template), as vLLM does."""
     kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    for name in RENDERER_SETS & kwargs.keys():  # the renderer passes these itself: a TypeError, before
+        raise bad_request(f"chat_template_kwargs.{name}: the server sets this template variable itself"
+                          + (f"; give {name} as the request's own field" if name in RENDERER_FIELDS else ""),
+                          f"chat_template_kwargs.{name}")
     template = getattr(req, "chat_template", None)
     param = "chat_template"
     if "chat_template" in kwargs:
@@ -107,6 +115,9 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
     model = state.check_model(req.model)
     check_counts(req, state.limits, 1)
     check_generation_prompt(req)
+    if req.stream and req.prompt_logprobs is not None:  # as vLLM: a chat stream has no place for them
+        raise bad_request("prompt_logprobs are not available when stream=true; ask without streaming, or "
+                          "stream /v1/completions with the rendered prompt", "prompt_logprobs")
     if req.tools == []:  # as vLLM and OpenAI: leave the field out for no tools
         raise bad_request("tools must not be an empty array: give at least one tool, or leave tools out", "tools")
     # a forced call's schema is validated like any structured output: on the preprocessing pool

@@ -19,6 +19,7 @@ T = TypeVar("T")
 # A list of the wrong items is reported by its first: pydantic builds an error per item, and listing
 # the 5M errors of a 20 MB `stop_token_ids: ["a", ...]` took 57 s, holding the GIL (so the event loop)
 Items = Annotated[list[T], Field(fail_fast=True)]
+MAX_REQUEST_ID_CHARS = 512
 Prompt = Union[str, Items[str], Items[int], Items[Items[int]]]
 
 
@@ -99,7 +100,9 @@ class _Extensions(_Body):
     guided_choice: Items[str] | None = None
     guided_grammar: str | None = None
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
-    request_id: str | None = None
+    # every response chunk repeats it (as `id`), n x max_tokens times once streaming: bounded, as a
+    # response's logprob entries are (an 8 MB id streamed 7.7 GB; UUIDs are 36 characters)
+    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS)] | None = None
     allowed_token_ids: Items[int] | None = None
     bad_words: Items[str] | None = None
 

@@ -264,6 +264,13 @@ def test_a_schema_over_a_limit_is_refused_naming_the_limit():
     with pytest.raises(ValueError, match=r"max_enum_values = 1000"):
         check_limits(StructuredOutputs(json=enum))
     check_limits(StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "string"}}}))
+    # a reference to another document compiled as "any value" (nothing is fetched): refused, where a
+    # reference inside the schema, and a property named $ref, are not
+    for ref in ("http://example.com/s.json", "file:///etc/passwd", "defs.json#/x"):
+        with pytest.raises(ValueError, match=r"structured_outputs.json: \$ref .* names another document"):
+            check_limits(StructuredOutputs(json={"type": "object", "properties": {"a": {"$ref": ref}}}))
+    check_limits(StructuredOutputs(json={"$defs": {"s": {"type": "string"}}, "type": "object",
+                                         "properties": {"a": {"$ref": "#/$defs/s"}, "$ref": {"type": "integer"}}}))
 
 
 def test_sampled_tokens_follow_the_grammar_to_the_end():

@@ -348,3 +348,35 @@ def test_logit_bias_is_bounded_by_the_vocabulary_and_read_to_its_first_wrong_val
         sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=c, max_retries=0)
         with pytest.raises(openai.BadRequestError, match="more than the model's vocabulary"):
             sdk.completions.create(model="m", prompt="hi", max_tokens=1, logit_bias={str(i): 1 for i in range(V + 1)})
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
+                                       ("/v1/responses", {"input": "hi", "max_output_tokens": 16})])
+def test_a_request_id_every_chunk_repeats_is_bounded(client, path, body):
+    """Every response (and every streamed chunk, n x max_tokens of them) repeats request_id as its id:
+    an 8 MB id streamed 7.7 GB back. Over 512 characters it is a 400 naming it; 512 is served."""
+    err = _error(client.post(path, json={**body, "request_id": "x" * 513}, headers=AUTH))
+    assert err["param"] == "request_id" and "512" in err["message"], err
+    r = client.post(path, json={**body, "request_id": "x" * 512}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["id"] == "x" * 512, r.text
+
+
+@pytest.mark.parametrize("name,field", [("add_generation_prompt", True), ("continue_final_message", True),
+                                        ("messages", False), ("range", False)])
+def test_chat_template_kwargs_that_the_renderer_sets_itself_are_a_400_naming_them(client, name, field):
+    """chat_template_kwargs {"add_generation_prompt": false} reached the renderer beside its own
+    argument: a 400 quoting a Python TypeError ("got multiple values for argument"), naming messages."""
+    for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", {"messages": CHAT["messages"]})):
+        err = _error(client.post(path, json={**body, "chat_template_kwargs": {name: False}}, headers=AUTH))
+        assert err["param"] == f"chat_template_kwargs.{name}", err
+        assert "sets this template variable itself" in err["message"] and "TypeError" not in err["message"], err
+        assert ("request's own field" in err["message"]) == field, err
+
+
+def test_prompt_logprobs_on_a_chat_stream_are_a_400_not_dropped(client):
+    """A chat stream has no place for prompt_logprobs and sent none (computed, counted against the
+    logprob entries' bound, never delivered); as vLLM, it is a 400. Without streaming they are served."""
+    err = _error(client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 1, "stream": True}, headers=AUTH))
+    assert err["param"] == "prompt_logprobs" and "stream" in err["message"], err
+    r = client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 1}, headers=AUTH)
+    assert r.status_code == 200, r.text
