@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 from typing import Any
 
 from fastapi import Request
@@ -61,6 +62,9 @@ def parse_json(raw: bytes, allow_list: bool = False) -> Any:
     except RecursionError:
         raise bad_request(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, 4,300+ digit integers, NaN
+        if "int_max_str_digits" in str(e):  # Python's message names its own setting
+            raise bad_request(f"malformed JSON body: an integer has more than {sys.get_int_max_str_digits():,} "
+                              "digits") from None
         raise bad_request(f"malformed JSON body: {e}") from None
     if not isinstance(obj, (dict, list) if allow_list else dict):
         raise bad_request(f"the body must be a JSON object{' or array' if allow_list else ''}, "

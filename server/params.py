@@ -84,7 +84,7 @@ def check_prompt_ids(ids: list[int], vocab_size: int | None, param: str = "promp
     if vocab_size is not None and not 0 <= min(ids) <= max(ids) < vocab_size:  # in C; the loop finds which
         for i, t in enumerate(ids):
             if not 0 <= t < vocab_size:
-                raise bad_request(f"{param} token id {t} at index {i} is outside the vocabulary "
+                raise bad_request(f"{param} contains token id {t} (at index {i}), outside the vocabulary "
                                   f"[0, {vocab_size})", param)
 
 

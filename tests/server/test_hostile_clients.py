@@ -380,3 +380,18 @@ def test_prompt_logprobs_on_a_chat_stream_are_a_400_not_dropped(client):
     assert err["param"] == "prompt_logprobs" and "stream" in err["message"], err
     r = client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 1}, headers=AUTH)
     assert r.status_code == 200, r.text
+
+
+def test_an_integer_of_too_many_digits_and_an_id_outside_the_vocabulary_read_as_the_clients_errors(client):
+    """Python's own advice ("use sys.set_int_max_str_digits() to increase the limit") reached the
+    client, and /detokenize said "tokens token id ... at index 0 is outside the vocabulary"."""
+    r = client.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": ' + b"1" * 5001 + b"}",
+                    headers={**AUTH, "Content-Type": "application/json"})
+    assert _error(r)["message"] == "malformed JSON body: an integer has more than 4,300 digits", r.text
+    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
+                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
+                        api_key=API_KEY, vocab_size=FakeTokenizer.vocab_size)
+    with TestClient(build_app(state)) as c:
+        err = _error(c.post("/detokenize", json={"tokens": [1, 10 ** 6]}, headers=AUTH))
+    assert err["param"] == "tokens" and err["message"] == (
+        f"tokens contains token id 1000000 (at index 1), outside the vocabulary [0, {FakeTokenizer.vocab_size})"), err
