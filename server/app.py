@@ -169,11 +169,17 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             chat.check_generation_prompt(req)
+            kwargs = chat.client_template(req, state.limits.trust_request_chat_template)
+            if req.tools:  # the chat prompt's count: the template describes the tools, as for the chat request
+                kwargs["tools"] = req.tools
             ids = await chat.chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                             kwargs=chat.client_template(req, state.limits.trust_request_chat_template))
+                                             kwargs=kwargs)
         else:
             ids = await state.preprocess.encode(req.prompt, "prompt", req.add_special_tokens)
-        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+        body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        if req.return_token_strs:  # a lookup per id: bounded as the prompt is
+            body["token_strs"] = [state.tokenizer.id_to_token(i) for i in ids]
+        return JSONResponse(body)
 
     @app.post("/v1/detokenize")
     @app.post("/detokenize")

@@ -191,12 +191,14 @@ class ResponsesRequest(_Extensions):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: Items[ChatMessage] | None = None
+    messages: Annotated[Items[ChatMessage], Field(min_length=1)] | None = None  # as a chat request's
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Items[dict[str, Any]] | None = None  # given to the chat template, as a chat request's (vLLM's)
+    return_token_strs: bool = False  # vLLM's: the tokens' strings beside their ids, as `token_strs`
 
 
 class DetokenizeRequest(_Body):

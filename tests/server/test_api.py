@@ -62,6 +62,22 @@ def test_chat_counts_and_template(client, server):
     assert r.model_extra["detent"]["tuple_hash"]
 
 
+def test_tokenize_takes_vllms_tools_and_return_token_strs_and_refuses_no_messages(server):
+    """vLLM's tokenize-chat fields, ignored before: `tools` go to the chat template as a chat request's
+    do, and `return_token_strs` adds each token's string; an empty messages list is a 400 as in chat."""
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    tok = httpx.post(server.url + "/v1/tokenize", json={"messages": msgs, "return_token_strs": True},
+                     headers=AUTH).json()
+    assert len(tok["token_strs"]) == tok["count"] and tok["token_strs"][0] == "<|im_start|>", tok
+    assert "token_strs" not in httpx.post(server.url + "/v1/tokenize", json={"messages": msgs}, headers=AUTH).json()
+    tool = {"type": "function", "function": {"name": "paint", "parameters": {"type": "object"}}}
+    r = httpx.post(server.url + "/v1/tokenize", json={"messages": msgs, "tools": [tool]}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["count"] >= tok["count"], r.text
+    for body, param in (({"messages": msgs, "tools": [5]}, "tools"), ({"messages": []}, "messages")):
+        r = httpx.post(server.url + "/v1/tokenize", json=body, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+
+
 def test_continue_final_message_ends_the_prompt_with_the_open_message(client, server):
     # vLLM's field: the last (assistant) message stays open, and the model continues it
     msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
