@@ -28,7 +28,7 @@ import traceback
 from typing import Any, AsyncIterator
 
 from detent.engine import CompileQueueFull
-from detent.server.errors import APIError, CompilesOverloaded, EngineDead, Overloaded
+from detent.server.errors import APIError, CompilesOverloaded, EngineDead, Overloaded, engine_refusal
 
 log = logging.getLogger("detent.server")
 CORE_SILENT_S = 5.0  # the core sends at least its stats every 0.5 s: this long without a message is logged
@@ -223,7 +223,7 @@ class AsyncEngine:
                 except CompileQueueFull as e:  # the server is busy, the request is fine
                     self._resolve(admitted, CompilesOverloaded(str(e)))
                 except (ValueError, TypeError, NotImplementedError) as e:
-                    self._resolve(admitted, APIError(400, str(e)))
+                    self._resolve(admitted, engine_refusal(e))
                 else:
                     self._resolve(admitted, None)
             else:
@@ -366,7 +366,7 @@ class AsyncCoreEngine(AsyncEngine):
                 elif msg[3]:  # the core's compile lanes are full (CompileQueueFull)
                     fut.set_exception(CompilesOverloaded(msg[2]))
                 else:
-                    fut.set_exception(APIError(400, msg[2]))
+                    fut.set_exception(engine_refusal(ValueError(msg[2])))
 
     def _died(self, why: str) -> None:
         self.dead = why = short_reason(why)

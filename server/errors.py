@@ -52,6 +52,20 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+def engine_refusal(e: Exception) -> APIError:
+    """The engine's refusal of a request at admission (a ValueError naming the field its message
+    opens with, "min_tokens=2 bans ..." or "structured_outputs.json nests ...") as a 400 with
+    that field as its param: a request field's name only, never a guess."""
+    from detent.sampling.params import SamplingParams
+    m = re.match(r"[a-z_]+", str(e))
+    name = m.group(0) if m else None
+    return bad_request(str(e), name if name in _REQUEST_FIELDS or name in SamplingParams.__dataclass_fields__
+                       else None)
+
+
+_REQUEST_FIELDS = {"prompt", "request_id"}  # engine messages' names that are the request's, not its params'
+
+
 class Overloaded(APIError):
     def __init__(self, queued: int, limit: int, retry_after_s: int = 1):
         super().__init__(503, f"server overloaded: {queued} requests are waiting, over the limit "

@@ -395,3 +395,17 @@ def test_an_integer_of_too_many_digits_and_an_id_outside_the_vocabulary_read_as_
         err = _error(c.post("/detokenize", json={"tokens": [1, 10 ** 6]}, headers=AUTH))
     assert err["param"] == "tokens" and err["message"] == (
         f"tokens contains token id 1000000 (at index 1), outside the vocabulary [0, {FakeTokenizer.vocab_size})"), err
+
+
+@pytest.mark.parametrize("message,param", [
+    ("min_tokens=3 bans EOS and stop_token_ids, and every token ...", "min_tokens"),
+    ("allowed_token_ids: every allowed id is a one-token bad word, no token can be sampled", "allowed_token_ids"),
+    ("structured_outputs.json nests deeper than 16 levels; the limit is max_schema_depth = 16", "structured_outputs"),
+    ("prompt is 900 tokens, longer than max_model_len=512", "prompt"),
+    ("the engine is busy", None), ("maximum recursion", None)])
+def test_the_engines_refusal_names_the_field_its_message_opens_with(message, param):
+    """The engine's admission refusals reached the client with param null; the field a message opens
+    with is the param when it is a request field, and none is guessed otherwise."""
+    from detent.server.errors import engine_refusal
+    e = engine_refusal(ValueError(message))
+    assert (e.status, e.param, e.message) == (400, param, message)
