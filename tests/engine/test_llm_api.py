@@ -352,7 +352,9 @@ def test_freeze_gc_moves_startup_objects_out_of_the_collector(unfrozen_gc):
     junk = [[i] for i in range(1000)]
     junk.append(junk)  # a cycle only a collection frees
     del junk
-    assert gc.collect() >= 1000 and gc.get_freeze_count() == frozen
+    # a collection leaves the frozen generation frozen; a collected cycle can hold the last reference
+    # to a frozen object, which then goes (two did once, in a CI worker that had run other tests)
+    assert gc.collect() >= 1000 and frozen - 100 <= gc.get_freeze_count() <= frozen
 
 
 def test_progress_bar_shows_input_and_output_tokens_per_second(llm, capsys):
