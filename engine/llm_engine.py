@@ -227,7 +227,7 @@ class LLMEngine:
             return
         ids = masks.under(V)
         what = "every allowed id" if p.allowed_token_ids else "every token of the vocabulary"
-        always = masks.bad_words(V).always[:, 0] if p.bad_words_token_ids else ids.allowed[:0]  # unique, < V
+        always = masks.bad_words(V).always[:, 0] if p.bad_words_token_ids else np.empty(0, np.int64)  # unique, < V
         if p.allowed_token_ids:
             left = np.setdiff1d(ids.allowed, always, assume_unique=True)
             some, some_under_min = len(left), len(np.setdiff1d(left, ids.min_tokens_bans))

@@ -169,11 +169,8 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             chat.check_generation_prompt(req)
-            kwargs = chat.client_template(req, state.limits.trust_request_chat_template)
-            if req.tools:  # the chat prompt's count: the template describes the tools, as for the chat request
-                kwargs["tools"] = req.tools
             ids = await chat.chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                             kwargs=kwargs)
+                                             kwargs=chat.client_template(req, state.limits.trust_request_chat_template))
         else:
             ids = await state.preprocess.encode(req.prompt, "prompt", req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}

@@ -49,9 +49,12 @@ RENDERER_SETS = RENDERER_FIELDS | {"messages", "range"}  # (range: the renderer'
 
 def client_template(req: ChatCompletionRequest | TokenizeRequest, trusted: bool) -> dict[str, Any]:
     """The template kwargs a request may pass: a client's own template only when the
-    server trusts them (--trust-request-chat-template), as vLLM does."""
+    server trusts them (--trust-request-chat-template), as vLLM does; its tools, which the
+    template describes to the model (the chat prompt, and /tokenize's count of it)."""
     kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
-    for name in RENDERER_SETS & kwargs.keys():  # the renderer passes these itself: a TypeError, before
+    clash = sorted(RENDERER_SETS & kwargs.keys())  # the renderer passes these itself: a TypeError, before
+    if clash:
+        name = clash[0]
         raise bad_request(f"chat_template_kwargs.{name}: the server sets this template variable itself"
                           + (f"; give {name} as the request's own field" if name in RENDERER_FIELDS else ""),
                           f"chat_template_kwargs.{name}")
@@ -67,6 +70,8 @@ def client_template(req: ChatCompletionRequest | TokenizeRequest, trusted: bool)
         if not isinstance(template, str):
             raise bad_request(f"{param} must be a string, got {type(template).__name__}", param)
         kwargs["chat_template"] = template
+    if req.tools:
+        kwargs["tools"] = req.tools
     return kwargs
 
 
@@ -124,8 +129,6 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
     tool_so, tool_mode = (await state.preprocess.run(tool_constraint, req.tools, req.tool_choice, state.tool_parser)
                           if req.tools else tool_constraint(req.tools, req.tool_choice, state.tool_parser))
     kwargs = client_template(req, state.limits.trust_request_chat_template)
-    if req.tools:
-        kwargs["tools"] = req.tools  # the template describes them to the model
     if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
         if kwargs.get("reasoning_effort", req.reasoning_effort) != req.reasoning_effort:
             raise bad_request(f"{names.reasoning_effort} and chat_template_kwargs.reasoning_effort differ; give one",

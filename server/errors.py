@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from detent.sampling.params import SamplingParams
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -52,18 +54,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+# the names an engine refusal may open with: the sampling parameters', and the request's own
+_REFUSAL_PARAMS = frozenset(SamplingParams.__dataclass_fields__) | {"prompt", "request_id"}
+
+
 def engine_refusal(e: Exception) -> APIError:
     """The engine's refusal of a request at admission (a ValueError naming the field its message
     opens with, "min_tokens=2 bans ..." or "structured_outputs.json nests ...") as a 400 with
     that field as its param: a request field's name only, never a guess."""
-    from detent.sampling.params import SamplingParams
     m = re.match(r"[a-z_]+", str(e))
-    name = m.group(0) if m else None
-    return bad_request(str(e), name if name in _REQUEST_FIELDS or name in SamplingParams.__dataclass_fields__
-                       else None)
-
-
-_REQUEST_FIELDS = {"prompt", "request_id"}  # engine messages' names that are the request's, not its params'
+    return bad_request(str(e), m.group(0) if m and m.group(0) in _REFUSAL_PARAMS else None)
 
 
 class Overloaded(APIError):
