@@ -185,6 +185,9 @@ def figures(out_dir: str, res: dict, loads: list[str], table: dict, mat: dict) -
         print("arms_report: no stock arm in this folder: no figures")
         return []
     arms = [a for a in table if a != "stock"]
+    if not arms:  # stock alone: nothing to set over it yet
+        print("arms_report: stock is the only arm in this folder: no figures")
+        return []
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4))
     width = 0.8 / max(len(arms), 1)
     for i, arm in enumerate(arms):
