@@ -51,6 +51,7 @@ _LAZY = {
     "check_tuple": "detent.engine.log_record",
     # a request's structured-output spec is bounded before the server validates it
     "check_spec_size": "detent.sampling.grammar_limits",
+    "check_limits": "detent.sampling.grammar_limits",
     # add_request's refusal when a grammar compile lane is full (the server answers 503)
     "CompileQueueFull": "detent.sampling.grammar_workers",
     "request_record": "detent.engine.log_record",

@@ -46,24 +46,28 @@ class GrammarLimits:
 
 
 def _over(field: str, what: str, name: str, limit: int) -> ValueError:
-    return ValueError(f"structured_outputs.{field} {what}; the limit is {name} = {limit}")
+    return ValueError(f"{field} {what}; the limit is {name} = {limit}")
 
 
-def check_spec_size(kind: str, value: Any, limits: GrammarLimits = GrammarLimits()) -> None:
+def check_spec_size(kind: str, value: Any, limits: GrammarLimits = GrammarLimits(), field: str | None = None) -> None:
     """Raise ValueError naming the limit if a spec's value (`kind`: json, regex, grammar, choice, ...)
     is over max_spec_bytes. Checked before the value is validated, too (a server does so
-    for a request's spec): checking a 5 MB schema against its meta-schema took 18 s."""
+    for a request's spec): checking a 5 MB schema against its meta-schema took 18 s. `field`: the
+    name the message opens with (default structured_outputs.KIND; a server names the field the
+    client sent, response_format.json_schema.schema or guided_json)."""
     size = len(json.dumps([kind, value], sort_keys=True, ensure_ascii=False).encode())
     if size > limits.max_spec_bytes:
-        raise _over(kind, f"is {size} bytes", "max_spec_bytes", limits.max_spec_bytes)
+        raise _over(field or f"structured_outputs.{kind}", f"is {size} bytes", "max_spec_bytes", limits.max_spec_bytes)
 
 
-def check_limits(spec: StructuredOutputs, limits: GrammarLimits = GrammarLimits()) -> None:
-    """Raise ValueError naming the limit if `spec` is larger than `limits` allow."""
+def check_limits(spec: StructuredOutputs, limits: GrammarLimits = GrammarLimits(), field: str | None = None) -> None:
+    """Raise ValueError naming the limit if `spec` is larger than `limits` allow (`field`: as
+    check_spec_size's)."""
     kind = spec.kind
-    check_spec_size(kind, getattr(spec, kind), limits)
+    field = field or f"structured_outputs.{kind}"
+    check_spec_size(kind, getattr(spec, kind), limits, field)
     if kind == "choice" and len(spec.choice) > limits.max_choices:
-        raise _over(kind, f"has {len(spec.choice)} choices", "max_choices", limits.max_choices)
+        raise _over(field, f"has {len(spec.choice)} choices", "max_choices", limits.max_choices)
     if kind != "json":
         return
     schema = spec.json if not isinstance(spec.json, str) else json.loads(spec.json)
@@ -72,7 +76,7 @@ def check_limits(spec: StructuredOutputs, limits: GrammarLimits = GrammarLimits(
     while stack:  # iterative: a deep schema must not reach Python's recursion limit here
         node, depth = stack.pop()
         if depth > limits.max_schema_depth:
-            raise _over(kind, f"nests deeper than {limits.max_schema_depth} levels", "max_schema_depth",
+            raise _over(field, f"nests deeper than {limits.max_schema_depth} levels", "max_schema_depth",
                         limits.max_schema_depth)
         if isinstance(node, dict):
             p = node.get("properties")
@@ -82,14 +86,14 @@ def check_limits(spec: StructuredOutputs, limits: GrammarLimits = GrammarLimits(
             enums += (len(e) if isinstance(e, list) else 0) + ("const" in node)
             ref = node.get("$ref")
             if isinstance(ref, str) and not ref.startswith("#"):  # the compiler read it as any value
-                raise ValueError(f"structured_outputs.{kind}: $ref {ref[:200]!r} names another document; only "
+                raise ValueError(f"{field}: $ref {ref[:200]!r} names another document; only "
                                  "references inside the schema (#/...) are resolved, nothing is fetched")
             stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
         if props > limits.max_schema_properties:
-            raise _over(kind, f"has more than {limits.max_schema_properties} properties (over the whole schema)",
+            raise _over(field, f"has more than {limits.max_schema_properties} properties (over the whole schema)",
                         "max_schema_properties", limits.max_schema_properties)
         if enums > limits.max_enum_values:
-            raise _over(kind, f"has more than {limits.max_enum_values} enum and const values",
+            raise _over(field, f"has more than {limits.max_enum_values} enum and const values",
                         "max_enum_values", limits.max_enum_values)

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from detent.engine import check_spec_size
+from detent.engine import check_limits, check_spec_size
 from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs, tokenize_bad_words
 from detent.server.errors import APIError, bad_request
 from detent.server.limits import ServerLimits
@@ -71,11 +71,28 @@ def _spec(req: _Sampling, names: FieldNames) -> tuple[str, str, Any] | None:
 
 
 def _validated(param: str, kind: str, value: Any) -> StructuredOutputs:
+    return checked_spec(kind, value, param, param)
+
+
+def checked_spec(kind: str, value: Any, field: str, param: str) -> StructuredOutputs:
+    """A request's structured-output spec, validated and within the engine's grammar limits, or a
+    400 whose message opens with `field` (the name the client sent it under) and whose param is
+    `param`. The size bound comes first: validating costs time in the size. The other limits
+    (nesting, properties, enum values, remote $ref) are the engine's own check at admission,
+    made here so that the 400 names the client's field, not the engine's structured_outputs."""
     try:
-        check_spec_size(kind, value)  # the engine's bound, first: validating costs time in the size
-        return StructuredOutputs(**{kind: value})
+        check_spec_size(kind, value, field=field)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+    try:
+        spec = StructuredOutputs(**{kind: value})
     except (ValueError, TypeError) as e:
-        raise bad_request(f"invalid {param}: {e}", param) from None
+        raise bad_request(f"invalid {field}: {e}", param) from None
+    try:
+        check_limits(spec, field=field)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+    return spec
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int | None, param: str = "prompt") -> None:

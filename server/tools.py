@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from detent.engine import check_spec_size
 from detent.sampling.params import StructuredOutputs
 from detent.server.errors import bad_request
+from detent.server.params import checked_spec
 from detent.server.tool_parsers import PARSERS
 from detent.server.tool_stream import call_id
 
@@ -66,11 +66,7 @@ def tool_constraint(tools: list[dict] | None, choice: Any,
     else:
         raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', "
                           f"'function': {{'name': ...}}}}, got {choice!r}", "tool_choice")
-    try:
-        check_spec_size("json", schema)  # as server/params.py: bounded before it is validated
-        return StructuredOutputs(json=schema), mode
-    except (ValueError, TypeError) as e:
-        raise bad_request(f"invalid tool parameters schema: {e}", "tools") from None
+    return checked_spec("json", schema, "the tools' parameters schema", "tools"), mode
 
 
 def tool_message(text: str, mode: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:

@@ -110,6 +110,30 @@ def test_a_structured_output_spec_over_the_size_bound_is_refused_before_it_is_va
     _good(server)
 
 
+def _deep(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("extra,field,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _deep(12)}}},
+     "response_format.json_schema.schema", "response_format.json_schema.schema"),
+    ({"guided_json": _deep(12)}, "guided_json", "guided_json"),
+    ({"structured_outputs": {"json": _deep(12)}}, "structured_outputs.json", "structured_outputs.json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _deep(12)}}], "tool_choice": "required"},
+     "the tools' parameters schema", "tools"),
+])
+def test_a_spec_over_the_engines_grammar_limits_is_a_400_naming_the_field_the_client_sent(server, extra, field, param):
+    """The engine's grammar limits (here max_schema_depth) were checked only at the engine's
+    admission, whose 400 named structured_outputs for a schema sent as response_format or as a
+    tool's parameters; the server checks them where it validates the spec, under the client's name."""
+    err = _check(_post(server, CHAT, {"messages": MSG, "max_tokens": 3, **extra}), 400, param=param)
+    assert err["message"] == f"{field} nests deeper than 16 levels; the limit is max_schema_depth = 16", err
+    _good(server)
+
+
 def test_unknown_model_404(client, server):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
