@@ -173,7 +173,8 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
     before the deadline with a tuple switch per candidate and one back (`model.max_install_s`,
     when the model knows it), with fewer runners-up where that share would be under
     `MIN_CONFIRM`; when even the winner alone falls under it, the confirmation is skipped and the
-    default kept: an unconfirmed winner is not written."""
+    default kept: an unconfirmed winner is not written. Each runner-up is measured only if it and
+    the default's last run still fit, at the longest install and run seen so far."""
     unit = getattr(model, "unit", "cost")
     cands = [res.chosen] + [t for t in res.alternates if t.hash != res.chosen.hash][:max(candidates, 1) - 1]
     fraction = 1.0
@@ -206,9 +207,30 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
         if fraction < 1.0:
             progress(f"  on the first {fraction:.0%} of the workload (a whole run takes about {run:.0f} s)"
                      + (f", {_confirming(len(cands))}" if len(cands) < asked else ""))
-    first = float(model.measure(base, fraction))
-    costs = [float(model.measure(t, fraction)) for t in cands]
-    last = float(model.measure(base, fraction))
+    slowest = 0.0  # the longest timed run so far, its install aside, per whole workload
+
+    def timed(t) -> float:
+        nonlocal slowest
+        t0 = clock()
+        cost = float(model.measure(t, fraction))
+        slowest = max(slowest, (clock() - t0 - getattr(model, "last_install_s", 0.0)) / fraction)
+        return cost
+
+    first = timed(base)
+    costs: list[float] = []
+    for i, t in enumerate(cands):
+        if i and deadline is not None:
+            # the installs and runs so far include the candidates' own (a tuple whose kernels were
+            # never compiled installs slower than the default: lease 33's tune ended 12 s past its
+            # deadline): a runner-up is measured only if it and the default's last run still fit
+            need = 2 * (fraction * max(run, slowest) + getattr(model, "max_install_s", 0.0))
+            if deadline - clock() < need:
+                progress(f"  {max(deadline - clock(), 0.0):.0f} s left, a runner-up and the default's last run "
+                         f"need about {need:.0f}: measured {_confirming(i)}")
+                cands = cands[:i]
+                break
+        costs.append(timed(t))
+    last = timed(base)
     default = (first + last) / 2
     # the default's drift between its two runs is this measurement's noise: a candidate must beat
     # the default's cheaper run by more than it

@@ -104,16 +104,20 @@ def test_a_runner_up_is_taken_when_the_engine_refutes_the_searchs_winner(llm, ca
 
 class Clocked:
     """A confirmation cost on a fake clock: a run of share f takes `install` (when the tuple
-    changes) + f * `run` seconds; the default costs 10, any other tuple 8."""
+    changes; `new_install` for a tuple other than the default, whose kernels compile then) +
+    f * `run` seconds; the default costs 10, any other tuple 8."""
 
     unit = "cost"
 
-    def __init__(self, base_hash: str, run: float, install: float):
+    def __init__(self, base_hash: str, run: float, install: float, new_install: float | None = None):
         self.base_hash, self.run, self.install, self.now, self.held = base_hash, run, install, 0.0, None
+        self.new_install = install if new_install is None else new_install
         self.seen, self.last_install_s, self.max_install_s = [], 0.0, install
 
     def measure(self, t: CommitmentTuple, fraction: float) -> float:
-        self.last_install_s = self.install if t.hash != self.held else 0.0
+        self.last_install_s = (0.0 if t.hash == self.held else self.install if t.hash == self.base_hash
+                               else self.new_install)
+        self.max_install_s = max(self.max_install_s, self.last_install_s)
         self.held = t.hash
         self.now += self.last_install_s + fraction * self.run
         self.seen.append((t.hash == self.base_hash, fraction))
@@ -156,6 +160,26 @@ def test_a_deadline_drops_runners_up_before_it_shrinks_the_share_below_a_tenth(l
                     deadline=CONFIRM_PROBE * 100.0 + 10.0 + left, clock=lambda: m.now, candidates=2)
     assert m.seen[1:] == [(True, fraction)] + [(False, fraction)] * measured + [(True, fraction)] and res.confirmed["fraction"] == fraction and not res.kept_default
     assert m.now <= CONFIRM_PROBE * 100.0 + 10.0 + left
+
+
+def test_a_runner_up_is_dropped_when_the_winners_install_leaves_no_time_for_it(llm):
+    # a whole run 100 s; the default installs in 10 s, a tuple whose kernels are new in 25. Sized
+    # at the default's install, 85 s holds the winner and a runner-up at 13% of the workload; after
+    # the winner's slower install, the runner-up and the default's last run (2 x (13 + 25) s) no
+    # longer fit the 34 s left, so the runner-up is not measured and the deadline holds (measured
+    # anyway, it ended 27 s past it: lease 33's tune ended 12 s past its own)
+    facts = engine_facts(llm)
+    base = default_tuple(facts)
+    space = family_space(facts, "attention")
+    winner, runner = [with_family(base, space, a) for a in space.legal if a != family_assignment(base, "attention")][:2]
+    m = Clocked(base.hash, run=100.0, install=10.0, new_install=25.0)
+    said = []
+    deadline = CONFIRM_PROBE * 100.0 + 10.0 + 85.0
+    res = confirmed(TuneResult(10.0, {}, [], winner, False, alternates=[runner]), base, m, said.append,
+                    deadline=deadline, clock=lambda: m.now, candidates=2)
+    assert m.seen[1:] == [(True, 0.13), (False, 0.13), (True, 0.13)]
+    assert m.now <= deadline and res.chosen.hash == winner.hash and "candidates" not in res.confirmed
+    assert any("measured the tuned tuple" in line for line in said), said
 
 
 def test_kernel_cost_search_confirmed_on_the_engine(llm):
