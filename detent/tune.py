@@ -209,14 +209,16 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
                      + (f", {_confirming(len(cands))}" if len(cands) < asked else ""))
     slowest = 0.0  # the longest timed run so far, its install aside, per whole workload
 
-    def timed(t) -> float:
+    def timed(t, label: str) -> float:
         nonlocal slowest
         t0 = clock()
         cost = float(model.measure(t, fraction))
-        slowest = max(slowest, (clock() - t0 - getattr(model, "last_install_s", 0.0)) / fraction)
+        install = getattr(model, "last_install_s", 0.0)
+        slowest = max(slowest, (clock() - t0 - install) / fraction)
+        progress(f"    {label} {cost:.4g} ({install:.0f} s installing, {clock() - t0 - install:.0f} s measuring)")
         return cost
 
-    first = timed(base)
+    first = timed(base, "default")
     costs: list[float] = []
     for i, t in enumerate(cands):
         if i and deadline is not None:
@@ -229,8 +231,8 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
                          f"need about {need:.0f}: measured {_confirming(i)}")
                 cands = cands[:i]
                 break
-        costs.append(timed(t))
-    last = timed(base)
+        costs.append(timed(t, "tuned" if i == 0 else f"runner-up {i}"))
+    last = timed(base, "default again")
     default = (first + last) / 2
     # the default's drift between its two runs is this measurement's noise: a candidate must beat
     # the default's cheaper run by more than it
