@@ -222,9 +222,10 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
     costs: list[float] = []
     for i, t in enumerate(cands):
         if i and deadline is not None:
-            # the installs and runs so far include the candidates' own (a tuple whose kernels were
-            # never compiled installs slower than the default: lease 33's tune ended 12 s past its
-            # deadline): a runner-up is measured only if it and the default's last run still fit
+            # the installs and runs so far include the candidates' own (a tuple whose kernels are
+            # new may install slower than the default, by which the share was sized; lease 33's
+            # tune ended 12 s past this deadline): a runner-up is measured only if it and the
+            # default's last run still fit
             need = 2 * (fraction * max(run, slowest) + getattr(model, "max_install_s", 0.0))
             if deadline - clock() < need:
                 progress(f"  {max(deadline - clock(), 0.0):.0f} s left, a runner-up and the default's last run "
