@@ -129,6 +129,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _verify_log(args: argparse.Namespace) -> int:
+    from detent.engine import Finding
     from detent.verify_log import engine_args, exit_code, read_log, table, verify_log, verify_report
 
     try:
@@ -138,7 +139,9 @@ def _verify_log(args: argparse.Namespace) -> int:
         return 2
     for note in notes:
         print(f"detent verify: {note}", file=sys.stderr)
-    if not records:
+    if all(isinstance(r, Finding) for r in records):  # nothing to re-execute: no engine is built
+        if records:
+            print(table(records))
         print(f"detent verify: error: {args.log} holds no request record", file=sys.stderr)
         return 2
     if args.url:

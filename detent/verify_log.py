@@ -23,22 +23,29 @@ def read_log(path: str) -> tuple[list[Any], dict[str, dict], list[str]]:
     """(records, tuple hash -> tuple, problems): each request line as a Record or a
     Finding(status error) naming the line; a last line cut short (a crash mid-write) is
     left out with a note."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    lines = text.split("\n")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
     records: list[Any] = []
     tuples: dict[str, dict] = {}
     notes: list[str] = []
-    for no, line in enumerate(lines, start=1):
-        if not line.strip():
+    for no, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
+        why = None
         try:
-            obj = json.loads(line)
-        except ValueError as e:
-            if no == len(lines):  # no newline after it: the writer was cut off
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # a log is UTF-8 JSON lines; one bad line fails alone
+            line, why = None, f"line {no} is not UTF-8 text (byte {e.start + 1})"
+        if line is not None:
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                why = f"line {no} is not JSON: {e}"
+        if why is not None:
+            if no == len(lines):  # no newline after it: the writer was cut off (mid-character, too)
                 notes.append(f"line {no}: an unfinished last line (the server stopped while writing it), left out")
             else:
-                records.append(Finding(f"line {no}", "error", f"line {no} is not JSON: {e}"))
+                records.append(Finding(f"line {no}", "error", why))
             continue
         if isinstance(obj, dict) and obj.get("type") == "server":
             if isinstance(obj.get("tuple"), dict):

@@ -136,6 +136,33 @@ def test_verify_offline_takes_the_deployments_tokenizer(logged, tiny_model, tmp_
     assert "--tokenizer" in capsys.readouterr().err
 
 
+def test_a_line_that_is_not_utf8_fails_alone_and_a_log_with_no_record_builds_no_engine(logged, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """A log line of bytes that are not UTF-8 stopped `detent verify` with Python's codec error and
+    no report (exit 2 through the CLI's last resort); it is that line's error now, the others
+    re-executed, and a last line cut inside a character is an unfinished line, as one cut inside
+    its JSON. A log where no line is a request record is refused before any engine is built."""
+    from detent.engine import Finding
+    from detent.verify_log import read_log
+    _, log, _ = logged
+    good = open(log, "rb").read().split(b"\n")
+    path = tmp_path / "bytes.jsonl"
+    path.write_bytes(b"\n".join(good[:2] + [b'{"x": "\xff\xfe"}'] + good[2:-1]) + b"\n" + b'{"text": "\xc3')
+    records, _, notes = read_log(str(path))
+    bad = [r for r in records if isinstance(r, Finding)]
+    assert [(f.request_id, f.reason) for f in bad] == [("line 3", "line 3 is not UTF-8 text (byte 8)")], bad
+    assert len(records) == ENGINE_REQUESTS + 1 and notes == [
+        f"line {len(good) + 1}: an unfinished last line (the server stopped while writing it), left out"], notes
+
+    import detent.engine
+    monkeypatch.setattr(detent.engine, "LLM", lambda *a, **k: pytest.fail("an engine was built"))
+    junk = tmp_path / "junk.jsonl"
+    junk.write_bytes(b"\xff\n[1]\n")
+    assert main(["verify", str(junk)]) == 2
+    out = capsys.readouterr()
+    assert "line 1 is not UTF-8 text (byte 1)" in out.out and "holds no request record" in out.err, out
+
+
 def _tampered(log: str, tmp_path) -> tuple[str, str]:
     lines = _records(log, ENGINE_REQUESTS)
     rec = next(x for x in lines if x["type"] == "request" and x["prompt"] == "Seeded sampling")
