@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from typing import Any, Callable
 
 TIME_BUDGET_S = 600.0  # `--time-budget`: a tune's target on one H200 is ten minutes a workload
 WRITE_RESERVE_S = 10.0  # of the budget, kept for writing the tuple, the report and the plot
@@ -31,20 +32,20 @@ def add_subparsers(sub) -> None:
     p.add_argument("-o", "--output", required=True, help="where to write the tuned tuple")
     p.add_argument("--report", default=None, help="the JSON report (default: OUTPUT with .report.json)")
     p.add_argument("--plot", default=None, help="the PNG of predicted vs measured (default: OUTPUT with .png)")
-    p.add_argument("--num-requests", type=int, default=None, help="a smaller workload: this many requests")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="a smaller workload: each request's prompt + output at most this many tokens")
+    p.add_argument("--num-requests", type=_positive, default=None, help="a smaller workload: this many requests")
+    p.add_argument("--max-len", type=_at_least(8), default=None,
+                   help="a smaller workload: each request's prompt + output at most this many tokens (at least 8)")
     p.add_argument("--max-throughput", type=float, default=None, metavar="REQ_PER_S", help="the maximum "
                    "throughput the workload's Poisson loads are fractions of (e.g. stock's, served; "
                    "benchmarks/serve_arms.py's lambda_max); default: measured, every request at once under the "
                    "default tuple")
     p.add_argument("--families", default=None, help="only these families, comma-separated (default: every family "
                    "with a choice that the workload calls)")
-    p.add_argument("--max-candidates", type=int, default=32, help="per family, the grid's first rung (default 32)")
-    p.add_argument("--eta", type=int, default=3, help="successive halving keeps 1/eta per rung (default 3)")
-    p.add_argument("--min-fraction", type=float, default=0.25, help="share of the workload of the first rung")
-    p.add_argument("--refine", type=int, default=2, help="hill-climbing rounds around each family's winner")
-    p.add_argument("--interactions", type=int, default=3, help="extra mixes measured for the additivity check")
+    p.add_argument("--max-candidates", type=_positive, default=32, help="per family, the grid's first rung (default 32)")
+    p.add_argument("--eta", type=_at_least(2), default=3, help="successive halving keeps 1/eta per rung (default 3)")
+    p.add_argument("--min-fraction", type=_share, default=0.25, help="share of the workload of the first rung")
+    p.add_argument("--refine", type=_at_least(0), default=2, help="hill-climbing rounds around each family's winner")
+    p.add_argument("--interactions", type=_at_least(0), default=3, help="extra mixes measured for the additivity check")
     p.add_argument("--objective", choices=("tpot", "time"), default="tpot", help="tpot: weigh each step by its "
                    "decode rows, the time a generated token waits for, so prefill-only steps count nothing (default); "
                    "time: every step alike, prefill included (docs/tune.md, \"Objective\")")
@@ -65,7 +66,7 @@ def add_subparsers(sub) -> None:
     p.add_argument("--time-budget", type=float, default=TIME_BUDGET_S, help="seconds from start to the written "
                    f"tuple (default {TIME_BUDGET_S:g}): the confirmation runs on the share of the workload that "
                    "fits, and is skipped, the default kept, when too little does; 0: no budget")
-    p.add_argument("--repeats", type=int, default=1, help="runs per measurement (the median counts)")
+    p.add_argument("--repeats", type=_positive, default=1, help="runs per measurement (the median counts)")
     p.add_argument("--seed", type=int, default=0)
     for name, kw in (("--device", {"default": "auto"}), ("--dtype", {"default": "auto"}),
                      ("--load-format", {"default": "auto"}), ("--max-model-len", {"type": int}),
@@ -79,36 +80,71 @@ def add_subparsers(sub) -> None:
 
 
 def load_workload(spec: str, *, vocab: int, num_requests: int | None, max_len: int | None, seed: int):
-    from detent.workloads import NAMES, Load, Request, Workload, make
+    from detent.workloads import NAMES, make
     if spec in NAMES:
         return make(spec, num_requests=num_requests, max_len=max_len, seed=seed,
                     vocab=min(vocab, 32000))
+    return file_workload(spec, read_requests(spec), vocab, num_requests, seed)
+
+
+def read_requests(spec: str) -> list[tuple[int, Any]]:
+    """(line, Request) of a workload file, each checked but against the vocabulary: read before
+    the model loads, so that a bad file fails in a second, not after the load."""
+    from detent.workloads import NAMES, Request
     if not os.path.isfile(spec):
         raise ValueError(f"--workload {spec!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
-    reqs = []
-    with open(spec) as f:
+    rows: list[tuple[int, Any]] = []
+    with open(spec, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
-                reqs.append(Request(tuple(int(x) for x in d["prompt_token_ids"]), int(d["max_tokens"]), d.get("after")))
+                r = Request(tuple(int(x) for x in d["prompt_token_ids"]), int(d["max_tokens"]), d.get("after"))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"--workload {spec} line {n}: expected {{\"prompt_token_ids\": [...], "
                                  f"\"max_tokens\": n}} ({e})") from None
-            if reqs[-1].after is not None and not 0 <= reqs[-1].after < len(reqs) - 1:
+            if not r.prompt_token_ids or r.max_tokens < 1:
+                raise ValueError(f"--workload {spec} line {n}: a request needs at least one prompt token and "
+                                 f"max_tokens of at least 1")
+            if r.after is not None and not (isinstance(r.after, int) and 0 <= r.after < len(rows)):
                 raise ValueError(f"--workload {spec} line {n}: 'after' must name an earlier request")
-    if not reqs:
+            rows.append((n, r))
+    if not rows:
         raise ValueError(f"--workload {spec}: no requests")
-    w = Workload(os.path.basename(spec), tuple(reqs), (Load("all", concurrency=len(reqs)),), seed)
+    return rows
+
+
+def file_workload(spec: str, rows: list[tuple[int, Any]], vocab: int, num_requests: int | None, seed: int):
+    """The workload of `read_requests`' rows, every prompt id inside the model's vocabulary."""
+    from detent.workloads import Load, Workload
+    for n, r in rows:
+        if not 0 <= min(r.prompt_token_ids) <= max(r.prompt_token_ids) < vocab:
+            bad = next(t for t in r.prompt_token_ids if not 0 <= t < vocab)
+            raise ValueError(f"--workload {spec} line {n}: token id {bad} is outside the model's vocabulary "
+                             f"[0, {vocab})")
+    reqs = tuple(r for _, r in rows)
+    w = Workload(os.path.basename(spec), reqs, (Load("all", concurrency=len(reqs)),), seed)
     return w.head(min(1.0, num_requests / len(reqs))) if num_requests else w
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
+def _at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {n}")
+        return n
+    return parse
+
+
+_positive = _at_least(1)
+
+
+def _share(text: str) -> float:
+    f = float(text)
+    if not 0 < f <= 1:
+        raise argparse.ArgumentTypeError(f"a share of the workload, in (0, 1], got {text}")
+    return f
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -146,16 +182,16 @@ def _tune(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-throughput {a.max_throughput:g}: requests per second, above 0")
     if a.time_budget < 0:
         raise ValueError(f"--time-budget {a.time_budget:g}: seconds, at least 0 (0: no budget)")
-    if a.workload not in NAMES and not os.path.isfile(a.workload):
-        raise ValueError(f"--workload {a.workload!r} is neither a workload name ({', '.join(NAMES)}) nor a file")
+    rows = None if a.workload in NAMES else read_requests(a.workload)
     for path in (a.output, a.report, a.plot):  # fail before the work, not after it
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
     say(f"loading {a.model or 'the embedded model'}")
     llm = LLM(model=a.model, selection="pinned", **_engine_kwargs(a))
     try:
-        w = load_workload(a.workload, vocab=llm.llm_engine.limits().vocab_size, num_requests=a.num_requests,
-                          max_len=a.max_len, seed=a.seed)
+        vocab = llm.llm_engine.limits().vocab_size
+        w = (load_workload(a.workload, vocab=vocab, num_requests=a.num_requests, max_len=a.max_len, seed=a.seed)
+             if rows is None else file_workload(a.workload, rows, vocab, a.num_requests, a.seed))
         confirm = a.confirm or ("engine" if a.cost == "kernels" else "none")
         every = PROFILE_EVERY if a.profile_every is None else a.profile_every
         loaded = time.perf_counter() - t_start

@@ -11,6 +11,7 @@ import pytest
 
 from detent.battery import OfflineBackend, run_battery
 from detent.battery_cells import select
+from detent.cli import main
 from detent.selection import CommitmentTuple
 from detent.selection.compiler.tune_space import family_assignment, family_space
 from detent.tune import tune
@@ -298,6 +299,45 @@ def test_a_workload_file_of_requests(tmp_path):
     f.write_text('{"prompt": "hi"}\n')
     with pytest.raises(ValueError, match="line 1: expected"):
         load_workload(str(f), vocab=160, num_requests=None, max_len=None, seed=0)
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--eta", "1"], "argument --eta: must be at least 2, got 1"),  # was taken as 2, silently
+    (["--min-fraction", "0"], "argument --min-fraction: a share of the workload, in (0, 1], got 0"),
+    (["--num-requests", "0"], "argument --num-requests: must be at least 1, got 0"),  # was the whole workload
+    (["--max-len", "2"], "argument --max-len: must be at least 8, got 2"),  # W-B's requests then had max_tokens 0
+    (["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    (["--max-candidates", "0"], "argument --max-candidates: must be at least 1, got 0"),
+    (["--refine", "-1"], "argument --refine: must be at least 0, got -1"),
+])
+def test_tune_refuses_a_search_setting_out_of_range_before_anything_loads(args, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--workload", "W-A", "-o", "t.json", *args])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_bad_workload_file_fails_before_the_model_loads_naming_its_line(tmp_path, monkeypatch, capsys):
+    """A request with no prompt token failed only in the profile, after the model's load, as the
+    engine's "prompt_token_ids is empty" with no line; an id outside the vocabulary, the same way.
+    The file is read and checked first; the vocabulary, once the model says it."""
+    import json
+
+    import detent.engine
+    f = tmp_path / "w.jsonl"
+    f.write_text(json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 3}) + "\n\n"
+                 + json.dumps({"prompt_token_ids": [], "max_tokens": 2}) + "\n")
+    with monkeypatch.context() as m:
+        m.setattr(detent.engine, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+        assert main(["tune", "--workload", str(f), "-o", str(tmp_path / "t.json")]) == 2
+    assert f"--workload {f} line 3: a request needs at least one prompt token" in capsys.readouterr().err
+
+    from detent.tune_cli import file_workload, read_requests
+    f.write_text(json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 3}) + "\n"
+                 + json.dumps({"prompt_token_ids": [7, 160], "max_tokens": 2}) + "\n")
+    rows = read_requests(str(f))
+    with pytest.raises(ValueError, match=r"line 2: token id 160 is outside the model's vocabulary \[0, 160\)"):
+        file_workload(str(f), rows, 160, None, 0)
+    assert len(file_workload(str(f), rows, 161, None, 0).requests) == 2
 
 
 def test_tune_runs_from_a_plain_install_without_the_plot(tmp_path):
