@@ -21,8 +21,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from detent.engine import (Finding, RecordError, check_spec_size, check_tuple, compare_output, parse_record,
-                           refusal_reason, skip_reason, verify_report)
+from detent.engine import (Finding, RecordError, check_limits, check_spec_size, check_tuple, compare_output,
+                           parse_record, refusal_reason, skip_reason, verify_report)
 from detent.server.body import parse_json, receive_body
 from detent.server.errors import APIError, bad_request
 from detent.server.generation import Generation
@@ -103,6 +103,32 @@ def _check_record(state: ServerState, r: Any) -> None:
     check_logprob_entries(lim, [len(r.prompt_token_ids)], [p.max_tokens], p.n, p.logprobs, p.prompt_logprobs, 1)
 
 
+# verify_vocab's names for the fields of a record's params it checks
+_VOCAB_FIELDS = {"bad_words": "bad_words_token_ids"}
+
+
+def _check_admission(records: list[tuple[int, Any]], vocab_size: int | None) -> None:
+    """What the engine refuses a record's params for at admission (token ids outside the
+    vocabulary, a spec over its grammar limits), for the records that will run: a 400 naming the
+    record and its params' field. The engine's refusal named a generation route's field
+    (bad_words, structured_outputs) and no record, once the records before it were admitted."""
+    for i, r in records:
+        p, so = r.params, r.params.structured_outputs
+        try:
+            if vocab_size is not None:
+                p.verify_vocab(vocab_size)
+        except ValueError as e:  # its message opens with the field's name
+            name, _, rest = str(e).partition(" ")
+            field = f"params.{_VOCAB_FIELDS.get(name, name)}"
+            raise bad_request(f"record {i} ({r.request_id}): {field} {rest}", field) from None
+        if so is not None:
+            field = f"params.structured_outputs.{so.kind}"
+            try:
+                check_limits(so, field=field)
+            except ValueError as e:
+                raise bad_request(f"record {i} ({r.request_id}): {e}", field) from None
+
+
 async def verify_records(request: Request, state: ServerState) -> Response:
     if state.engine_fingerprint is None:  # a test server over a fake engine
         raise APIError(501, "this server's engine reports no fingerprint: it cannot verify records")
@@ -121,6 +147,8 @@ async def verify_records(request: Request, state: ServerState) -> Response:
         if why is None and skip is None:
             runnable.append(len(findings) - 1)
     if runnable:
+        # on the pool: a record's id lists are as long as its body allows
+        await state.preprocess.run(_check_admission, [(i, records[i]) for i in runnable], state.vocab_size)
         gen = Generation(state, f"verify-{uuid.uuid4().hex}", [records[i].prompt_token_ids for i in runnable],
                          [records[i].params for i in runnable], endpoint="/v1/verify", log_record=False)
         await gen.start()

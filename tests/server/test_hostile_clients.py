@@ -303,6 +303,46 @@ def test_verify_counts_its_records_before_parsing_any(verifier, monkeypatch):
     assert r.status_code == 200 and r.json()["counts"]["refused"] == 16 and len(parsed) == 16, r.text
 
 
+@pytest.mark.parametrize("params,field,needle", [
+    ({"bad_words_token_ids": [[5], [10 ** 6]]}, "params.bad_words_token_ids", "contains token id 1000000"),
+    ({"allowed_token_ids": [10 ** 6]}, "params.allowed_token_ids", "contains token id 1000000"),
+    ({"logit_bias": {"1000000": 1.0}}, "params.logit_bias", "contains token id 1000000"),
+    ({"structured_outputs": {"json": {"$ref": "http://example.com/s.json"}}}, "params.structured_outputs.json",
+     "names another document"),
+])
+def test_verify_names_the_records_field_the_engine_would_refuse(params, field, needle):
+    """A record the engine refuses at admission (an id outside the vocabulary, a spec over its grammar
+    limits) was a 400 naming the generation routes' field (bad_words, structured_outputs), no record,
+    once the records before it were admitted (then aborted). It is a 400 naming the record and its
+    params' field before anything runs; a record that is refused anyway (another selection) is
+    reported, not a 400."""
+    from detent.engine.fingerprint import Fingerprint
+
+    from detent.engine import check_limits
+
+    class Counting(FakeEngine):  # refuses at admission as LLMEngine.add_request does
+        added = 0
+
+        def add_request(self, request_id, prompt_token_ids, params):
+            params.verify_vocab(self.vocab_size)
+            if params.structured_outputs is not None:
+                check_limits(params.structured_outputs)
+            Counting.added += 1
+            return super().add_request(request_id, prompt_token_ids, params)
+
+    state = ServerState(engine=AsyncEngine(Counting()), tokenizer=FakeTokenizer(), served_model_names=["m"],
+                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
+                        api_key=API_KEY, vocab_size=FakeTokenizer.vocab_size,
+                        engine_fingerprint=Fingerprint("a" * 64, "b" * 64))
+    good, bad = ({**_record(**p), "selection": "pinned", "request_id": rid} for rid, p in (("ok", {}), ("r", params)))
+    with TestClient(build_app(state)) as c:
+        err = _error(c.post("/v1/verify", headers=AUTH, json=[good, bad]))
+        assert err["param"] == field and err["message"].startswith(f"record 1 (r): {field}"), err
+        assert needle in err["message"] and Counting.added == 0, err
+        r = c.post("/v1/verify", headers=AUTH, json=[good, {**bad, "selection": "stock"}])
+        assert r.status_code == 200 and r.json()["counts"]["refused"] == 1 and Counting.added == 1, r.text
+
+
 def test_a_conversation_becomes_template_input_off_the_event_loop(client, monkeypatch):
     """A 16 MiB body holds 550,000 empty messages: turning them into the template's dicts took
     0.6 s of the event loop (the rendering after it was already on the pool, and bounded)."""
