@@ -306,6 +306,8 @@ class SamplingParams:
         _int_field("min_tokens", self.min_tokens, 0, MAX_INT32 if self.max_tokens is None else self.max_tokens)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):  # a dict's keys, say: never stops
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {type(self.stop).__name__}")
         self.stop = list(self.stop or [])
         bad = next((i for i, s in enumerate(self.stop) if not (isinstance(s, str) and s)), None)
         if bad is not None:  # named by index: the whole list in the message made a 22 MB error body

@@ -343,6 +343,17 @@ def test_verify_names_the_records_field_the_engine_would_refuse(params, field, n
         assert r.status_code == 200 and r.json()["counts"]["refused"] == 1 and Counting.added == 1, r.text
 
 
+@pytest.mark.parametrize("stop,got", [(5, "int"), ({"ab": 1}, "dict"), (True, "bool")])
+def test_verify_names_a_records_stop_that_is_not_strings(verifier, stop, got):
+    """A record's params reach SamplingParams unchecked by pydantic: `stop: 5` was a 400 saying
+    "'int' object is not iterable", and `stop: {"ab": 1}` was taken as the stop string "ab" (a
+    dict's keys). Both are a 400 saying what stop must be."""
+    err = _error(verifier.post("/v1/verify", headers=AUTH, json=_record(stop=stop)))
+    assert f"stop must be a string or a list of non-empty strings, got {got}" in err["message"], err
+    r = verifier.post("/v1/verify", headers=AUTH, json=_record(stop=["ab"]))
+    assert r.status_code == 200, r.text
+
+
 def test_a_conversation_becomes_template_input_off_the_event_loop(client, monkeypatch):
     """A 16 MiB body holds 550,000 empty messages: turning them into the template's dicts took
     0.6 s of the event loop (the rendering after it was already on the pool, and bounded)."""
