@@ -331,6 +331,10 @@ class SamplingParams:
                                  f"{self.max_tokens}: the output ends at max_tokens, so the ids after it would "
                                  "never be used; send at most max_tokens of them")
         if isinstance(self.structured_outputs, dict):
+            unknown = sorted(map(str, self.structured_outputs.keys() - {f.name for f in fields(StructuredOutputs)}))
+            if unknown:  # not Python's "__init__() got an unexpected keyword argument"
+                raise ValueError(f"structured_outputs.{unknown[0]:.80} is not a structured-output field (json, "
+                                 "json_object, regex, grammar, choice, any_whitespace, start_after_token_ids)")
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs must be a StructuredOutputs or a dict, got "

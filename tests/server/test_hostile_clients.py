@@ -354,6 +354,14 @@ def test_verify_names_a_records_stop_that_is_not_strings(verifier, stop, got):
     assert r.status_code == 200, r.text
 
 
+def test_verify_names_an_unknown_structured_output_field_in_a_record(verifier):
+    """A record's `structured_outputs: {"foo": 1}` was a 400 quoting Python: "StructuredOutputs.__init__()
+    got an unexpected keyword argument 'foo'". It names the field and the ones there are."""
+    err = _error(verifier.post("/v1/verify", headers=AUTH, json=_record(structured_outputs={"regex": "a", "foo": 1})))
+    assert "structured_outputs.foo is not a structured-output field" in err["message"], err
+    assert "__init__" not in err["message"], err
+
+
 def test_a_conversation_becomes_template_input_off_the_event_loop(client, monkeypatch):
     """A 16 MiB body holds 550,000 empty messages: turning them into the template's dicts took
     0.6 s of the event loop (the rendering after it was already on the pool, and bounded)."""
