@@ -362,6 +362,26 @@ def test_verify_names_an_unknown_structured_output_field_in_a_record(verifier):
     assert "__init__" not in err["message"], err
 
 
+@pytest.mark.parametrize("metadata,param", [({f"k{i}": "v" for i in range(17)}, "metadata"),
+                                            ({"k" * 65: "v"}, "metadata.kkk"), ({"k": "v" * 513}, "metadata.k")])
+def test_responses_metadata_has_openais_bounds(client, metadata, param):
+    """Every response object of a Responses request repeats its metadata (three in a stream, encoded
+    on the event loop): 700,000 pairs (a 16 MB body) held /health for 0.9 s while the stream was
+    written. OpenAI's bounds (16 pairs, keys of at most 64 characters, values of at most 512) are a
+    400 naming metadata; metadata within them is echoed as before, and the official client reads the 400."""
+    import openai
+    body = {"input": "hi", "max_output_tokens": 2}
+    err = _error(client.post("/v1/responses", headers=AUTH, json={**body, "metadata": metadata}))
+    assert err["param"].startswith(param), err
+    ok = {f"{i:02d}" * 32: "v" * 512 for i in range(16)}
+    for stream in (False, True):
+        r = client.post("/v1/responses", headers=AUTH, json={**body, "metadata": ok, "stream": stream})
+        assert r.status_code == 200 and r.text.count('"metadata":{"0000') == (3 if stream else 1), r.text[:300]
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=client, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="metadata"):
+        sdk.responses.create(model="m", input="hi", max_output_tokens=2, metadata=metadata)
+
+
 def test_a_conversation_becomes_template_input_off_the_event_loop(client, monkeypatch):
     """A 16 MiB body holds 550,000 empty messages: turning them into the template's dicts took
     0.6 s of the event loop (the rendering after it was already on the pool, and bounded)."""
