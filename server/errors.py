@@ -114,9 +114,14 @@ def _path(loc: tuple) -> tuple[tuple, tuple]:
     return loc, ()
 
 
+_KEY_CHARS = 64  # a longer key in a path is cut: as itself, a 1M-character key made a 2 MB 400 (message and param)
+
+
 def dotted(path: tuple) -> str:
     out = ""
     for p in path:
+        if isinstance(p, str) and len(p) > _KEY_CHARS:
+            p = p[:_KEY_CHARS] + "..."
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     # a key holding a lone surrogate (server/body.py refuses it by this path) is escaped: as
     # itself it would make the error body unencodable, a 500 in place of the 400
@@ -133,12 +138,13 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 
     A union field fails once per member; it is reported once, as the
     members it accepts and the value it got."""
-    groups: dict[str, list[tuple[tuple, dict]]] = {}
+    groups: dict[tuple, list[tuple[tuple, dict]]] = {}  # by the whole path: dotted() cuts a long key
     for e in exc.errors():
         path, tags = _path(tuple(e.get("loc", ())))
-        groups.setdefault(dotted(path), []).append((tags, e))
+        groups.setdefault(path, []).append((tags, e))
     msgs = []
-    for where, group in list(groups.items())[:8]:
+    for path, group in list(groups.items())[:8]:
+        where = dotted(path)
         if len(group) > 1 or group[0][0]:
             kinds = list(dict.fromkeys(t[0] for t, _ in group if t))
             got = min(group, key=lambda g: len(g[1].get("loc", ())))[1].get("input")
@@ -147,7 +153,8 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
             e = group[0][1]
             msgs.append(f"{where}: {e.get('msg', 'invalid')} (got {_show(e.get('input'))})")
     more = f" (and {len(groups) - 8} more fields)" if len(groups) > 8 else ""
-    return APIError(400, "invalid request: " + "; ".join(msgs) + more, param=next(iter(groups), None))
+    first = next(iter(groups), None)
+    return APIError(400, "invalid request: " + "; ".join(msgs) + more, param=None if first is None else dotted(first))
 
 
 async def request_validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -382,6 +382,21 @@ def test_responses_metadata_has_openais_bounds(client, metadata, param):
         sdk.responses.create(model="m", input="hi", max_output_tokens=2, metadata=metadata)
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"k" * 1_000_000: "x"}}),
+    ("/v1/responses", {"input": "hi", "metadata": {"k" * 1_000_000: "v"}}),
+    ("/v1/completions", {**COMPLETION, "x": {"k" * 1_000_000: float("inf")}}),
+])
+def test_a_long_key_is_cut_in_the_400_that_names_it(client, path, body):
+    """A 400 names a wrong value by its path, keys included: a 1M-character key made a 2 MB error
+    body (the key in the message and again as param). A key over 64 characters is cut."""
+    import json
+    r = client.post(path, headers={**AUTH, "Content-Type": "application/json"},
+                    content=json.dumps(body).replace("Infinity", "1e999"))
+    err = _error(r)
+    assert len(r.content) < 1000 and "k" * 64 + "..." in err["param"] and "k" * 65 not in r.text, r.text[:300]
+
+
 def test_a_conversation_becomes_template_input_off_the_event_loop(client, monkeypatch):
     """A 16 MiB body holds 550,000 empty messages: turning them into the template's dicts took
     0.6 s of the event loop (the rendering after it was already on the pool, and bounded)."""
