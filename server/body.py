@@ -41,7 +41,12 @@ async def _receive(request: Request, limit: int) -> bytes:
 
 
 async def receive_body(request: Request, limits: ServerLimits) -> bytes:
-    """The raw body: 413 over --max-request-bytes, 408 if not all there within --request-timeout."""
+    """The raw body: 413 over --max-request-bytes, 408 if not all there within --request-timeout,
+    415 if compressed (a gzip body was a 400 quoting the UTF-8 decoder on its magic bytes)."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(415, f"Content-Encoding {encoding[:40]!r} is not supported: send the JSON body uncompressed",
+                       code="unsupported_content_encoding")
     try:
         return await asyncio.wait_for(_receive(request, limits.max_request_bytes), limits.request_timeout_s)
     except asyncio.TimeoutError:

@@ -25,6 +25,7 @@ _TYPES = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     503: "service_unavailable_error",
     500: "internal_server_error",
 }

@@ -397,6 +397,24 @@ def test_a_long_key_is_cut_in_the_400_that_names_it(client, path, body):
     assert len(r.content) < 1000 and "k" * 64 + "..." in err["param"] and "k" * 65 not in r.text, r.text[:300]
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
+                                       ("/tokenize", {"prompt": "hi"})])
+def test_a_compressed_body_is_a_415_naming_its_encoding(client, path, body):
+    """A gzip body (Content-Encoding: gzip) was a 400 quoting Python's decoder: "malformed JSON body:
+    'utf-8' codec can't decode byte 0x8b in position 1". The server reads bodies uncompressed: a 415
+    that says so; "identity" is no encoding."""
+    import gzip
+    import json
+    raw = json.dumps(body).encode()
+    r = client.post(path, content=gzip.compress(raw),
+                    headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_content_encoding" and "'gzip' is not supported" in err["message"], err
+    r = client.post(path, content=raw, headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+
+
 def test_a_conversation_becomes_template_input_off_the_event_loop(client, monkeypatch):
     """A 16 MiB body holds 550,000 empty messages: turning them into the template's dicts took
     0.6 s of the event loop (the rendering after it was already on the pool, and bounded)."""
