@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 
 from fastapi import FastAPI, Request
@@ -17,7 +18,7 @@ from detent.server.errors import (APIError, http_exception_handler, request_vali
 from detent.server.profile import PROFILE_PATHS, add_profile_routes
 from detent.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
                                     TokenizeRequest)
-from detent.server.serving import ServerState, read_body
+from detent.server.serving import ServerState, read_body, read_body_into
 from detent.server.verify import add_verify_route
 from detent.server.weights import add_weight_routes
 
@@ -152,8 +153,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        req = await read_body(request, state, ResponsesRequest)
-        return await responses.create_response(req, request, state)
+        req, chat_req = await read_body_into(request, state, ResponsesRequest,
+                                             functools.partial(responses.translated, state))
+        return await responses.create_response(req, chat_req, request, state)
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> Response:

@@ -40,8 +40,15 @@ from detent.server.responses_output import OutputEvents, ResponseHead, output_it
 from detent.server.serving import JSONResponse, ServerState, SSEResponse, sse
 
 
-async def create_response(req: ResponsesRequest, request: Request, state: ServerState) -> Response:
-    chat_req = to_chat_request(req, getattr(state.tokenizer, "chat_template", None))
+def translated(state: ServerState, req: ResponsesRequest) -> tuple[ResponsesRequest, ChatCompletionRequest]:
+    """`req` and the chat request it means. The route runs this where the body is validated
+    (server/serving.py `read_body`), on the pool for a large body: the translation validates the
+    tools and messages again, and on the event loop 200,000 tools held /health for 1 s."""
+    return req, to_chat_request(req, getattr(state.tokenizer, "chat_template", None))
+
+
+async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest, request: Request,
+                          state: ServerState) -> Response:
     plan = await prepare_chat(chat_req, state, NAMES)
     rid = req.request_id or f"resp_{uuid.uuid4().hex}"
     gen = await Generation(state, rid, [plan.ids], [plan.params], endpoint="/v1/responses").start()

@@ -113,15 +113,26 @@ async def checked_body(state: ServerState, raw: bytes, build: Callable[[bytes], 
 
 async def read_body(request: Request, state: ServerState, cls: type[M]) -> M:
     """The JSON body as `cls`: 413/408 over the size/time limits, 400 if malformed or mistyped."""
+    return await read_body_into(request, state, cls, _itself)
+
+
+async def read_body_into(request: Request, state: ServerState, cls: type[M], then: Callable[[M], T]) -> T:
+    """`then(body)` of the body as `cls`, run where the body is validated (on the pool for a large
+    one): work in the body's size, as /v1/responses' translation into a chat request."""
     return await checked_body(state, await receive_body(request, state.limits),
-                              functools.partial(_validated, cls, state.vocab_size))
+                              functools.partial(_validated, cls, state.vocab_size, then))
 
 
-def _validated(cls: type[M], vocab_size: int | None, raw: bytes) -> M:
+def _itself(body: M) -> M:
+    return body
+
+
+def _validated(cls: type[M], vocab_size: int | None, then: Callable[[M], T], raw: bytes) -> T:
     try:  # the vocabulary bounds logit_bias's size (server/protocol.py)
-        return cls.model_validate(parse_json(raw), context={"vocab_size": vocab_size})
+        body = cls.model_validate(parse_json(raw), context={"vocab_size": vocab_size})
     except ValidationError as e:
         raise validation_error(e) from None
+    return then(body)
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -233,6 +233,23 @@ def test_a_large_body_is_parsed_checked_and_validated_off_the_event_loop(client,
     assert on_loop == [True], on_loop
 
 
+def test_a_large_responses_request_becomes_a_chat_request_off_the_event_loop(client, monkeypatch):
+    """A Responses request becomes the chat request it means (server/responses_input.py), which
+    validates its tools and messages again: 200,000 tools (a 15 MB body, tool_choice "none") held
+    the event loop, so /health and every stream, for 1 s. The translation runs where the body is
+    validated: on the pool for a body over 64 KiB, on the loop (no thread hop) for a small one."""
+    on_loop = _on_loop_spy(monkeypatch, "detent.server.responses", "to_chat_request")
+    tools = [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}} for i in range(2000)]
+    body = {"input": "hi", "max_output_tokens": 2, "tools": tools, "tool_choice": "none"}
+    assert client.post("/v1/responses", headers=AUTH, json=body).status_code == 200
+    err = _error(client.post("/v1/responses", headers=AUTH, json={**body, "input": [{"type": "web_search_call"}]}))
+    assert err["param"] == "input[0].type", err  # its 400s as before
+    assert on_loop == [False, False], on_loop
+    on_loop.clear()
+    assert client.post("/v1/responses", headers=AUTH, json={"input": "hi", "max_output_tokens": 2}).status_code == 200
+    assert on_loop == [True], on_loop
+
+
 @pytest.mark.parametrize("path,body", [("/v1/completions", {**COMPLETION, "prompt": ["a", "bb", "c"]}),
                                        ("/v1/chat/completions", CHAT),
                                        ("/v1/responses", {"input": "hi", "max_output_tokens": 2})])
