@@ -385,7 +385,9 @@ class SamplingParams:
         lists = {"stop_token_ids": self.stop_token_ids, "golden_token_ids": self.golden_token_ids,
                  "allowed_token_ids": self.allowed_token_ids,
                  "logit_bias": list(self.logit_bias or {}),
-                 "bad_words": TokenWords.of(self.bad_words_token_ids or ()).flat}
+                 "bad_words": TokenWords.of(self.bad_words_token_ids or ()).flat,
+                 "structured_outputs.start_after_token_ids":
+                     self.structured_outputs.start_after_token_ids if self.structured_outputs else None}
         for name, ids in lists.items():
             ids = np.asarray(ids if ids is not None else (), dtype=np.int64)
             over = np.flatnonzero(ids >= vocab_size)

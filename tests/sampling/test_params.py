@@ -76,6 +76,11 @@ def test_verify_vocab_names_the_field():
         SamplingParams(golden_token_ids=[1, 10]).verify_vocab(10)
     with pytest.raises(ValueError, match="logit_bias contains token id 99"):
         SamplingParams(logit_bias={99: 1.0}).verify_vocab(10)
+    # a grammar that starts after ids no output can hold never starts: the request ran unconstrained
+    so = {"regex": "a+", "start_after_token_ids": [3, 12]}
+    SamplingParams(structured_outputs=so).verify_vocab(13)
+    with pytest.raises(ValueError, match="structured_outputs.start_after_token_ids contains token id 12"):
+        SamplingParams(structured_outputs=so).verify_vocab(10)
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
