@@ -86,8 +86,10 @@ def checked_spec(kind: str, value: Any, field: str, param: str) -> StructuredOut
         raise bad_request(str(e), param) from None
     try:
         spec = StructuredOutputs(**{kind: value})
-    except (ValueError, TypeError) as e:
-        raise bad_request(f"invalid {field}: {e}", param) from None
+    except (ValueError, TypeError) as e:  # "structured_outputs.regex does not compile: ...", said of `field`
+        why, own = str(e), f"structured_outputs.{kind}"
+        raise bad_request(field + why[len(own):] if why.startswith(own) else f"invalid {field}: {why}",
+                          param) from None
     try:
         check_limits(spec, field=field)
     except ValueError as e:

@@ -134,6 +134,19 @@ def test_a_spec_over_the_engines_grammar_limits_is_a_400_naming_the_field_the_cl
     _good(server)
 
 
+@pytest.mark.parametrize("extra,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}},
+     "response_format.json_schema.schema is not a valid JSON Schema at type"),
+    ({"guided_regex": "(unclosed"}, "guided_regex does not compile"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar is not valid EBNF"),
+])
+def test_an_invalid_spec_is_said_of_the_field_the_client_sent(server, extra, message):
+    """The spec's own check says "structured_outputs.json is not a valid JSON Schema"; the 400 said
+    it after "invalid response_format.json_schema.schema: ", naming two fields for one."""
+    err = _check(_post(server, CHAT, {"messages": MSG, "max_tokens": 3, **extra}), 400)
+    assert err["message"].startswith(message), err
+
+
 def test_unknown_model_404(client, server):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
