@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
 from detent.engine.config import EngineConfig
@@ -88,16 +89,26 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Iterable):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                            f"got {type(sampling_params).__name__}")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
         ids = []
-        for p, sp in zip(prompts, params):
-            text, token_ids = self._tokenize(p)
-            rid = str(next(self._counter))
-            self.llm_engine.add_request(rid, token_ids, sp, prompt=text)
-            ids.append(rid)
+        try:
+            for p, sp in zip(prompts, params):
+                text, token_ids = self._tokenize(p)
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, token_ids, sp, prompt=text)
+                ids.append(rid)
+        except BaseException:  # a prompt refused: the batch's earlier ones must not run on, unseen (as vLLM)
+            self.llm_engine.withdraw_requests(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

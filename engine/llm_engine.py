@@ -178,6 +178,28 @@ class LLMEngine:
             for rid in ids:
                 self._inbox.append(("abort", rid))
 
+    def withdraw_requests(self, request_ids: Sequence[str]) -> None:
+        """Take back requests whose caller gave up on them before any output (`LLM.generate`
+        when a later prompt of its batch is refused): those still queued leave at once, with
+        no output (so `has_unfinished_requests()` and `update_weights` see them gone); any
+        a step already took in are aborted."""
+        ids = set(request_ids)
+        if not ids:
+            return
+        with self._inbox_lock:
+            kept: deque[tuple[str, Any]] = deque()
+            for kind, payload in self._inbox:
+                if kind == "add" and payload[0] in ids:
+                    self._pending_ids.discard(payload[0])
+                    for g in payload[5]:  # their grammar states
+                        g.release()
+                    ids.discard(payload[0])
+                else:
+                    kept.append((kind, payload))
+            self._inbox = kept
+        if ids:
+            self.abort_request(sorted(ids))
+
     def has_unfinished_requests(self) -> bool:
         with self._inbox_lock:
             return bool(self._pending_ids or self._live_ids)

@@ -157,6 +157,32 @@ def test_bad_input_errors(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_a_refused_prompt_takes_its_batch_back(llm):
+    """generate([good, bad]) raises for the bad prompt and leaves nothing queued: the good one
+    queued before it does not run on unseen (into the next call's steps), nor hold off
+    update_weights as "requests running". A sampling_params that is not one is a TypeError
+    naming the argument, before anything is queued."""
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=2, **G)
+    good = {"prompt_token_ids": [3, 4, 5]}
+    for bad, err, match in (({"prompt_token_ids": [3, 100_000]}, ValueError, "vocabulary"),
+                            (7, ValueError, "a prompt is a str or a dict")):
+        with pytest.raises(err, match=match):
+            llm.generate([good, good, bad], sp, use_tqdm=False)
+        assert not eng.has_unfinished_requests()
+    for params, match in (({"temperature": 0}, "sampling_params must be a SamplingParams or a list"),
+                          ([sp, {"temperature": 0}], r"sampling_params\[1\] must be a SamplingParams, got dict")):
+        with pytest.raises(TypeError, match=match):
+            llm.generate([good, good], params, use_tqdm=False)
+        assert not eng.has_unfinished_requests()
+    norm = eng.runner.model.model.norm.weight
+    assert llm.update_weights({"model.norm.weight": norm.detach().clone()}) == 1
+    steps = eng.stats()["num_steps"]
+    out = llm.generate([good], sp, use_tqdm=False)
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 2
+    assert eng.stats()["num_steps"] - steps == 2  # its own prefill and decode, no leftover request's
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_longer_bad_word_that_bans_what_is_left_fails_its_request_alone(llm, temperature):
     """A two-token bad word bans its last token only after its first: [[7], [8, 8]] with
