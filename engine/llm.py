@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import builtins
 import itertools
 import time
 from collections.abc import Iterable, Mapping
@@ -146,7 +145,7 @@ class LLM:
             return p, tok.encode(p)
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
-                return p.get("prompt"), builtins.list(p["prompt_token_ids"])
+                return p.get("prompt"), p["prompt_token_ids"]  # checked by add_request
             if "prompt" in p:
                 return self._tokenize(p["prompt"])
         raise ValueError(f"a prompt is a str or a dict with 'prompt_token_ids' or 'prompt', got {type(p).__name__}")

@@ -48,6 +48,7 @@ import torch
 
 from detent.engine.config import EngineConfig, EngineLimits
 from detent.engine.fingerprint import Fingerprint, fingerprint
+from detent.engine.inputs import token_id_list
 from detent.engine.isolation import find_culprits
 from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
@@ -207,7 +208,7 @@ class LLMEngine:
     def _validate(self, request_id: str, prompt_token_ids: Sequence[int], p: SamplingParams) -> list[int]:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        ids = [int(t) for t in prompt_token_ids]
+        ids = token_id_list("prompt_token_ids", prompt_token_ids)
         if not ids:
             raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
         vocab = self.model_config.vocab_size

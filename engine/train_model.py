@@ -28,9 +28,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from detent.engine.inputs import token_id_list
 from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches
 from detent.engine.model_runner import ModelRunner
-from detent.engine.trainer import check_sequences, plan_chunks, scratch_tables
+from detent.engine.trainer import as_sequences, check_sequences, plan_chunks, scratch_tables
 from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
 from detent.selection.autograd import GradDispatcher, KVHistory
 from detent.selection.context import ForwardContext, forward_context
@@ -86,9 +87,10 @@ class TrainerModel(nn.Module):
 
     def _score(self, sequences, num_prompt_tokens, what: str) -> list[torch.Tensor]:
         eng = self.engine
-        seqs = [list(map(int, s)) for s in sequences]
+        seqs = as_sequences(sequences)
         check_sequences(seqs, eng.state.max_model_len, eng.model_config.vocab_size)
-        starts = [1] * len(seqs) if num_prompt_tokens is None else [int(p) for p in num_prompt_tokens]
+        starts = [1] * len(seqs) if num_prompt_tokens is None else token_id_list("num_prompt_tokens",
+                                                                                 num_prompt_tokens, "integers")
         if len(starts) != len(seqs):
             raise ValueError(f"num_prompt_tokens has {len(starts)} entries for {len(seqs)} sequences")
         for j, (s, p) in enumerate(zip(seqs, starts)):

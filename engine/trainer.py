@@ -18,9 +18,18 @@ from typing import Sequence
 
 import torch
 
+from detent.engine.inputs import token_id_list
 from detent.engine.kv_cache import KVCacheSpec, allocate_kv_caches
 from detent.engine.model_runner import ModelRunner
 from detent.scheduler.outputs import ScheduledSeq, SchedulerOutput
+
+
+def as_sequences(sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """`sequences` (a list of token-id lists) as lists of ints, or a ValueError naming
+    the entry (a str's characters and a float's truncation are not token ids)."""
+    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__iter__"):
+        raise ValueError(f"sequences must be a list of token-id lists, got {type(sequences).__name__}")
+    return [token_id_list(f"sequences[{j}]", s) for j, s in enumerate(sequences)]
 
 
 def check_sequences(seqs: list[list[int]], max_model_len: int, vocab: int) -> None:
@@ -77,7 +86,7 @@ class TrainerForward:
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """For each sequence x, a float32 tensor [len(x) - 1] whose entry i is
         log p(x[i + 1] | x[:i + 1])."""
-        seqs = [list(map(int, s)) for s in sequences]
+        seqs = as_sequences(sequences)
         check_sequences(seqs, self.engine.state.max_model_len, self.engine.model_config.vocab_size)
         out, g = [], self.engine.config.max_num_seqs
         for i in range(0, len(seqs), g):  # a scratch KV cache per group of sequences

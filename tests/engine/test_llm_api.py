@@ -183,6 +183,24 @@ def test_a_refused_prompt_takes_its_batch_back(llm):
     assert eng.stats()["num_steps"] - steps == 2  # its own prefill and decode, no leftover request's
 
 
+def test_prompt_token_ids_must_be_integers(llm):
+    """{"prompt_token_ids": "345"} ran as [3, 4, 5] and 3.7 as 3, silently; None and 5 were a bare
+    TypeError. Each is a ValueError naming prompt_token_ids; NumPy and torch integers are ids."""
+    import numpy as np
+    import torch
+    sp = SamplingParams(max_tokens=2, **G)
+    for ids, match in (("345", "got str"), ([3.7, 4], r"got element 3.7 \(float\) at index 0"),
+                       ([3, True], r"got element True \(bool\) at index 1"), (None, "got NoneType"),
+                       (5, "got int"), ([[3, 4]], r"got element \[3, 4\] \(list\)")):
+        with pytest.raises(ValueError, match=r"prompt_token_ids must be a list of token ids \(integers\), " + match):
+            llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    want = llm.generate([{"prompt_token_ids": [3, 4, 5]}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for ids in (np.array([3, 4, 5]), torch.tensor([3, 4, 5]), [np.int32(3), 4, 5]):
+        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        assert out.prompt_token_ids == [3, 4, 5] and out.outputs[0].token_ids == want
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_longer_bad_word_that_bans_what_is_left_fails_its_request_alone(llm, temperature):
     """A two-token bad word bans its last token only after its first: [[7], [8, 8]] with

@@ -119,6 +119,29 @@ def test_trainer_refuses_bad_input():
         tm([[3, 10_000]])
 
 
+
+def test_trainer_refuses_what_is_not_token_ids():
+    """A str sequence was scored as its characters' digits ("3456" as [3, 4, 5, 6]) and float
+    ids or prompt lengths were truncated, silently; each is now a ValueError naming the entry.
+    Integer tensors and NumPy arrays are token ids."""
+    from detent.engine.trainer import TrainerForward
+    b = model_bundle("llama")
+    llm = make_llm(b, "pinned", max_num_batched_tokens=BUDGET)
+    tm, tf = TrainerModel(llm), TrainerForward(llm)
+    for score in (tm, tf.logprobs):
+        with pytest.raises(ValueError, match=r"sequences\[0\] must be a list of token ids \(integers\), got str"):
+            score(["3456"])
+        with pytest.raises(ValueError, match=r"sequences\[1\] must be a list of token ids .* element 4.5 \(float\)"):
+            score([[3, 4], [3, 4.5]])
+        with pytest.raises(ValueError, match="sequences must be a list of token-id lists, got NoneType"):
+            score(None)
+    with pytest.raises(ValueError, match=r"num_prompt_tokens must be a list of integers, got element 1.5"):
+        tm([[3, 4, 5]], [1.5])
+    with pytest.raises(ValueError, match=r"num_prompt_tokens must be a list of integers, got int"):
+        tm([[3, 4, 5]], 1)
+    want = tm([[3, 4, 5, 6]], [2])[0]
+    assert torch.equal(tm([torch.tensor([3, 4, 5, 6])], [torch.tensor(2)])[0], want)
+
 def test_entropy_comes_with_the_same_logprob_bits():
     b = model_bundle("qwen3")
     llm = make_llm(b, "pinned", max_num_batched_tokens=BUDGET)
