@@ -23,8 +23,24 @@ def grpo_loss(logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor], ad
     (the rollout's), advantages [N]. Token-mean of
     -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) (+ kl_coef * k3 KL to
     the reference), each completion's tokens averaged, then the completions."""
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a tensor [N], got {type(advantages).__name__}")
     if len(logprobs) != len(old_logprobs) or len(logprobs) != advantages.numel():
         raise ValueError(f"{len(logprobs)} logprob tensors, {len(old_logprobs)} old, {advantages.numel()} advantages")
+    if not logprobs:
+        raise ValueError("grpo_loss needs at least one completion (logprobs is empty)")
+    if not clip_eps >= 0:
+        raise ValueError(f"clip_eps must be >= 0, got {clip_eps}")
+    # token i of completion j pairs with old[j][i] (and ref[j][i]): equal totals with other splits would misalign
+    _same_lengths("old_logprobs", logprobs, old_logprobs)
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the reference policy's logprobs)")
+    if ref_logprobs is not None and kl_coef:
+        if len(ref_logprobs) != len(logprobs):
+            raise ValueError(f"{len(logprobs)} logprob tensors but {len(ref_logprobs)} ref_logprobs")
+        _same_lengths("ref_logprobs", logprobs, ref_logprobs)
     lp = torch.cat(logprobs)  # every completion's tokens, back to back: one op per term, not per completion
     dev = lp.device
     n = torch.tensor([x.numel() for x in logprobs], device=dev)
@@ -36,3 +52,9 @@ def grpo_loss(logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor], ad
         loss = loss + kl_coef * (torch.exp(d) - d - 1)  # k3: unbiased, >= 0
     # each completion's token mean, then the mean over completions: token t of completion i weighs 1 / (n_i N)
     return (loss / (n * len(logprobs)).repeat_interleave(n, output_size=lp.numel())).sum()
+
+
+def _same_lengths(name: str, logprobs: list[torch.Tensor], other: list[torch.Tensor]) -> None:
+    for j, (x, y) in enumerate(zip(logprobs, other)):
+        if x.numel() != y.numel():
+            raise ValueError(f"{name}[{j}] has {y.numel()} tokens, logprobs[{j}] has {x.numel()}")

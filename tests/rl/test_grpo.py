@@ -72,6 +72,34 @@ def test_grpo_loss_on_policy_is_the_advantage_weighted_logprob_gradient():
     assert torch.allclose(lp[1].grad, torch.tensor([0.5]), atol=1e-5)
 
 
+
+def test_grpo_loss_refuses_misaligned_inputs():
+    """old_logprobs split [2, 3] against logprobs [3, 2] has the same total: the tokens were
+    paired across completions and a loss came back, silently wrong. A per-completion length
+    mismatch (old or ref), no completions, advantages that are not a tensor, a negative
+    clip_eps (clamp(1.5, 0.5) is 0.5 everywhere) or KL asked for without a reference are
+    each refused, naming the argument."""
+    lp = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    old = [torch.zeros(3), torch.zeros(2)]
+    adv = torch.tensor([1.0, -1.0])
+    with pytest.raises(ValueError, match=r"old_logprobs\[0\] has 2 tokens, logprobs\[0\] has 3"):
+        grpo_loss(lp, [torch.zeros(2), torch.zeros(3)], adv)
+    with pytest.raises(ValueError, match=r"ref_logprobs\[1\] has 3 tokens, logprobs\[1\] has 2"):
+        grpo_loss(lp, old, adv, ref_logprobs=[torch.zeros(3), torch.zeros(3)], kl_coef=0.1)
+    with pytest.raises(ValueError, match="2 logprob tensors but 1 ref_logprobs"):
+        grpo_loss(lp, old, adv, ref_logprobs=[torch.zeros(3)], kl_coef=0.1)
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logprobs"):
+        grpo_loss(lp, old, adv, kl_coef=0.1)
+    with pytest.raises(ValueError, match="kl_coef must be >= 0"):
+        grpo_loss(lp, old, adv, ref_logprobs=old, kl_coef=-0.1)
+    with pytest.raises(ValueError, match="clip_eps must be >= 0"):
+        grpo_loss(lp, old, adv, clip_eps=-0.2)
+    with pytest.raises(ValueError, match="at least one completion"):
+        grpo_loss([], [], torch.zeros(0))
+    with pytest.raises(TypeError, match="advantages must be a tensor"):
+        grpo_loss(lp, old, [1.0, -1.0])
+    grpo_loss(lp, old, adv, ref_logprobs=old, kl_coef=0.1).backward()  # aligned: fine
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="group_size must be >= 2"):
         GRPOConfig(group_size=1)
