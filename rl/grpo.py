@@ -10,7 +10,14 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """rewards [P, G] (P prompts, G samples each) -> (r - group mean) / (group std + eps)."""
+    """rewards [P, G] (P prompts, G samples each) -> (r - group mean) / (group std + eps),
+    float32 (integer or bool rewards are cast)."""
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2 or rewards.shape[1] < 2:
+        got = list(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a tensor [P prompts, G >= 2 samples each], got {got}: "
+                         "advantages are relative to each prompt's group")
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
     mean = rewards.mean(-1, keepdim=True)
     std = rewards.std(-1, keepdim=True, unbiased=False)
     return (rewards - mean) / (std + eps)

@@ -9,6 +9,7 @@ the largest |difference|, and the time split.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -42,13 +43,28 @@ class GRPOConfig:
     logprob_chunk: int = 1024
 
     def __post_init__(self):
-        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "logprob_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "logprob_chunk", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"GRPOConfig.{name} must be an integer, got {v!r}")
+            if name != "seed" and v < 1:
+                raise ValueError(f"GRPOConfig.{name} must be >= 1, got {v}")
         if self.group_size < 2:
             raise ValueError(f"GRPOConfig.group_size must be >= 2 (advantages are group-relative), got {self.group_size}")
-        if not self.temperature > 0:
-            raise ValueError(f"GRPOConfig.temperature must be > 0, got {self.temperature}")
+        # NaN fails every check; a negative clip_eps or kl_coef inverts its term, and a max_grad_norm <= 0
+        # zeroes (or flips the sign of) every gradient
+        for name, ok, want in (("temperature", lambda v: 0 < v < math.inf, "> 0 and finite"),
+                               ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+                               ("lr", lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+                               ("weight_decay", lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+                               ("clip_eps", lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+                               ("kl_coef", lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+                               ("max_grad_norm", lambda v: 0 < v < math.inf, "> 0 and finite (or None)")):
+            v = getattr(self, name)
+            if name == "max_grad_norm" and v is None:
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not ok(v):
+                raise ValueError(f"GRPOConfig.{name} must be {want}, got {v!r}")
         if self.kl_coef and self.share_weights:
             raise ValueError("kl_coef > 0 needs a frozen reference copy; it is not supported with share_weights")
 
@@ -104,7 +120,8 @@ def train_grpo(llm, task: Task, cfg: GRPOConfig = GRPOConfig(),
         t0 = time.perf_counter()
         samples = _rollout(llm, task, cfg, rng)
         t1 = time.perf_counter()
-        rewards = torch.tensor([task.reward(p, ids) for p, ids, _ in samples]).view(-1, cfg.group_size)
+        rewards = torch.tensor([float(task.reward(p, ids)) for p, ids, _ in samples],  # an int or bool reward too
+                               dtype=torch.float32).view(-1, cfg.group_size)
         adv = group_advantages(rewards).flatten()
         keep = [i for i, (_, ids, _) in enumerate(samples) if ids]
         seqs = [list(samples[i][0].prompt_ids) + samples[i][1] for i in keep]

@@ -107,6 +107,39 @@ def test_config_is_validated():
         GRPOConfig(temperature=0.0)
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("clip_eps", -0.2, "clip_eps must be >= 0"), ("kl_coef", -0.1, "kl_coef must be >= 0"),
+    ("kl_coef", float("nan"), "kl_coef must be >= 0"), ("lr", -1e-5, "lr must be >= 0"),
+    ("lr", float("nan"), "lr must be >= 0"), ("weight_decay", -0.1, "weight_decay must be >= 0"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"), ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("max_grad_norm", 0.0, "max_grad_norm must be > 0"), ("max_grad_norm", -1.0, "max_grad_norm must be > 0"),
+    ("temperature", float("inf"), "temperature must be > 0 and finite"),
+    ("steps", 1.5, "steps must be an integer"), ("group_size", "8", "group_size must be an integer")])
+def test_config_refuses_values_that_would_train_wrong(field, value, match):
+    """Each was accepted: a negative clip_eps or kl_coef inverts its term, a negative lr ascends
+    the loss, max_grad_norm <= 0 zeroes or flips every gradient, NaN poisons the weights, and
+    top_p or a non-integer count failed only later, inside the first step."""
+    with pytest.raises(ValueError, match=f"GRPOConfig.{match}"):
+        GRPOConfig(**{field: value})
+
+
+def test_integer_rewards_train():
+    """A task whose reward is an int or bool (a pass/fail check) failed the first step inside
+    group_advantages (torch's mean() of an integer tensor): rewards are float32. A rewards
+    tensor that is not [P, G >= 2] is refused rather than normalized as one group."""
+    class PassFail(TargetTokenTask):
+        def reward(self, problem, completion_ids):
+            return int(problem.answer in completion_ids)
+    cfg = GRPOConfig(steps=1, prompts_per_step=2, group_size=4, max_tokens=4, lr=1e-2, seed=3)
+    logs = train_grpo(_llm("pinned"), PassFail(TINY_LLAMA["vocab_size"]), cfg)
+    assert logs[0].match_rate == 1.0
+    assert torch.equal(group_advantages(torch.tensor([[1, 0], [1, 1]])),
+                       group_advantages(torch.tensor([[1.0, 0.0], [1.0, 1.0]])))
+    for bad in (torch.tensor([1.0, 0.0, 1.0]), torch.tensor([[1.0], [0.0]])):
+        with pytest.raises(ValueError, match=r"rewards must be a tensor \[P prompts, G >= 2 samples each\]"):
+            group_advantages(bad)
+
+
 def test_master_weights_keep_small_bf16_updates():
     """Plain AdamW at lr 1e-4 never moves a bf16 weight of 1.0 (each step rounds
     away); the fp32 masters accumulate the steps and the weight moves."""
