@@ -123,7 +123,7 @@ class LLM:
         tok = self.get_tokenizer()
         if tok is None or not hasattr(tok, "apply_chat_template"):
             raise ValueError("chat needs a tokenizer with a chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        convs = _conversations(messages)
         prompts = []
         for conv in convs:
             final = None
@@ -178,3 +178,20 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def _conversations(messages: Any) -> list[list[dict]]:
+    """`LLM.chat`'s messages as a list of conversations, or a TypeError naming the argument:
+    one conversation (a list of message dicts) or a list of them."""
+    want = "messages must be a list of message dicts ({'role': ..., 'content': ...}) or a list of such lists"
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError(f"{want}, got {type(messages).__name__}")
+    convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+    for i, conv in enumerate(convs):
+        if isinstance(conv, (str, bytes, Mapping)) or not isinstance(conv, Sequence):
+            raise TypeError(f"{want}; messages[{i}] is a {type(conv).__name__}")
+        for j, m in enumerate(conv):
+            if not isinstance(m, Mapping):
+                where = f"messages[{j}]" if conv is messages else f"messages[{i}][{j}]"
+                raise TypeError(f"{want}; {where} is a {type(m).__name__}")
+    return convs

@@ -465,6 +465,26 @@ def test_chat_takes_vllm_s_tools_template_and_continue_final_message(tmp_path):
     llm.shutdown()
 
 
+
+def test_chat_names_malformed_messages(tmp_path):
+    """One message dict instead of a list of them was a bare KeyError: 0; a str, a list of
+    strs or a generator failed inside the template or on subscripting. Each is a TypeError
+    naming messages (and the entry); a list of conversations still works."""
+    from detent.models.tiny import write_tiny_llama
+    llm = LLM(model=write_tiny_llama(str(tmp_path / "tiny")), device="cpu", dtype="float32", max_model_len=256,
+              num_gpu_blocks=40)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    p = SamplingParams(temperature=0, max_tokens=2)
+    m = {"role": "user", "content": "Hi"}
+    for messages, where in ((m, "got dict"), ("Hi", "got str"), ((x for x in [m]), "got generator"),
+                            (["Hi"], r"messages\[0\] is a str"), ([[m], m], r"messages\[1\] is a dict"),
+                            ([[m, "Hi"]], r"messages\[0\]\[1\] is a str")):
+        with pytest.raises(TypeError, match=r"messages must be a list of message dicts .*" + where):
+            llm.chat(messages, p, use_tqdm=False, chat_template=template)
+    outs = llm.chat([[m], [m, {"role": "assistant", "content": "x"}, m]], p, use_tqdm=False, chat_template=template)
+    assert [o.prompt for o in outs] == ["<user>Hi", "<user>Hi<assistant>x<user>Hi"]
+    llm.shutdown()
+
 def test_a_tiny_llama_with_a_word_level_tokenizer_needs_no_embedded_model(tmp_path, monkeypatch):
     """write_tiny_llama(tokenizer="wordlevel") (the GPU tune test's model): "t<i>" is token i,
     and the engine serves it with the embedded model's package out of reach."""
