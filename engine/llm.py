@@ -61,6 +61,7 @@ class LLM:
         rank its shard); the prefix cache is reset. Returns the number copied;
         raises WeightUpdateError (nothing changed) on an unknown name, a wrong
         shape or dtype, a non-finite value, or while requests are running."""
+        self._check_open()
         return self.llm_engine.update_weights(named_tensors)
 
     def shutdown(self) -> None:
@@ -70,7 +71,12 @@ class LLM:
         self.llm_engine.shutdown()
 
     def reset_prefix_cache(self) -> bool:
+        self._check_open()
         return self.llm_engine.reset_prefix_cache()
+
+    def _check_open(self) -> None:
+        if getattr(self, "_shut_down", False):
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()); make a new one")
 
     # ------------------------------------------------------------ generation
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -79,8 +85,7 @@ class LLM:
         """A prompt is a string or {"prompt_token_ids": [...]} (optionally
         with "prompt"); `sampling_params` is one for all or one per prompt.
         Returns the finished outputs in prompt order."""
-        if getattr(self, "_shut_down", False):
-            raise RuntimeError("this LLM was shut down (LLM.shutdown()); make a new one")
+        self._check_open()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -120,6 +125,7 @@ class LLM:
         vLLM's arguments: `tools` are passed to the template; `continue_final_message`
         leaves the last (assistant) message open for the model to continue (no generation
         prompt), as detent-serve's field does."""
+        self._check_open()
         tok = self.get_tokenizer()
         if tok is None or not hasattr(tok, "apply_chat_template"):
             raise ValueError("chat needs a tokenizer with a chat template")

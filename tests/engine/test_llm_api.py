@@ -465,7 +465,6 @@ def test_chat_takes_vllm_s_tools_template_and_continue_final_message(tmp_path):
     llm.shutdown()
 
 
-
 def test_chat_names_malformed_messages(tmp_path):
     """One message dict instead of a list of them was a bare KeyError: 0; a str, a list of
     strs or a generator failed inside the template or on subscripting. Each is a TypeError
@@ -484,6 +483,26 @@ def test_chat_names_malformed_messages(tmp_path):
     outs = llm.chat([[m], [m, {"role": "assistant", "content": "x"}, m]], p, use_tqdm=False, chat_template=template)
     assert [o.prompt for o in outs] == ["<user>Hi", "<user>Hi<assistant>x<user>Hi"]
     llm.shutdown()
+
+
+def test_a_shut_down_llm_refuses_every_call_alike(tmp_path):
+    """After shutdown(), generate raised but chat rendered its template first, and
+    update_weights and reset_prefix_cache still ran on one rank (with several, the
+    executor raised): each is the same RuntimeError now."""
+    from detent.models.tiny import write_tiny_llama
+    llm = LLM(model=write_tiny_llama(str(tmp_path / "tiny")), device="cpu", dtype="float32", max_model_len=256,
+              num_gpu_blocks=40)
+    norm = llm.llm_engine.runner.model.model.norm.weight.detach().clone()
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    calls = {"generate": lambda: llm.generate("Hi", use_tqdm=False),
+             "chat": lambda: llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False),
+             "update_weights": lambda: llm.update_weights([("model.norm.weight", norm)]),
+             "reset_prefix_cache": llm.reset_prefix_cache}
+    for what, call in calls.items():
+        with pytest.raises(RuntimeError, match=r"this LLM was shut down \(LLM.shutdown\(\)\); make a new one"):
+            call()
+
 
 def test_a_tiny_llama_with_a_word_level_tokenizer_needs_no_embedded_model(tmp_path, monkeypatch):
     """write_tiny_llama(tokenizer="wordlevel") (the GPU tune test's model): "t<i>" is token i,
