@@ -11,6 +11,8 @@ _LAZY = {
     "SamplingParams": "detent.sampling.params",
     "TokensPrompt": "detent.engine.inputs",
     "TextPrompt": "detent.engine.inputs",
+    # a chat message's content as the template's string (LLM.chat and the server's chat route)
+    "text_content": "detent.engine.inputs",
     "RequestOutput": "detent.engine.outputs",
     "CompletionOutput": "detent.engine.outputs",
     "Logprob": "detent.engine.outputs",

@@ -37,3 +37,21 @@ def token_id_list(name: str, value: Any, what: str = "token ids (integers)") -> 
             raise ValueError(f"{name} must be a list of {what}, got element {t!r} "
                              f"({type(t).__name__}) at index {len(out)}") from None
     return out
+
+
+def text_content(content: Any, where: str) -> str:
+    """A chat message's content as the template's string: a string; None (an assistant turn
+    that only called tools) as "", as vLLM; OpenAI's content parts joined, text parts only,
+    or a ValueError naming the part (`where`: "messages[i].content")."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}]: only text parts are supported (type 'text' with a string 'text')")
+        parts.append(part["text"])
+    return "".join(parts)

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
 from detent.engine.config import EngineConfig
+from detent.engine.inputs import text_content
 from detent.engine.llm_engine import LLMEngine
 from detent.engine.outputs import RequestOutput
 from detent.engine.vllm_args import refuse_vllm_only
@@ -188,16 +189,22 @@ class LLM:
 
 def _conversations(messages: Any) -> list[list[dict]]:
     """`LLM.chat`'s messages as a list of conversations, or a TypeError naming the argument:
-    one conversation (a list of message dicts) or a list of them."""
+    one conversation (a list of message dicts) or a list of them. A message's content becomes
+    the template's string as on the server's chat route (OpenAI's text parts joined, None as
+    ""); a part that is not text is a ValueError naming it."""
     want = "messages must be a list of message dicts ({'role': ..., 'content': ...}) or a list of such lists"
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise TypeError(f"{want}, got {type(messages).__name__}")
     convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+    out = []
     for i, conv in enumerate(convs):
         if isinstance(conv, (str, bytes, Mapping)) or not isinstance(conv, Sequence):
             raise TypeError(f"{want}; messages[{i}] is a {type(conv).__name__}")
+        msgs = []
         for j, m in enumerate(conv):
+            where = f"messages[{j}]" if conv is messages else f"messages[{i}][{j}]"
             if not isinstance(m, Mapping):
-                where = f"messages[{j}]" if conv is messages else f"messages[{i}][{j}]"
                 raise TypeError(f"{want}; {where} is a {type(m).__name__}")
-    return convs
+            msgs.append({**m, "content": text_content(m["content"], f"{where}.content")} if "content" in m else m)
+        out.append(msgs)
+    return out

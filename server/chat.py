@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from detent.engine import cut_at_final_message, open_final_message
+from detent.engine import cut_at_final_message, open_final_message, text_content
 from detent.sampling.params import SamplingParams, StructuredOutputs
 from detent.server.chat_output import ChatOutput, ChoiceStream
 from detent.server.errors import bad_request
@@ -29,16 +29,10 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
-        if m.content is None:  # an assistant turn that only called tools: the template sees "", as vLLM's
-            d["content"] = ""
-        if isinstance(m.content, list):
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported "
-                                      f"(type 'text' with a string 'text')", f"messages[{i}].content")
-                parts.append(part["text"])
-            d["content"] = "".join(parts)
+        try:
+            d["content"] = text_content(m.content, f"messages[{i}].content")
+        except ValueError as e:
+            raise bad_request(str(e), f"messages[{i}].content") from None
         out.append(d)
     return out
 

@@ -485,6 +485,27 @@ def test_chat_names_malformed_messages(tmp_path):
     llm.shutdown()
 
 
+def test_chat_takes_openai_text_parts_as_the_server_does(tmp_path):
+    """vLLM's LLM.chat takes OpenAI's content parts; here they reached the template as a list
+    (a TypeError inside it, or the list's repr in the prompt). Text parts are joined, and None
+    content is "", as on detent-serve's chat route; another part is a ValueError naming it."""
+    from detent.models.tiny import write_tiny_llama
+    llm = LLM(model=write_tiny_llama(str(tmp_path / "tiny")), device="cpu", dtype="float32", max_model_len=256,
+              num_gpu_blocks=40)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    p = SamplingParams(temperature=0, max_tokens=2)
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    outs = llm.chat([[{"role": "user", "content": parts}], [{"role": "user", "content": "Hello there"}],
+                     [{"role": "assistant", "content": None}, {"role": "user", "content": "x"}]],
+                    p, use_tqdm=False, chat_template=template)
+    assert [o.prompt for o in outs] == ["<user>Hello there", "<user>Hello there", "<assistant><user>x"]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: only text parts are supported"):
+        llm.chat([{"role": "user", "content": [parts[0], image]}], p, use_tqdm=False, chat_template=template)
+    llm.shutdown()
+
+
 def test_a_shut_down_llm_refuses_every_call_alike(tmp_path):
     """After shutdown(), generate raised but chat rendered its template first, and
     update_weights and reset_prefix_cache still ran on one rank (with several, the

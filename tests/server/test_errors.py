@@ -147,6 +147,15 @@ def test_an_invalid_spec_is_said_of_the_field_the_client_sent(server, extra, mes
     assert err["message"].startswith(message), err
 
 
+def test_a_content_part_that_is_not_text_is_a_400_naming_it(server):
+    parts = [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
+    err = _check(_post(server, CHAT, {"messages": [{"role": "user", "content": parts}], "max_tokens": 3}), 400,
+                 param="messages[0].content")
+    assert err["message"] == "messages[0].content[1]: only text parts are supported (type 'text' with a string 'text')"
+    r = _post(server, CHAT, {"messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_model_404(client, server):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
