@@ -214,8 +214,9 @@ def confirmed(res: TuneResult, base, model, progress: Callable[[str], None], dea
         t0 = clock()
         cost = float(model.measure(t, fraction))
         install = getattr(model, "last_install_s", 0.0)
-        slowest = max(slowest, (clock() - t0 - install) / fraction)
-        progress(f"    {label} {cost:.4g} ({install:.0f} s installing, {clock() - t0 - install:.0f} s measuring)")
+        measuring = clock() - t0 - install
+        slowest = max(slowest, measuring / fraction)
+        progress(f"    {label} {cost:.4g} ({install:.0f} s installing, {measuring:.0f} s measuring)")
         return cost
 
     first = timed(base, "default")
