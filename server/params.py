@@ -39,7 +39,7 @@ async def structured_outputs(req: _Sampling, preprocess,
     preprocessing pool (a bad one is a 400): checking a spec (jsonschema's
     meta-schema, re.compile, xgrammar's grammar parser) costs time in its size."""
     found = _spec(req, names)
-    return None if found is None else await preprocess.run(_validated, *found)
+    return None if found is None else await preprocess.run(checked_spec, *found)
 
 
 def _spec(req: _Sampling, names: FieldNames) -> tuple[str, str, Any] | None:
@@ -70,16 +70,13 @@ def _spec(req: _Sampling, names: FieldNames) -> tuple[str, str, Any] | None:
     return found[0]
 
 
-def _validated(param: str, kind: str, value: Any) -> StructuredOutputs:
-    return checked_spec(kind, value, param, param)
-
-
-def checked_spec(kind: str, value: Any, field: str, param: str) -> StructuredOutputs:
+def checked_spec(field: str, kind: str, value: Any, param: str | None = None) -> StructuredOutputs:
     """A request's structured-output spec, validated and within the engine's grammar limits, or a
     400 whose message opens with `field` (the name the client sent it under) and whose param is
-    `param`. The size bound comes first: validating costs time in the size. The other limits
-    (nesting, properties, enum values, remote $ref) are the engine's own check at admission,
-    made here so that the 400 names the client's field, not the engine's structured_outputs."""
+    `param` (default `field`). The size bound comes first: validating costs time in the size.
+    The other limits (nesting, properties, enum values, remote $ref) are the engine's own check
+    at admission, made here so that the 400 names the client's field, not structured_outputs."""
+    param = field if param is None else param
     try:
         check_spec_size(kind, value, field=field)
     except ValueError as e:

@@ -66,7 +66,7 @@ def tool_constraint(tools: list[dict] | None, choice: Any,
     else:
         raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', "
                           f"'function': {{'name': ...}}}}, got {choice!r}", "tool_choice")
-    return checked_spec("json", schema, "the tools' parameters schema", "tools"), mode
+    return checked_spec("the tools' parameters schema", "json", schema, "tools"), mode
 
 
 def tool_message(text: str, mode: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
