@@ -132,3 +132,11 @@ def sse_events(r) -> list[dict]:
     data = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
+
+
+def client_error(r) -> dict:
+    """A 4xx response's OpenAI-shaped error object (message, type, param, code), checked."""
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
