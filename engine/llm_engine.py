@@ -43,7 +43,6 @@ import time
 from collections import deque
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from detent.engine.config import EngineConfig, EngineLimits
@@ -134,7 +133,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids = self._validate(request_id, prompt_token_ids, params)
         masks = self._mask_ids(params)
-        self._check_some_token_allowed(masks)
+        masks.check_some_token_left(self.model_config.vocab_size)
         # the grammar compile is submitted here, not when step() drains the inbox (as vLLM's
         # EngineCore.add_request): a full compile lane refuses the request to its caller
         # (CompileQueueFull), and the compile starts before the next step
@@ -238,30 +237,6 @@ class LLMEngine:
             if k is not None and k > self.config.max_logprobs:
                 raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
         return ids
-
-    def _check_some_token_allowed(self, masks: RequestMaskIds) -> None:
-        """Bans that cover allowed_token_ids, or the whole vocabulary, leave no token to sample:
-        every logit -inf, and the sampler took token 0 with a finite logprob (a hostile-client audit).
-        The bans are the sampler's own tables (`masks`): one-token bad words always, and EOS and
-        stop_token_ids while min_tokens holds. Bans that only a longer bad word's prefix brings
-        fail the request where they do (Scheduler._none_left)."""
-        p, V = masks.params, self.model_config.vocab_size
-        if not (p.allowed_token_ids or p.bad_words_token_ids or p.min_tokens):
-            return
-        ids = masks.under(V)
-        what = "every allowed id" if p.allowed_token_ids else "every token of the vocabulary"
-        always = masks.bad_words(V).always[:, 0] if p.bad_words_token_ids else np.empty(0, np.int64)  # unique, < V
-        if p.allowed_token_ids:
-            left = np.setdiff1d(ids.allowed, always, assume_unique=True)
-            some, some_under_min = len(left), len(np.setdiff1d(left, ids.min_tokens_bans))
-        else:  # the bans are ids < V: a count tells whether they cover the vocabulary
-            some, some_under_min = V - len(always), V - len(np.union1d(always, ids.min_tokens_bans))
-        if not some:
-            raise ValueError(f"{'allowed_token_ids' if p.allowed_token_ids else 'bad_words'}: {what} is a "
-                             "one-token bad word, no token can be sampled")
-        if p.min_tokens > 0 and not some_under_min:
-            raise ValueError(f"min_tokens={p.min_tokens} bans EOS and stop_token_ids, and {what} is one of them "
-                             "(or a one-token bad word): no token can be sampled")
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._inbox_lock:

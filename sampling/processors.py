@@ -65,7 +65,7 @@ def min_tokens_bans(params, eos_token_ids: Sequence[int]) -> np.ndarray:
     """int64 ids a request bans while its output is shorter than min_tokens: EOS and its
     stop_token_ids (a repeat bans once). The one definition, through `MaskIds.min_tokens_bans`: the
     sampler's mask reads it, and so does the engine's check that some allowed_token_ids stay
-    sampleable (LLMEngine._check_some_token_allowed)."""
+    sampleable (RequestMaskIds.check_some_token_left)."""
     return np.concatenate([np.asarray(tuple(eos_token_ids), dtype=np.int64),
                            np.asarray(params.stop_token_ids or (), dtype=np.int64)])
 
@@ -127,6 +127,31 @@ class RequestMaskIds:
         if words is None:
             words = self._bad_words_by_vocab[V] = BadWords(self.params.bad_words_token_ids or (), V)
         return words
+
+    def check_some_token_left(self, V: int) -> None:
+        """Raise ValueError if the request's bans cover allowed_token_ids, or the whole vocabulary of
+        V: every logit -inf, and the sampler took token 0 with a finite logprob (a hostile-client
+        audit); the engine refuses such a request at admission. The bans are the sampler's own
+        tables: one-token bad words always, and EOS and stop_token_ids while min_tokens holds.
+        Bans that only a longer bad word's prefix brings fail the request where they do
+        (`leaves_out`, Scheduler._none_left)."""
+        p = self.params
+        if not (p.allowed_token_ids or p.bad_words_token_ids or p.min_tokens):
+            return
+        ids = self.under(V)
+        what = "every allowed id" if p.allowed_token_ids else "every token of the vocabulary"
+        always = self.bad_words(V).always[:, 0] if p.bad_words_token_ids else np.empty(0, np.int64)  # unique, < V
+        if p.allowed_token_ids:
+            left = np.setdiff1d(ids.allowed, always, assume_unique=True)
+            some, some_under_min = len(left), len(np.setdiff1d(left, ids.min_tokens_bans))
+        else:  # the bans are ids < V: a count tells whether they cover the vocabulary
+            some, some_under_min = V - len(always), V - len(np.union1d(always, ids.min_tokens_bans))
+        if not some:
+            raise ValueError(f"{'allowed_token_ids' if p.allowed_token_ids else 'bad_words'}: {what} is a "
+                             "one-token bad word, no token can be sampled")
+        if p.min_tokens > 0 and not some_under_min:
+            raise ValueError(f"min_tokens={p.min_tokens} bans EOS and stop_token_ids, and {what} is one of them "
+                             "(or a one-token bad word): no token can be sampled")
 
     def leaves_out(self, tok: int, output_token_ids: Sequence[int]) -> bool:
         """Whether the request's own masks ban `tok` after these outputs, under the vocabulary it was

@@ -406,7 +406,7 @@ class Scheduler:
         without a grammar): allowed_token_ids, bad words and min_tokens' bans are hard masks
         without one, and a drawn token that one of them bans came from a row they emptied, whatever
         the sampler took there (token 0). Admission refuses the masks that empty every row
-        (LLMEngine._check_some_token_allowed); a longer bad word's prefix bans a token only where
+        (RequestMaskIds.check_some_token_left); a longer bad word's prefix bans a token only where
         the output has it, and can leave allowed_token_ids or the vocabulary none there. The token
         is not emitted. (Under a grammar the sampler's fallbacks drop bad words and min_tokens,
         so only allowed_token_ids can empty its row: `_accept_or_none_in_common`.)"""
