@@ -70,7 +70,7 @@ def test_structured_outputs_sources():
         so(req)
     assert e.value.param == "guided_regex"
     assert so(CompletionRequest.model_validate({"prompt": "x"})) is None
-    assert ran == ["_validated"] * 3  # every spec on the pool; no hop without one
+    assert ran == ["checked_spec"] * 3  # every spec on the pool; no hop without one
 
 
 def test_kv_usage_from_stats():
