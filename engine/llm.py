@@ -181,6 +181,9 @@ class LLM:
                             bar.set_postfix_str(f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
                                                 f"output: {out_toks / elapsed:.2f} toks/s", refresh=False)
                             bar.update(1)
+        except BaseException:  # an engine error or Ctrl-C: this call's unfinished requests must not
+            eng.withdraw_requests([i for i in ids if i not in done])  # run on unseen (as vLLM)
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -179,26 +179,28 @@ class LLMEngine:
                 self._inbox.append(("abort", rid))
 
     def withdraw_requests(self, request_ids: Sequence[str]) -> None:
-        """Take back requests whose caller gave up on them before any output (`LLM.generate`
-        when a later prompt of its batch is refused): those still queued leave at once, with
-        no output (so `has_unfinished_requests()` and `update_weights` see them gone); any
-        a step already took in are aborted."""
+        """Take back requests whose caller gave up on them (`LLM.generate` when a later prompt
+        of its batch is refused, or when its step loop raised or was interrupted): they leave
+        at once, with no output (so `has_unfinished_requests()` and `update_weights` see them
+        gone): those still queued leave the inbox; those a step took in are aborted here,
+        between steps (waiting for one running in another thread)."""
         ids = set(request_ids)
         if not ids:
             return
-        with self._inbox_lock:
-            kept: deque[tuple[str, Any]] = deque()
-            for kind, payload in self._inbox:
-                if kind == "add" and payload[0] in ids:
-                    self._pending_ids.discard(payload[0])
-                    for g in payload[5]:  # their grammar states
-                        g.release()
-                    ids.discard(payload[0])
-                else:
-                    kept.append((kind, payload))
-            self._inbox = kept
-        if ids:
-            self.abort_request(sorted(ids))
+        with self._step_lock:
+            with self._inbox_lock:
+                kept: deque[tuple[str, Any]] = deque()
+                for kind, payload in self._inbox:
+                    if kind == "add" and payload[0] in ids:
+                        self._pending_ids.discard(payload[0])
+                        for g in payload[5]:  # their grammar states
+                            g.release()
+                        ids.discard(payload[0])
+                    else:
+                        kept.append((kind, payload))
+                self._inbox = kept
+            for rid in sorted(ids):
+                self._abort_group(rid)  # its output dropped: nobody waits for it
 
     def has_unfinished_requests(self) -> bool:
         with self._inbox_lock:
@@ -257,15 +259,17 @@ class LLMEngine:
                 with self._inbox_lock:
                     self._pending_ids.discard(rid)
                     self._live_ids.add(rid)
-            else:
-                children = self.outputs.children(payload)
-                if not children:
-                    continue
-                for c in children:
-                    if not c.is_finished:
-                        self.scheduler.abort(c.request_id)
-                aborted_outputs.append(self._emit(payload))
+            elif (out := self._abort_group(payload)) is not None:
+                aborted_outputs.append(out)
         return aborted_outputs
+
+    def _abort_group(self, group_id: str) -> RequestOutput | None:
+        """Abort a drained request's unfinished samples; its last output (None: not live)."""
+        children = self.outputs.children(group_id)
+        for c in children:
+            if not c.is_finished:
+                self.scheduler.abort(c.request_id)
+        return self._emit(group_id) if children else None
 
     def _grammar_cache(self):
         with self._grammars_lock:  # add_request may run in several threads

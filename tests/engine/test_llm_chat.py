@@ -66,3 +66,28 @@ def test_chat_takes_openai_text_parts_as_the_server_does(llm):
     image = {"type": "image_url", "image_url": {"url": "http://x"}}
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: only text parts are supported"):
         llm.chat([{"role": "user", "content": [parts[0], image]}], p, use_tqdm=False, chat_template=TEMPLATE)
+
+
+def test_an_interrupted_chat_takes_its_conversations_back(llm, monkeypatch):
+    """Ctrl-C in chat's step loop: its requests leave the engine before the exception does
+    (they ran on unseen into the next call, and update_weights refused as busy)."""
+    eng = llm.llm_engine
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    m = {"role": "user", "content": "Hi"}
+    real, calls = eng.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real()
+
+    with monkeypatch.context() as mp:
+        mp.setattr(eng, "step", step)
+        with pytest.raises(KeyboardInterrupt):
+            llm.chat([[m], [m, m]], p, use_tqdm=False, chat_template=TEMPLATE)
+    assert not eng.has_unfinished_requests() and not eng.scheduler.requests
+    norm = eng.runner.model.model.norm.weight
+    assert llm.update_weights({"model.norm.weight": norm.detach().clone()}) == 1
+    out = llm.chat([m], p, use_tqdm=False, chat_template=TEMPLATE)
+    assert len(out[0].outputs[0].token_ids) == 4
