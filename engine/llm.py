@@ -61,7 +61,7 @@ class LLM:
         or a state dict. All are checked before any is copied (in place, each
         rank its shard); the prefix cache is reset. Returns the number copied;
         raises WeightUpdateError (nothing changed) on an unknown name, a wrong
-        shape or dtype, a non-finite value, or while requests are running."""
+        shape or dtype, a non-finite value, a meta tensor, or while requests are running."""
         self._check_open()
         return self.llm_engine.update_weights(named_tensors)
 

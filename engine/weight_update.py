@@ -37,6 +37,8 @@ def normalize(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
             raise WeightUpdateError(f"update_weights: item {i} is not a (name: str, tensor) pair: {type(item).__name__}")
         if item[0] in seen:
             problems.append(f"{item[0]}: given twice")
+        if item[1].is_meta:
+            problems.append(f"{item[0]}: a meta-device tensor, which holds no values (materialize it first)")
         seen.add(item[0])
     if not items:
         raise WeightUpdateError("update_weights: no tensors given")

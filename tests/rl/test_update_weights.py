@@ -76,6 +76,8 @@ def test_a_state_dict_and_a_partial_update_work(model_dir):
     (lambda w: w.update({"model.norm.weight": torch.ones(3)}), r"shape \[3\]"),
     (lambda w: w.update({"model.norm.weight": w["model.norm.weight"].double()}), "dtype float64"),
     (lambda w: w["model.layers.1.self_attn.o_proj.weight"].__setitem__((0, 0), float("nan")), "NaN"),
+    (lambda w: w.update({"model.norm.weight": torch.empty(64, device="meta")}),  # torch's own error, was
+     "model.norm.weight: a meta-device tensor"),  # "Tensor.item() cannot be called on meta tensors"
 ])
 def test_a_bad_update_is_refused_whole(model_dir, break_it, message):
     llm = _llm(model_dir, seed=0)
