@@ -2,9 +2,10 @@
 
 New weights arrive in the checkpoint's names (an iterable of (name, tensor)
 or a state dict). Everything is checked before anything changes: every name
-must be one of the model's checkpoint tensors (or one the loader ignores,
-such as a tied `lm_head.weight`), with the checkpoint's full shape, the
-engine's dtype and finite values; otherwise the whole update is refused
+must be one of the model's checkpoint tensors (or one the loader ignores:
+a tied `lm_head.weight`, checked as the embedding it copies, then skipped),
+with the checkpoint's full shape, the engine's dtype and finite values, on
+a device with data (not meta); otherwise the whole update is refused
 with one error naming every problem, and the engine is untouched. Then each
 tensor is copied in place into its parameter through the loader's own
 `Source` (so each tensor-parallel rank takes its shard), on the same storage:
@@ -66,7 +67,7 @@ def problems_for(model: Any, metas: list[tuple[str, tuple[int, ...], str, bool]]
     sources = model.weight_sources()
     out = []
     for name, shape, dtype, finite in metas:
-        src = sources.get(name)
+        src = sources.get(name) or sources.get(model.tied_copy_of(name))  # a tied copy: checked as its weight
         if src is None:
             if not model.is_ignored(name):
                 out.append(f"{name}: not a weight of this model")

@@ -190,6 +190,10 @@ class CausalLM(nn.Module):
         return out
 
     def is_ignored(self, name: str) -> bool:
-        if self.config.tie_word_embeddings and name == "lm_head.weight":
+        if self.tied_copy_of(name) is not None:
             return True  # some tied checkpoints still carry a copy
         return any(re.search(p, name) for p in self.IGNORED_CHECKPOINT_NAMES)
+
+    def tied_copy_of(self, name: str) -> str | None:
+        """The weight a skipped tied tensor copies (`lm_head.weight`: the embedding), or None."""
+        return "model.embed_tokens.weight" if self.config.tie_word_embeddings and name == "lm_head.weight" else None

@@ -27,6 +27,13 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_tied")
+    (d / "config.json").write_text(json.dumps({**TINY_QWEN3, "tie_word_embeddings": True}))
+    return str(d)
+
+
 def _llm(path, seed):
     return LLM(model=path, load_format="dummy", seed=seed, device="cpu", max_model_len=128,
                num_gpu_blocks=40, max_num_batched_tokens=64)
@@ -88,6 +95,25 @@ def test_a_bad_update_is_refused_whole(model_dir, break_it, message):
         llm.update_weights(w)
     after = dict(llm.llm_engine.runner.model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (torch.ones(3), r"lm_head.weight: shape \[3\], the checkpoint tensor is \[160, 64\]"),
+    (torch.ones(160, 64, dtype=torch.float64), "lm_head.weight: dtype float64"),
+    (torch.full((160, 64), float("nan")), "lm_head.weight: has NaN"),
+])
+def test_a_tied_lm_head_is_checked_as_the_embedding_it_copies(tied_dir, bad, message):
+    """A tied model skips `lm_head.weight` (the embedding is the weight); a wrong one was
+    skipped unchecked. It is refused as a wrong embedding would be, nothing changed; a
+    right one is still skipped."""
+    llm = _llm(tied_dir, seed=0)
+    before = {n: p.clone() for n, p in llm.llm_engine.runner.model.named_parameters()}
+    w = _new_weights(tied_dir)
+    with pytest.raises(WeightUpdateError, match=message):
+        llm.update_weights({**w, "lm_head.weight": bad})
+    after = dict(llm.llm_engine.runner.model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert llm.update_weights({**w, "lm_head.weight": w["model.embed_tokens.weight"]}) == len(w)
 
 
 def test_duplicates_and_running_requests_are_refused(model_dir):
