@@ -185,18 +185,22 @@ def test_a_refused_prompt_takes_its_batch_back(llm):
 
 def test_prompt_token_ids_must_be_integers(llm):
     """{"prompt_token_ids": "345"} ran as [3, 4, 5] and 3.7 as 3, silently; None and 5 were a bare
-    TypeError. Each is a ValueError naming prompt_token_ids; NumPy and torch integers are ids."""
+    TypeError, and so were 0-d arrays; a torch bool (0-d or in a tensor) ran as token 1, a one-id
+    tensor as its id. Each is a ValueError naming prompt_token_ids; NumPy and torch integers are ids."""
     import numpy as np
     import torch
     sp = SamplingParams(max_tokens=2, **G)
     for ids, match in (("345", "got str"), ([3.7, 4], r"got element 3.7 \(float\) at index 0"),
                        ([3, True], r"got element True \(bool\) at index 1"), (None, "got NoneType"),
-                       (5, "got int"), ([[3, 4]], r"got element \[3, 4\] \(list\)")):
+                       (5, "got int"), ([[3, 4]], r"got element \[3, 4\] \(list\)"),
+                       ([3, torch.tensor(True)], r"got element tensor\(True\) \(Tensor\) at index 1"),
+                       (torch.tensor([3, 1]).bool(), "got a bool Tensor"), (np.array([True]), "got a bool ndarray"),
+                       ([torch.tensor([3])], r"got element tensor\(\[3\]\)"), (torch.tensor(3), "got Tensor")):
         with pytest.raises(ValueError, match=r"prompt_token_ids must be a list of token ids \(integers\), " + match):
             llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     want = llm.generate([{"prompt_token_ids": [3, 4, 5]}], sp, use_tqdm=False)[0].outputs[0].token_ids
-    for ids in (np.array([3, 4, 5]), torch.tensor([3, 4, 5]), [np.int32(3), 4, 5]):
+    for ids in (np.array([3, 4, 5]), torch.tensor([3, 4, 5]), [np.int32(3), 4, 5], [torch.tensor(3), 4, 5]):
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
         assert out.prompt_token_ids == [3, 4, 5] and out.outputs[0].token_ids == want
 
