@@ -242,13 +242,18 @@ def test_an_empty_stop_string_is_named_not_the_whole_list_echoed(client, path, b
         assert err["param"] == "stop" and where in err["message"] and len(err["message"]) < 200, err["message"][:300]
 
 
-@pytest.mark.parametrize("key", [" 1", "1 ", "1_0", "+1", "\u0661", "0x1", "", "1" * 30])
+@pytest.mark.parametrize("key", [" 1", "1 ", "1_0", "+1", "\u0661", "0x1", "", "1" * 30,
+                                 "-0", "-1", "00", "05", "-05"])
 def test_logit_bias_keys_are_decimal_token_ids(client, key):
-    """int() reads " 1", "1_0", "+1" and the Arabic-Indic "١" as ids, so such a key was a silent
-    bias on some token; docs/server.md says a key that is not an integer is a 400 naming logit_bias."""
+    """int() reads " 1", "1_0", "+1" and the Arabic-Indic "١" as ids, and "-0" and "05" as 0 and 5,
+    so such a key was a silent bias on some token (vLLM's int(key) takes them all). A key is a token
+    id as OpenAI writes one, non-negative decimal digits with no sign or leading zero; anything else
+    is a 400 naming logit_bias and the key."""
     err = _error(client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {key: 5}}))
-    assert err["param"] == "logit_bias", err
-    assert client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {"5": 5}}).status_code == 200
+    assert err["param"] == "logit_bias" and repr(key) in err["message"], err
+    for ok in ("0", "5", "10"):
+        r = client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {ok: 5}})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("metadata,param", [({f"k{i}": "v" for i in range(17)}, "metadata"),
