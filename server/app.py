@@ -124,6 +124,10 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": "unhealthy", "reason": short_reason(state.engine.dead or "engine not running")},
                             status_code=503)
 
+    @app.head("/health")  # load balancers probe by HEAD: the status alone
+    async def health_head() -> Response:
+        return Response(status_code=200 if state.engine.running else 503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         body = state.metrics.render(state.engine.stats(), state.engine.running, state.engine.step_times)

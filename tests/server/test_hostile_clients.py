@@ -434,3 +434,15 @@ def test_the_engines_refusal_names_the_field_its_message_opens_with(message, par
     from detent.server.errors import engine_refusal
     e = engine_refusal(ValueError(message))
     assert (e.status, e.param, e.message) == (400, param, message)
+
+
+def test_head_health_is_the_probe_without_a_body(client):
+    """Load balancers probe by HEAD (AWS ALB, HAProxy's option httpchk): HEAD /health was a 405.
+    It answers the status GET /health would, with no body: 200 while the engine runs, else 503."""
+    r = client.head("/health")
+    assert r.status_code == 200 and r.content == b"", (r.status_code, r.content)
+    assert client.get("/health").json() == {"status": "ok"}
+    idle = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
+                       model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64)
+    r = TestClient(build_app(idle)).head("/health")  # no lifespan: the engine never started
+    assert r.status_code == 503 and r.content == b"", (r.status_code, r.content)
