@@ -188,7 +188,8 @@ class ResponsesRequest(_Extensions):
     reasoning: ReasoningConfig | None = None
     store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
     metadata: Metadata | None = None
-    max_tool_calls: int | None = None  # calls to built-in tools, of which Detent has none
+    # calls to built-in tools, of which Detent has none; OpenAI refuses fewer than 1
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     prompt_cache_key: str | None = None  # the prefix cache serves every request without a key
     safety_identifier: str | None = None
     chat_template: str | None = None  # refused unless --trust-request-chat-template
