@@ -197,7 +197,8 @@ def test_a_large_responses_request_becomes_a_chat_request_off_the_event_loop(cli
     the event loop, so /health and every stream, for 1 s. The translation runs where the body is
     validated: on the pool for a body over 64 KiB, on the loop (no thread hop) for a small one."""
     on_loop = _on_loop_spy(monkeypatch, "detent.server.responses", "to_chat_request")
-    tools = [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}} for i in range(2000)]
+    tools = [{"type": "function", "name": f"f{i}", "description": "d" * 600, "parameters": {"type": "object"}}
+             for i in range(128)]  # OpenAI's most, in a body over 64 KiB
     body = {"input": "hi", "max_output_tokens": 2, "tools": tools, "tool_choice": "none"}
     assert client.post("/v1/responses", headers=AUTH, json=body).status_code == 200
     err = _error(client.post("/v1/responses", headers=AUTH, json={**body, "input": [{"type": "web_search_call"}]}))

@@ -34,3 +34,52 @@ def test_max_tool_calls_below_one_is_a_400(client, value):
     assert err["param"] == "max_tool_calls" and "greater than or equal to 1" in err["message"], err
     r = client.post("/v1/responses", headers=AUTH, json={**BODY, "max_tool_calls": 1})
     assert r.status_code == 200 and r.json()["max_tool_calls"] == 1, r.text
+
+
+def _tools(n: int, responses: bool = True) -> list[dict]:
+    if responses:  # Responses' flat function tools
+        return [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}} for i in range(n)]
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(n)]
+
+
+@pytest.mark.parametrize("path,body,responses", [("/v1/responses", BODY, True),
+                                                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                           "max_tokens": 2}, False)])
+def test_more_tools_than_openais_128_are_a_400(client, path, body, responses):
+    """Every Responses object repeats the request's tools (three in a stream): 200,000 of them (a
+    14 MB body) held /health for 1 s while a stream was written. OpenAI takes at most 128 tools
+    (documented for chat, its 400 on Responses too); more is a 400 naming tools, before any tool is
+    read, on both routes. 128 are served (and echoed). The official client reads the 400."""
+    import openai
+    err = _error(client.post(path, headers=AUTH, json={**body, "tools": _tools(129, responses), "tool_choice": "none"}))
+    assert err["param"] == "tools" and "129 tools, more than OpenAI's limit of 128" in err["message"], err
+    err = _error(client.post(path, headers=AUTH, json={**body, "tools": _tools(20_000, responses)}))
+    assert err["param"] == "tools" and "20000 tools" in err["message"] and len(err["message"]) < 200, err
+    r = client.post(path, headers=AUTH, json={**body, "tools": _tools(128, responses), "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    if responses:
+        assert len(r.json()["tools"]) == 128
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=client, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="more than OpenAI's limit of 128"):
+        if responses:
+            sdk.responses.create(model="m", input="hi", max_output_tokens=2, tools=_tools(129), tool_choice="none")
+        else:
+            sdk.chat.completions.create(model="m", messages=body["messages"], max_tokens=2,
+                                        tools=_tools(129, False), tool_choice="none")
+
+
+@pytest.mark.parametrize("field", ["user", "safety_identifier", "prompt_cache_key"])
+def test_the_identifiers_a_response_repeats_have_openais_64_characters(client, field):
+    """user, safety_identifier and prompt_cache_key were echoed in every response object however
+    long (a 15 MB user was written back three times in a stream). OpenAI takes at most 64 characters
+    for each (documented for safety_identifier; its 400 for the other two); more is a 400 naming the
+    field. 64 are echoed. chat's `user`, which no response repeats, stays unbounded (as vLLM's)."""
+    err = _error(client.post("/v1/responses", headers=AUTH, json={**BODY, field: "u" * 65}))
+    assert err["param"] == field and "at most 64 characters" in err["message"], err
+    err = _error(client.post("/v1/responses", headers=AUTH, json={**BODY, field: "u" * 15_000_000}))
+    assert err["param"] == field and len(err["message"]) < 300, err["message"][:300]
+    for stream in (False, True):
+        r = client.post("/v1/responses", headers=AUTH, json={**BODY, field: "u" * 64, "stream": stream})
+        assert r.status_code == 200 and r.text.count(f'"{field}":"{"u" * 64}"') == (3 if stream else 1), r.text[:300]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": "u" * 1000}
+    assert client.post("/v1/chat/completions", headers=AUTH, json=chat).status_code == 200
