@@ -157,9 +157,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        req, chat_req = await read_body_into(request, state, ResponsesRequest,
-                                             functools.partial(responses.translated, state))
-        return await responses.create_response(req, chat_req, request, state)
+        req, chat_req, settings = await read_body_into(request, state, ResponsesRequest,
+                                                       functools.partial(responses.translated, state))
+        return await responses.create_response(req, chat_req, settings, request, state)
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> Response:

@@ -83,3 +83,41 @@ def test_the_identifiers_a_response_repeats_have_openais_64_characters(client, f
         assert r.status_code == 200 and r.text.count(f'"{field}":"{"u" * 64}"') == (3 if stream else 1), r.text[:300]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": "u" * 1000}
     assert client.post("/v1/chat/completions", headers=AUTH, json=chat).status_code == 200
+
+
+def test_the_settings_every_response_object_repeats_are_encoded_once_off_the_event_loop(client, monkeypatch):
+    """Each response object (three in a stream) encoded the request's tools, tool_choice, metadata ...
+    again, on the event loop: one tool whose parameters hold 900,000 keys (a 12 MB body, within every
+    bound OpenAI documents) held /health for 1.7 s a stream. They are encoded once, where the body is
+    validated (on the pool for a body over 64 KiB), and that text is spliced into every object."""
+    import asyncio
+    import json
+
+    import openai
+    from detent.server import responses
+    on_loop, real = [], responses.request_settings
+
+    def spy(req):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # a worker's thread
+            on_loop.append(False)
+        return real(req)
+    monkeypatch.setattr(responses, "request_settings", spy)
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "x": {f"k{j}": j for j in range(8000)}}}
+    body = {**BODY, "tools": [tool], "tool_choice": "none", "metadata": {"k": "v"}, "user": "u"}
+    r = client.post("/v1/responses", headers=AUTH, json=body)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text[:300]
+    plain = r.json()
+    assert plain["tools"] == [tool] and plain["metadata"] == {"k": "v"} and plain["status"] == "incomplete"
+    r = client.post("/v1/responses", headers=AUTH, json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    objects = [e["response"] for e in events if "response" in e]
+    assert len(objects) == 3 and all(o["tools"] == [tool] and o["user"] == "u" for o in objects), len(objects)
+    assert {k for k in objects[-1] if k != "id"} == {k for k in plain if k != "id"}
+    assert on_loop == [False, False], on_loop
+    r = client.post("/v1/responses", headers=AUTH, json={**BODY, "stream": True})  # a small body: no thread hop
+    assert r.status_code == 200 and on_loop[2:] == [True], on_loop
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=client, max_retries=0)
+    assert sdk.responses.create(model="m", input="hi", max_output_tokens=2, user="u").user == "u"
