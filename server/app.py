@@ -124,6 +124,10 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": "unhealthy", "reason": short_reason(state.engine.dead or "engine not running")},
                             status_code=503)
 
+    @app.head("/health")  # load balancers probe by HEAD: the status alone
+    async def health_head() -> Response:
+        return Response(status_code=200 if state.engine.running else 503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         body = state.metrics.render(state.engine.stats(), state.engine.running, state.engine.step_times)
@@ -153,9 +157,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        req, chat_req = await read_body_into(request, state, ResponsesRequest,
-                                             functools.partial(responses.translated, state))
-        return await responses.create_response(req, chat_req, request, state)
+        req, chat_req, settings = await read_body_into(request, state, ResponsesRequest,
+                                                       functools.partial(responses.translated, state))
+        return await responses.create_response(req, chat_req, settings, request, state)
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> Response:

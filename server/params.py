@@ -19,7 +19,7 @@ from detent.server.protocol import ChatCompletionRequest, CompletionRequest, _Sa
 from detent.server.vllm_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_vllm_fields
 
 MAX_LOGPROBS = 20
-_DECIMAL = re.compile(r"-?[0-9]{1,20}")  # a logit_bias key
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,19}")  # a logit_bias key: one spelling per id
 
 
 @dataclass(frozen=True)
@@ -258,8 +258,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for k, v in bias.items():
-        if not _DECIMAL.fullmatch(k):  # int() also reads " 1", "1_0" and "١": each a silent bias on some token
-            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {k[:40]!r}", "logit_bias")
+        # int() also reads " 1", "1_0", "١", "-0" and "007": each a silent bias on some token
+        if not _TOKEN_ID.fullmatch(k):
+            raise bad_request(f"logit_bias keys must be token ids written as non-negative decimal integers "
+                              f"(ASCII digits, no sign or leading zero, as '42'), got {k[:40]!r}", "logit_bias")
         out[int(k)] = v
     return out
 

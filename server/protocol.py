@@ -37,6 +37,20 @@ def _bias_size(v: Any, info: ValidationInfo) -> Any:
 # As Items: an object of wrong values is reported by its first (1M of them stalled /health 2.9 s)
 LogitBias = Annotated[dict[str, float], Field(fail_fast=True), BeforeValidator(_bias_size)]
 
+MAX_TOOLS = 128  # OpenAI's: "A max of 128 functions are supported" (chat), and its 400 on Responses too
+
+
+def _tool_count(v: Any) -> Any:
+    """tools past MAX_TOOLS, refused before any tool is read (/v1/responses echoes them:
+    200,000 held /health for 1 s)."""
+    if isinstance(v, list) and len(v) > MAX_TOOLS:
+        raise PydanticCustomError("too_many_tools", "{n} tools, more than OpenAI's limit of {limit}",
+                                  {"n": len(v), "limit": MAX_TOOLS})
+    return v
+
+
+Tools = Annotated[Items[dict[str, Any]], BeforeValidator(_tool_count)]
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True,
@@ -139,7 +153,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Items[dict[str, Any]] | None = None
+    tools: Tools | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -164,6 +178,9 @@ class ResponseText(_Body):
 # event loop): 700,000 pairs held /health for 0.9 s while a stream of them was written
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                      Field(max_length=16, fail_fast=True)]
+# ... and on the identifiers it repeats: safety_identifier (documented), prompt_cache_key and user
+# (OpenAI's 400 "string_above_max_length"), 64 characters each
+Identifier = Annotated[str, Field(max_length=64)]
 
 
 class ReasoningConfig(_Body):
@@ -180,7 +197,7 @@ class ResponsesRequest(_Extensions):
     instructions: str | None = None
     max_output_tokens: int | None = None
     stream: bool = False
-    tools: Items[dict[str, Any]] | None = None
+    tools: Tools | None = None
     tool_choice: str | dict[str, Any] | None = None
     text: ResponseText | None = None
     include: Items[str] | None = None
@@ -188,9 +205,11 @@ class ResponsesRequest(_Extensions):
     reasoning: ReasoningConfig | None = None
     store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
     metadata: Metadata | None = None
-    max_tool_calls: int | None = None  # calls to built-in tools, of which Detent has none
-    prompt_cache_key: str | None = None  # the prefix cache serves every request without a key
-    safety_identifier: str | None = None
+    # calls to built-in tools, of which Detent has none; OpenAI refuses fewer than 1
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    prompt_cache_key: Identifier | None = None  # the prefix cache serves every request without a key
+    safety_identifier: Identifier | None = None
+    user: Identifier | None = None
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 

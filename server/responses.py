@@ -36,23 +36,25 @@ from detent.server.errors import APIError
 from detent.server.generation import Generation
 from detent.server.protocol import ChatCompletionRequest, ResponsesRequest
 from detent.server.responses_input import NAMES, to_chat_request
-from detent.server.responses_output import OutputEvents, ResponseHead, output_items, output_logprobs
-from detent.server.serving import JSONResponse, ServerState, SSEResponse, sse
+from detent.server.responses_output import (OutputEvents, ResponseHead, output_items, output_logprobs,
+                                            request_settings)
+from detent.server.serving import ServerState, SSEResponse, json_text_response, sse, sse_data
 
 
-def translated(state: ServerState, req: ResponsesRequest) -> tuple[ResponsesRequest, ChatCompletionRequest]:
-    """`req` and the chat request it means. The route runs this where the body is validated
-    (server/serving.py `read_body`), on the pool for a large body: the translation validates the
-    tools and messages again, and on the event loop 200,000 tools held /health for 1 s."""
-    return req, to_chat_request(req, getattr(state.tokenizer, "chat_template", None))
+def translated(state: ServerState, req: ResponsesRequest) -> tuple[ResponsesRequest, ChatCompletionRequest, str]:
+    """`req`, the chat request it means and the settings its response objects repeat (JSON text).
+    The route runs this where the body is validated (server/serving.py `read_body`), on the pool
+    for a large body: the translation validates the tools and messages again, and on the event
+    loop 200,000 tools held /health for 1 s; the settings hold the tools, encoded once here."""
+    return req, to_chat_request(req, getattr(state.tokenizer, "chat_template", None)), request_settings(req)
 
 
-async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest, request: Request,
+async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest, settings: str, request: Request,
                           state: ServerState) -> Response:
     plan = await prepare_chat(chat_req, state, NAMES)
     rid = req.request_id or f"resp_{uuid.uuid4().hex}"
     gen = await Generation(state, rid, [plan.ids], [plan.params], endpoint="/v1/responses").start()
-    head = ResponseHead.of(rid, req, plan)
+    head = ResponseHead.of(rid, settings, plan)
     if req.stream:
         return SSEResponse(_events(chat_req, gen, plan, head), on_close=gen.close)
     finals = await gen.finals(request)
@@ -62,7 +64,8 @@ async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest
     c = out.outputs[0]
     message, _ = plan.shape.message(c.text, c.finish_reason)
     items = output_items(message, output_logprobs(plan, c), c.finish_reason == "length")
-    return JSONResponse(await head.finished(items, out, plan, state))
+    _, body = await head.finished(items, out, plan, state)
+    return json_text_response(body)
 
 
 async def _events(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan,
@@ -72,9 +75,12 @@ async def _events(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan,
     def event(e: dict[str, Any]) -> bytes:
         return sse({**e, "sequence_number": next(seq)}, event=e["type"])
 
+    def with_response(kind: str, response: str) -> bytes:  # `response`: the object's JSON text
+        return sse_data(f'{{"type":"{kind}","response":{response},"sequence_number":{next(seq)}}}', event=kind)
+
     start = head.body("in_progress", [])
-    yield event({"type": "response.created", "response": start})
-    yield event({"type": "response.in_progress", "response": start})
+    yield with_response("response.created", start)
+    yield with_response("response.in_progress", start)
     out = OutputEvents(plan.top_logprobs is not None)
     stream = plan.shape.stream()
     try:
@@ -85,18 +91,18 @@ async def _events(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan,
         final = gen.final[0]
         for e in out.end(final.outputs[0].finish_reason == "length"):
             yield event(e)
-        body = await head.finished(_all_logprobs(out.items, plan, final), final, plan, gen.state)
+        status, body = await head.finished(_all_logprobs(out.items, plan, final), final, plan, gen.state)
     except APIError as e:
         err = e
     except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
         err = APIError(500, f"internal error: {type(e).__name__}: {e}")
     else:
-        yield event({"type": f"response.{body['status']}", "response": body})
+        yield with_response(f"response.{status}", body)
         return
     info = err.body()["error"]
     yield event({"type": "error", "code": str(info["code"]), "message": err.message, "param": err.param})
     failed = {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}
-    yield event({"type": "response.failed", "response": head.body("failed", out.items, error=failed)})
+    yield with_response("response.failed", head.body("failed", out.items, error=failed))
 
 
 def _all_logprobs(items: list[dict[str, Any]], plan: ChatPlan, final: Any) -> list[dict[str, Any]]:

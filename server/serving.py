@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse as _JSONResponse
 from pydantic import BaseModel, ValidationError
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from detent.server.async_engine import AsyncEngine
 from detent.server.body import parse_json, receive_body
@@ -219,11 +219,20 @@ async def respond(build: Callable[[], dict], off_loop: bool) -> JSONResponse:
     return JSONResponse(build())
 
 
+def json_text_response(text: str) -> Response:
+    """A JSON body already encoded as text (JSONResponse's encoding, done by its caller)."""
+    return Response(text.encode("utf-8", _LONE_SURROGATES), media_type="application/json")
+
+
 def sse(obj: Any, event: str | None = None) -> bytes:
     """One server-sent event; `event` names it (the Responses API's events are named by their type)."""
+    return sse_data(json.dumps(obj, ensure_ascii=False, separators=(',', ':')), event)
+
+
+def sse_data(data: str, event: str | None = None) -> bytes:
+    """One server-sent event whose data is JSON text already."""
     head = f"event: {event}\n" if event is not None else ""
-    return f"{head}data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode(
-        "utf-8", _LONE_SURROGATES)
+    return f"{head}data: {data}\n\n".encode("utf-8", _LONE_SURROGATES)
 
 
 class SSEResponse(StreamingResponse):

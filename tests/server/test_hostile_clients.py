@@ -197,7 +197,8 @@ def test_a_large_responses_request_becomes_a_chat_request_off_the_event_loop(cli
     the event loop, so /health and every stream, for 1 s. The translation runs where the body is
     validated: on the pool for a body over 64 KiB, on the loop (no thread hop) for a small one."""
     on_loop = _on_loop_spy(monkeypatch, "detent.server.responses", "to_chat_request")
-    tools = [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}} for i in range(2000)]
+    tools = [{"type": "function", "name": f"f{i}", "description": "d" * 600, "parameters": {"type": "object"}}
+             for i in range(128)]  # OpenAI's most, in a body over 64 KiB
     body = {"input": "hi", "max_output_tokens": 2, "tools": tools, "tool_choice": "none"}
     assert client.post("/v1/responses", headers=AUTH, json=body).status_code == 200
     err = _error(client.post("/v1/responses", headers=AUTH, json={**body, "input": [{"type": "web_search_call"}]}))
@@ -242,13 +243,18 @@ def test_an_empty_stop_string_is_named_not_the_whole_list_echoed(client, path, b
         assert err["param"] == "stop" and where in err["message"] and len(err["message"]) < 200, err["message"][:300]
 
 
-@pytest.mark.parametrize("key", [" 1", "1 ", "1_0", "+1", "\u0661", "0x1", "", "1" * 30])
+@pytest.mark.parametrize("key", [" 1", "1 ", "1_0", "+1", "\u0661", "0x1", "", "1" * 30,
+                                 "-0", "-1", "00", "05", "-05"])
 def test_logit_bias_keys_are_decimal_token_ids(client, key):
-    """int() reads " 1", "1_0", "+1" and the Arabic-Indic "١" as ids, so such a key was a silent
-    bias on some token; docs/server.md says a key that is not an integer is a 400 naming logit_bias."""
+    """int() reads " 1", "1_0", "+1" and the Arabic-Indic "١" as ids, and "-0" and "05" as 0 and 5,
+    so such a key was a silent bias on some token (vLLM's int(key) takes them all). A key is a token
+    id as OpenAI writes one, non-negative decimal digits with no sign or leading zero; anything else
+    is a 400 naming logit_bias and the key."""
     err = _error(client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {key: 5}}))
-    assert err["param"] == "logit_bias", err
-    assert client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {"5": 5}}).status_code == 200
+    assert err["param"] == "logit_bias" and repr(key) in err["message"], err
+    for ok in ("0", "5", "10"):
+        r = client.post("/v1/completions", headers=AUTH, json={**COMPLETION, "logit_bias": {ok: 5}})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("metadata,param", [({f"k{i}": "v" for i in range(17)}, "metadata"),
@@ -429,3 +435,15 @@ def test_the_engines_refusal_names_the_field_its_message_opens_with(message, par
     from detent.server.errors import engine_refusal
     e = engine_refusal(ValueError(message))
     assert (e.status, e.param, e.message) == (400, param, message)
+
+
+def test_head_health_is_the_probe_without_a_body(client):
+    """Load balancers probe by HEAD (AWS ALB, HAProxy's option httpchk): HEAD /health was a 405.
+    It answers the status GET /health would, with no body: 200 while the engine runs, else 503."""
+    r = client.head("/health")
+    assert r.status_code == 200 and r.content == b"", (r.status_code, r.content)
+    assert client.get("/health").json() == {"status": "ok"}
+    idle = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
+                       model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64)
+    r = TestClient(build_app(idle)).head("/health")  # no lifespan: the engine never started
+    assert r.status_code == 503 and r.content == b"", (r.status_code, r.content)
