@@ -26,13 +26,14 @@ set -u
 OUT=$1
 shift
 # MODEL=qwen3-30b-a3b: Qwen3-30B-A3B shapes (/tmp/wlq3; its tunes and arms in /tmp/arms-q3*; W-C's
-# tuple from lease 31, W-B's from lease 33); default Llama-3.1-8B's (/tmp/wl8b, /tmp/arms*; SEEDS: the tuples named above)
+# tuple from lease 31, W-B's from lease 33, W-A's from lease 34: the default tuple, kept); default Llama-3.1-8B's (/tmp/wl8b, /tmp/arms*; SEEDS: the tuples named above)
 case ${MODEL:-llama-3.1-8b} in
     llama-3.1-8b) M=/tmp/wl8b; TUNES=/tmp/arms; SHAPE=""
         SEEDS="h100-2026-12-06-lease28/tune/tuple-W-C.json h200-2026-12-05-lease22/tune/tuple-W-A.json
                h100-2026-12-06-lease30/tune/tuple-W-B.json" ;;
     qwen3-30b-a3b) M=/tmp/wlq3; TUNES=/tmp/arms-q3; SHAPE=--qwen3-30b-a3b
-        SEEDS="h100-2026-12-06-lease31/tune/tuple-W-C.json h100-2026-12-06-lease33/tune/tuple-W-B.json" ;;
+        SEEDS="h100-2026-12-06-lease31/tune/tuple-W-C.json h100-2026-12-06-lease33/tune/tuple-W-B.json
+               h100-2026-12-06-lease34/tune/tuple-W-A.json" ;;
     *) echo "MODEL: llama-3.1-8b or qwen3-30b-a3b"; exit 2 ;;
 esac
 ARMS=$TUNES
