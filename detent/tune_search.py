@@ -2,9 +2,10 @@
 legal assignments only, with successive halving, then a check that the
 families' gains add up.
 
-Per family: a spread of the legal grid (every axis thinned evenly until the
-product fits `max_candidates`, plus the default) is measured on a small
-share of the workload; the best 1/eta go on to a share eta times larger,
+Per family: a spread of the legal assignments (the default, each axis's
+other values one axis at a time, then an evenly thinned grid's legal
+points; at most `max_candidates`) is measured on a small share of the
+workload; the best 1/eta go on to a share eta times larger,
 until the whole workload; then the winner's neighbours along each axis are
 tried (`refine` rounds of hill climbing). Every candidate is the default
 tuple with that one family repinned, checked by the tuple loader before it
@@ -84,21 +85,47 @@ class TuneResult:
 
 def spread(space: FamilySpace, max_candidates: int, default: dict[str, Any],
            fixed: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """The legal assignments on an evenly thinned grid (at most about `max_candidates`), default first;
-    the `fixed` axes at the default's value."""
+    """The first rung's assignments (at most `max_candidates`, all legal, the `fixed` axes at the
+    default's value): the default; then each other axis's values one axis at a time, each at the
+    legal point nearest the default (long axes thinned evenly, these sweeps taking at most half);
+    then the legal points of an evenly thinned grid. The sweeps come first because a family's legal
+    assignments often change one knob at a time, where a grid lands on few legal points."""
+    pool = [a for a in space.legal if all(a[n] == default[n] for n in fixed)] or list(space.legal)
+    out: dict[str, dict[str, Any]] = {}
+
+    def add(a):
+        if len(out) < max(1, max_candidates):
+            out.setdefault(space.key(a), a)
+    if default in pool:
+        add(default)
+    free = {n: list(v) for n, v in space.axes.items() if n not in fixed and n in default}
+    while sum(len(v) - 1 for v in free.values()) > max(1, max_candidates // 2):
+        name = max(free, key=lambda n: len(free[n]))
+        if len(free[name]) <= 2:
+            break
+        free[name] = _thinned(free[name], (len(free[name]) + 1) // 2, default[name])
+    off = lambda a: sum(a[m] != default[m] for m in default if m in a)  # noqa: E731
+    for name, vals in free.items():
+        for v in vals:
+            at = [a for a in pool if a[name] == v and v != default[name]]
+            if at:
+                add(min(at, key=off))
     axes = {n: [default[n]] if n in fixed else list(v) for n, v in space.axes.items()}
     while math.prod(len(v) for v in axes.values()) > max_candidates:
         name = max(axes, key=lambda n: len(axes[n]))
-        vals = axes[name]
-        k = max(1, (len(vals) + 1) // 2)
-        axes[name] = [vals[round(i * (len(vals) - 1) / max(k - 1, 1))] for i in range(k)] if k > 1 else [vals[0]]
-    keep = [a for a in space.legal if all(a[n] in axes[n] for n in axes)]
-    if default in space.legal and default not in keep:
-        keep.insert(0, default)
-    elif default in keep:
-        keep.remove(default)
-        keep.insert(0, default)
-    return keep or list(space.legal[:max(1, max_candidates)])  # the thinned grid missed every legal point
+        axes[name] = _thinned(axes[name], (len(axes[name]) + 1) // 2, default.get(name))
+    for a in pool:
+        if all(a[n] in axes[n] for n in axes):
+            add(a)
+    return list(out.values()) or list(space.legal[:1])
+
+
+def _thinned(vals: list, k: int, keep: Any) -> list:
+    """`k` of `vals` evenly spaced, with `keep` (the default's value) among them when it is one."""
+    picked = [vals[round(i * (len(vals) - 1) / max(k - 1, 1))] for i in range(max(k, 1))] if k > 1 else [vals[0]]
+    if keep in vals and keep not in picked:
+        picked[min(range(len(picked)), key=lambda i: abs(vals.index(picked[i]) - vals.index(keep)))] = keep
+    return picked
 
 
 def _rungs(min_fraction: float, eta: int) -> list[float]:
