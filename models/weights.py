@@ -2,8 +2,9 @@
 
 Strict: every checkpoint tensor the model needs must be present with its
 full shape, and every tensor in the files must be used (or explicitly
-ignored); otherwise one error names all missing, unexpected and misshapen
-tensors. Pickled checkpoints (`.bin`, `.pt`) are never opened.
+ignored; a tied copy, such as a tied `lm_head.weight`, with the shape of
+the weight it copies); otherwise one error names all missing, unexpected
+and misshapen tensors. Pickled checkpoints (`.bin`, `.pt`) are never opened.
 """
 from __future__ import annotations
 
@@ -82,11 +83,16 @@ def load_safetensors(model: CausalLM, path: str, *, device: str = "cpu", progres
     seen: set[str] = set()
     unexpected, bad_shape = [], []
     for file, name, shape, _ in entries:
+        target = model.tied_copy_of(name)
         if name in sources:
             seen.add(name)
             if shape != sources[name].shape:
                 bad_shape.append(f"{name}: checkpoint {list(shape)}, model expects "
                                  f"{list(sources[name].shape)} ({os.path.basename(file)})")
+        elif target in sources:  # a tied copy: the shape of the weight it copies
+            if shape != sources[target].shape:
+                bad_shape.append(f"{name}: checkpoint {list(shape)}, model expects {list(sources[target].shape)}, "
+                                 f"the shape of {target} it is tied to ({os.path.basename(file)})")
         elif not model.is_ignored(name):
             unexpected.append(name)
     missing = sorted(set(sources) - seen)
