@@ -158,6 +158,8 @@ def _verify_log(args: argparse.Namespace) -> int:
         import httpx
         try:
             findings, rep = verify_remote(args.url, records, tuples, args.api_key, max(1, args.batch or 16))
+        except Interrupted as e:
+            findings, rep, interrupted = e.findings, e.report, True
         except httpx.HTTPError as e:
             print(f"detent verify: error: no detent-serve answers at {args.url}: {e}", file=sys.stderr)
             return 2
@@ -188,8 +190,8 @@ def _verify_log(args: argparse.Namespace) -> int:
           f"{c['error']} failed, of {len(findings)} records")
     unrun = [f.reason for f in findings if f.status == "error" and (f.reason or "").startswith(NOT_RUN)]
     if unrun:
-        print(f"detent verify: {'interrupted' if interrupted else 'error'}: {len(unrun)} of {len(findings)} "
-              f"records {unrun[0]}", file=sys.stderr)
+        print(f"detent verify: {'' if interrupted else 'error: '}{len(unrun)} of {len(findings)} records "
+              f"{unrun[0]}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=1)

@@ -109,12 +109,13 @@ NOT_RUN = "not re-executed: "  # a Finding's reason for a record the stopped rep
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during `verify_log`: `findings` is its report so far (each record it did not
-    finish an error whose reason starts with NOT_RUN)."""
+    """Ctrl-C during `verify_log` or `verify_remote`: `findings` is its report so far (each
+    record it did not finish an error whose reason starts with NOT_RUN); `report`, verify_remote's
+    report of them."""
 
-    def __init__(self, findings: list[Finding]):
+    def __init__(self, findings: list[Finding], report: dict[str, Any] | None = None):
         super().__init__("interrupted")
-        self.findings = findings
+        self.findings, self.report = findings, report
 
 
 def verify_log(llm: Any, records: list[Any], tuples: dict[str, dict], batch: int = 32) -> list[Finding]:
@@ -161,24 +162,36 @@ def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key
                   batch: int = 16, timeout: float = 600) -> tuple[list[Finding], dict[str, Any]]:
     """The same report from a running server's POST /v1/verify, `batch` records per call
     (each call carries the log's tuples, so refusals name pins); lines that did not parse
-    stay errors here."""
+    stay errors here. Ctrl-C raises Interrupted with the batches answered so far (the server
+    aborts the call it was answering when the connection closes)."""
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     servers = [{"type": "server", "tuple_hash": h, "tuple": t} for h, t in tuples.items()]
     parsed = [r for r in records if not isinstance(r, Finding)]
     entries: list[dict] = [f.to_json() for f in records if isinstance(f, Finding)]
     rep: dict[str, Any] = {}
-    for start in range(0, len(parsed), batch):
-        body = servers + [r.raw for r in parsed[start:start + batch]]
-        r = httpx.post(url.rstrip("/") + "/v1/verify", json=body, headers=headers, timeout=timeout)
-        if r.status_code != 200:
-            raise ValueError(f"the server refused records {start}..{start + batch - 1} ({r.status_code}): "
-                             f"{r.text[:500]}")
-        rep = r.json()
-        entries += rep["records"]
+    done = 0
+    try:
+        for start in range(0, len(parsed), batch):
+            body = servers + [r.raw for r in parsed[start:start + batch]]
+            r = httpx.post(url.rstrip("/") + "/v1/verify", json=body, headers=headers, timeout=timeout)
+            if r.status_code != 200:
+                raise ValueError(f"the server refused records {start}..{start + batch - 1} ({r.status_code}): "
+                                 f"{r.text[:500]}")
+            rep = r.json()
+            entries += rep["records"]
+            done = start + batch
+    except KeyboardInterrupt as e:
+        entries += [{"request_id": r.request_id, "status": "error", "reason": NOT_RUN + "interrupted (Ctrl-C)"}
+                    for r in parsed[done:]]
+        interrupted = e
+    else:
+        interrupted = None
     findings = [Finding(e["request_id"], e["status"], e.get("reason"), e.get("differences", [])) for e in entries]
-    return findings, verify_report(findings, _Fp(rep.get("tuple_hash"), rep.get("deployment_hash"),
-                                                 rep.get("selection")))
+    report = verify_report(findings, _Fp(rep.get("tuple_hash"), rep.get("deployment_hash"), rep.get("selection")))
+    if interrupted is not None:
+        raise Interrupted(findings, report) from interrupted
+    return findings, report
 
 
 class _Fp:

@@ -76,10 +76,11 @@ def test_a_stopped_replay_keeps_what_ran_and_leaves_nothing_in_the_engine(monkey
     assert [f.status for f in verify_log(llm, records, {}, batch=2)] == ["equal"] * 4
 
 
-@pytest.mark.parametrize("exc,rc,said", [(RuntimeError("device lost"), 3, "error: 2 of 4 records not re-executed: "
-                                          "the engine stopped: RuntimeError: device lost"),
-                                         (KeyboardInterrupt(), 130, "interrupted: 2 of 4 records not re-executed")],
-                         ids=["error", "ctrl-c"])
+@pytest.mark.parametrize("exc,rc,said", [
+    (RuntimeError("device lost"), 3, "error: 2 of 4 records not re-executed: the engine stopped: RuntimeError: "
+     "device lost"),
+    (KeyboardInterrupt(), 130, "verify: 2 of 4 records not re-executed: interrupted (Ctrl-C)"),
+], ids=["error", "ctrl-c"])
 def test_the_cli_reports_a_stopped_replay(monkeypatch, lines, tmp_path, capsys, exc, rc, said):
     """`detent verify LOG` let Ctrl-C out as a traceback with nothing of what it had verified, and
     an engine error the same. It prints the table so far and the summary, says how many records
@@ -102,3 +103,32 @@ def test_the_cli_reports_a_stopped_replay(monkeypatch, lines, tmp_path, capsys, 
     assert said in std.err, std.err
     rep = json.loads(out.read_text())
     assert rep["equal"] is False and rep["counts"]["error"] == 2 and rep["counts"]["equal"] == 2
+
+
+def test_ctrl_c_during_verify_url_reports_the_batches_answered(monkeypatch, lines, tmp_path, capsys):
+    """`detent verify LOG --url` let Ctrl-C out as a traceback, the batches the server had answered
+    unsaid. It reports them, the records not sent as not re-executed, and exits 130."""
+    import httpx
+
+    from detent.cli import main
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(line + "\n" for line in lines))
+    calls = []
+
+    def post(url, json, headers, timeout):
+        calls.append([r["request_id"] for r in json if r.get("type") == "request"])
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return httpx.Response(200, json={"tuple_hash": "t", "deployment_hash": "d", "selection": "pinned",
+                                         "records": [{"request_id": i, "status": "equal"} for i in calls[0]]})
+
+    monkeypatch.setattr(httpx, "post", post)
+    try:
+        got = main(["verify", str(log), "--url", "http://127.0.0.1:9", "--batch", "2"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left `detent verify --url` as a KeyboardInterrupt")
+    std = capsys.readouterr()
+    assert got == 130 and calls == [["r0", "r1"], ["r2", "r3"]], std
+    rows = [r.split()[:2] for r in std.out.splitlines()[1:5]]
+    assert rows == [["r0", "equal"], ["r1", "equal"], ["r2", "error"], ["r3", "error"]], std.out
+    assert "verify: 2 of 4 records not re-executed: interrupted (Ctrl-C)" in std.err, std.err
