@@ -130,7 +130,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _verify_log(args: argparse.Namespace) -> int:
     from detent.engine import Finding
-    from detent.verify_log import engine_args, exit_code, read_log, table, verify_log, verify_report
+    from detent.verify_log import (NOT_RUN, Interrupted, engine_args, exit_code, read_log, table, verify_log,
+                                   verify_report)
+
+    interrupted = False
 
     try:
         records, tuples, notes = read_log(args.log)
@@ -155,6 +158,8 @@ def _verify_log(args: argparse.Namespace) -> int:
         import httpx
         try:
             findings, rep = verify_remote(args.url, records, tuples, args.api_key, max(1, args.batch or 16))
+        except Interrupted as e:
+            findings, rep, interrupted = e.findings, e.report, True
         except httpx.HTTPError as e:
             print(f"detent verify: error: no detent-serve answers at {args.url}: {e}", file=sys.stderr)
             return 2
@@ -172,7 +177,10 @@ def _verify_log(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         try:
-            findings = verify_log(llm, records, tuples, max(1, args.batch or 32))
+            try:
+                findings = verify_log(llm, records, tuples, max(1, args.batch or 32))
+            except Interrupted as e:  # Ctrl-C: what was verified is still said, and exits 130
+                findings, interrupted = e.findings, True
             rep = verify_report(findings, llm.llm_engine.fingerprint())
         finally:
             llm.shutdown()
@@ -180,7 +188,11 @@ def _verify_log(args: argparse.Namespace) -> int:
     c = rep["counts"]
     print(f"{c['equal']} equal, {c['different']} different, {c['refused']} refused, {c['skipped']} skipped, "
           f"{c['error']} failed, of {len(findings)} records")
+    unrun = [f.reason for f in findings if f.status == "error" and (f.reason or "").startswith(NOT_RUN)]
+    if unrun:
+        print(f"detent verify: {'' if interrupted else 'error: '}{len(unrun)} of {len(findings)} records "
+              f"{unrun[0]}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=1)
-    return exit_code(rep)
+    return 130 if interrupted else exit_code(rep)

@@ -13,10 +13,13 @@ sampling parameters and prompt token ids the log holds.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from detent.engine import (Finding, RecordError, check_tuple, compare_output, describe_difference, parse_record,
                            refusal_reason, skip_reason, verify_report)
+
+log = logging.getLogger("detent.verify")
 
 
 def read_log(path: str) -> tuple[list[Any], dict[str, dict], list[str]]:
@@ -72,29 +75,53 @@ def engine_args(records: list[Any]) -> dict[str, Any]:
             "device": facts["device"], "tensor_parallel_size": facts["tp"]}
 
 
-def replay(engine: Any, records: list[Any], batch: int = 32) -> dict[int, Any]:
+def replay(engine: Any, records: list[Any], batch: int = 32, done: dict[int, Any] | None = None) -> dict[int, Any]:
     """Index -> finished RequestOutput (or the ValueError the engine refused it with),
-    `batch` records at a time through the public LLMEngine loop."""
-    done: dict[int, Any] = {}
+    `batch` records at a time through the public LLMEngine loop, into `done` when given (so a
+    caller whose replay raised still has what finished). A loop that raises or is interrupted
+    withdraws its unfinished requests before re-raising, as `LLM.generate` does."""
+    done = {} if done is None else done
     for start in range(0, len(records), batch):
-        ids = {}
-        for i in range(start, min(start + batch, len(records))):
-            r = records[i]
-            rid = f"verify-{i}"
-            try:
-                engine.add_request(rid, r.prompt_token_ids, r.params, prompt=r.raw.get("prompt"))
-            except ValueError as e:
-                done[i] = e
-                continue
-            ids[rid] = i
-        while ids:
-            for out in engine.step():
-                if out.finished and out.request_id in ids:
-                    done[ids.pop(out.request_id)] = out
+        ids: dict[str, int] = {}
+        rid = None
+        try:
+            for i in range(start, min(start + batch, len(records))):
+                r = records[i]
+                rid = f"verify-{i}"
+                try:
+                    engine.add_request(rid, r.prompt_token_ids, r.params, prompt=r.raw.get("prompt"))
+                except ValueError as e:
+                    done[i] = e
+                    continue
+                ids[rid] = i
+            rid = None
+            while ids:
+                for out in engine.step():
+                    if out.finished and out.request_id in ids:
+                        done[ids.pop(out.request_id)] = out
+        except BaseException:  # an engine error or Ctrl-C: none of them runs on in the engine unseen
+            engine.withdraw_requests([*ids, *([rid] if rid else [])])
+            raise
     return done
 
 
+NOT_RUN = "not re-executed: "  # a Finding's reason for a record the stopped replay never finished
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `verify_log` or `verify_remote`: `findings` is its report so far (each
+    record it did not finish an error whose reason starts with NOT_RUN); `report`, verify_remote's
+    report of them."""
+
+    def __init__(self, findings: list[Finding], report: dict[str, Any] | None = None):
+        super().__init__("interrupted")
+        self.findings, self.report = findings, report
+
+
 def verify_log(llm: Any, records: list[Any], tuples: dict[str, dict], batch: int = 32) -> list[Finding]:
+    """One Finding per record. If the engine stops midway (an exception out of its step), the
+    records re-executed so far keep their results and the others are errors saying why;
+    Ctrl-C raises Interrupted with the same findings. The engine keeps none of the requests."""
     fp = llm.llm_engine.fingerprint()
     findings: list[Any] = list(records)  # a Finding already for lines that did not parse
     todo = []
@@ -107,15 +134,27 @@ def verify_log(llm: Any, records: list[Any], tuples: dict[str, dict], batch: int
             findings[i] = Finding(r.request_id, "refused" if why else "skipped", why or skip)
         else:
             todo.append(i)
-    outs = replay(llm.llm_engine, [records[i] for i in todo], batch)
+    outs: dict[int, Any] = {}
+    stopped = interrupted = None
+    try:
+        replay(llm.llm_engine, [records[i] for i in todo], batch, outs)
+    except KeyboardInterrupt as e:
+        stopped, interrupted = "interrupted (Ctrl-C)", e
+    except Exception as e:  # noqa: BLE001 - the engine stopped: what ran is still reported
+        log.error("the engine stopped while re-executing the log", exc_info=True)
+        stopped = f"the engine stopped: {type(e).__name__}: {e}"
     for k, i in enumerate(todo):
-        out = outs[k]
-        if isinstance(out, ValueError):
+        out = outs.get(k)
+        if out is None:
+            findings[i] = Finding(records[i].request_id, "error", NOT_RUN + stopped)
+        elif isinstance(out, ValueError):
             findings[i] = Finding(records[i].request_id, "error", f"the engine refused it: {out}")
         elif any(c.finish_reason == "error" for c in out.outputs):
             findings[i] = Finding(records[i].request_id, "error", f"the re-execution failed: {out.error}")
         else:
             findings[i] = compare_output(records[i], out)
+    if interrupted is not None:
+        raise Interrupted(findings) from interrupted
     return findings
 
 
@@ -123,24 +162,36 @@ def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key
                   batch: int = 16, timeout: float = 600) -> tuple[list[Finding], dict[str, Any]]:
     """The same report from a running server's POST /v1/verify, `batch` records per call
     (each call carries the log's tuples, so refusals name pins); lines that did not parse
-    stay errors here."""
+    stay errors here. Ctrl-C raises Interrupted with the batches answered so far (the server
+    aborts the call it was answering when the connection closes)."""
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     servers = [{"type": "server", "tuple_hash": h, "tuple": t} for h, t in tuples.items()]
     parsed = [r for r in records if not isinstance(r, Finding)]
     entries: list[dict] = [f.to_json() for f in records if isinstance(f, Finding)]
     rep: dict[str, Any] = {}
-    for start in range(0, len(parsed), batch):
-        body = servers + [r.raw for r in parsed[start:start + batch]]
-        r = httpx.post(url.rstrip("/") + "/v1/verify", json=body, headers=headers, timeout=timeout)
-        if r.status_code != 200:
-            raise ValueError(f"the server refused records {start}..{start + batch - 1} ({r.status_code}): "
-                             f"{r.text[:500]}")
-        rep = r.json()
-        entries += rep["records"]
+    done = 0
+    try:
+        for start in range(0, len(parsed), batch):
+            body = servers + [r.raw for r in parsed[start:start + batch]]
+            r = httpx.post(url.rstrip("/") + "/v1/verify", json=body, headers=headers, timeout=timeout)
+            if r.status_code != 200:
+                raise ValueError(f"the server refused records {start}..{start + batch - 1} ({r.status_code}): "
+                                 f"{r.text[:500]}")
+            rep = r.json()
+            entries += rep["records"]
+            done = start + batch
+    except KeyboardInterrupt as e:
+        entries += [{"request_id": r.request_id, "status": "error", "reason": NOT_RUN + "interrupted (Ctrl-C)"}
+                    for r in parsed[done:]]
+        interrupted = e
+    else:
+        interrupted = None
     findings = [Finding(e["request_id"], e["status"], e.get("reason"), e.get("differences", [])) for e in entries]
-    return findings, verify_report(findings, _Fp(rep.get("tuple_hash"), rep.get("deployment_hash"),
-                                                 rep.get("selection")))
+    report = verify_report(findings, _Fp(rep.get("tuple_hash"), rep.get("deployment_hash"), rep.get("selection")))
+    if interrupted is not None:
+        raise Interrupted(findings, report) from interrupted
+    return findings, report
 
 
 class _Fp:
@@ -165,4 +216,5 @@ def exit_code(rep: dict[str, Any]) -> int:
     return 1 if c["different"] else 3 if c["refused"] or c["error"] else 0
 
 
-__all__ = ["engine_args", "exit_code", "read_log", "replay", "table", "verify_log", "verify_remote", "verify_report"]
+__all__ = ["NOT_RUN", "Interrupted", "engine_args", "exit_code", "read_log", "replay", "table", "verify_log",
+           "verify_remote", "verify_report"]

@@ -3,7 +3,8 @@
 New weights arrive in the checkpoint's names (an iterable of (name, tensor)
 or a state dict). Everything is checked before anything changes: every name
 must be one of the model's checkpoint tensors (or one the loader ignores:
-a tied `lm_head.weight`, checked as the embedding it copies, then skipped),
+a tied `lm_head.weight`, checked as the embedding it copies, then skipped;
+one the loader untied, its copy in the checkpoint differing, is its own weight),
 with the checkpoint's full shape, the engine's dtype and finite values, on
 a device with data (not meta); otherwise the whole update is refused
 with one error naming every problem, and the engine is untouched. Then each

@@ -196,4 +196,11 @@ class CausalLM(nn.Module):
 
     def tied_copy_of(self, name: str) -> str | None:
         """The weight a skipped tied tensor copies (`lm_head.weight`: the embedding), or None."""
-        return "model.embed_tokens.weight" if self.config.tie_word_embeddings and name == "lm_head.weight" else None
+        return "model.embed_tokens.weight" if self.lm_head.tied and name == "lm_head.weight" else None
+
+    def untie(self, name: str) -> None:
+        """Give the tied copy `name` its own weight, for the loader to fill (a checkpoint whose
+        copy differs from the weight it would copy)."""
+        if self.tied_copy_of(name) is None:
+            raise ValueError(f"{name} is not a tied copy in this model")
+        self.lm_head.untie()

@@ -228,6 +228,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = torch.cat(parts, dim=-1)  # rank order == vocab order
         return logits[:, :self.vocab_size].float()
 
+    def untie(self) -> None:
+        """Its own weight in place of the embedding's (zeros, as an untied head starts)."""
+        self.weight = nn.Parameter(torch.zeros_like(self.weight), requires_grad=False)
+        self.tied = False
+
     def weight_sources(self, leaf: str) -> dict[str, Source]:
         return {} if self.tied else super().weight_sources(leaf)
 

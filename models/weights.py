@@ -2,12 +2,16 @@
 
 Strict: every checkpoint tensor the model needs must be present with its
 full shape, and every tensor in the files must be used (or explicitly
-ignored); otherwise one error names all missing, unexpected and misshapen
-tensors. Pickled checkpoints (`.bin`, `.pt`) are never opened.
+ignored; a tied copy, such as a tied `lm_head.weight`, with the shape of
+the weight it copies, and loaded untied where its values differ, as
+transformers does); otherwise one error names all missing, unexpected and
+misshapen tensors. Pickled checkpoints (`.bin`, `.pt`) are never opened.
 """
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import zlib
 from typing import Iterator
@@ -20,6 +24,7 @@ from detent.models.layers import Source
 
 INDEX_FILE = "model.safetensors.index.json"
 DUMMY_STD = 0.02
+log = logging.getLogger("detent.models")
 
 
 class CheckpointError(ValueError):
@@ -80,18 +85,26 @@ def load_safetensors(model: CausalLM, path: str, *, device: str = "cpu", progres
     sources = model.weight_sources()
     entries = list(iter_checkpoint(files, "cpu" if device == "meta" else str(device)))
     seen: set[str] = set()
-    unexpected, bad_shape = [], []
+    unexpected, bad_shape, copies = [], [], []
     for file, name, shape, _ in entries:
+        target = model.tied_copy_of(name)
         if name in sources:
             seen.add(name)
             if shape != sources[name].shape:
                 bad_shape.append(f"{name}: checkpoint {list(shape)}, model expects "
                                  f"{list(sources[name].shape)} ({os.path.basename(file)})")
+        elif target in sources:  # a tied copy: the shape of the weight it copies
+            if shape != sources[target].shape:
+                bad_shape.append(f"{name}: checkpoint {list(shape)}, model expects {list(sources[target].shape)}, "
+                                 f"the shape of {target} it is tied to ({os.path.basename(file)})")
+            copies.append((name, target))
         elif not model.is_ignored(name):
             unexpected.append(name)
     missing = sorted(set(sources) - seen)
     if missing or unexpected or bad_shape:
         raise CheckpointError(_mismatch_message(path, model, missing, sorted(unexpected), bad_shape))
+    _untie_differing_copies(model, entries, copies, next(model.parameters()).dtype)
+    sources = model.weight_sources()
     bar = _progress(len(entries), progress)
     for file, name, _, handle in entries:
         src = sources.get(name)
@@ -103,6 +116,27 @@ def load_safetensors(model: CausalLM, path: str, *, device: str = "cpu", progres
             src.load_part(part)
         bar.update(1)
     bar.close()
+
+
+def _untie_differing_copies(model: CausalLM, entries: list, copies: list[tuple[str, str]], dtype) -> None:
+    """A tied copy the checkpoint holds with other values than its weight (both in the model's
+    dtype) gets a weight of its own, loaded from the file, as transformers loads it: untied, with
+    a warning. Every rank compares the whole tensors, so all decide alike."""
+    where = {name: (file, handle) for file, name, _, handle in entries}
+    for name, target in copies:
+        (file, a), (_, b) = where[name], where[target]
+        shape = a.get_slice(name).get_shape()
+        step = max(1, (1 << 24) // max(1, math.prod(shape[1:])))  # rows of ~16M values a read
+        try:
+            if all(torch.equal(a.get_slice(name)[i:i + step].to(dtype), b.get_slice(target)[i:i + step].to(dtype))
+                   for i in range(0, shape[0], step)):
+                continue
+        except Exception as e:  # noqa: BLE001 - report which tensors
+            raise CheckpointError(f"cannot read tensor {name} or {target} (truncated?): {e}") from None
+        log.warning("%s in %s differs from %s, which tie_word_embeddings ties it to: loaded as a weight of its "
+                    "own, as transformers loads it (set tie_word_embeddings to false in the config to say so)",
+                    name, file, target)
+        model.untie(name)
 
 
 def _mismatch_message(path, model, missing, unexpected, bad_shape) -> str:
