@@ -282,3 +282,40 @@ def test_a_requests_mask_tables_are_built_when_it_is_added_not_on_the_step_loop(
     fresh = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [masked], use_tqdm=False)[0]
     assert all(same(a, result_of(fresh, i)) for i, a in enumerate(kept))
     assert len(built) > 10  # the comparison's rows did build theirs at each step
+
+
+def test_params_a_server_checked_are_admitted_without_being_walked_again(monkeypatch):
+    """detent-serve's engine admits a request between two steps, on its step thread, where checks
+    that read only the request paused every running request (a legal 64 KB schema's walk took 12 ms,
+    a vocabulary's allowed ids, bias and stop ids 9 ms); the server had made them on its worker pool.
+    Params checked there (`checked_params`), pickled as the engine core receives them, are admitted
+    without them. Params the engine has not seen checked (offline, a replace()d copy, another
+    vocabulary's) are checked at admission as before; a bad one is refused there."""
+    import dataclasses
+    import pickle
+
+    from detent.engine import checked_params, llm_engine
+    calls = []
+    real_vocab, real_limits = SamplingParams.verify_vocab, llm_engine.check_limits
+    monkeypatch.setattr(SamplingParams, "verify_vocab", lambda self, V: calls.append("vocab") or real_vocab(self, V))
+    monkeypatch.setattr(llm_engine, "check_limits", lambda spec: calls.append("limits") or real_limits(spec))
+    eng = tiny_llm(VOCAB).llm_engine
+
+    def params() -> SamplingParams:
+        return SamplingParams(max_tokens=3, stop_token_ids=list(range(100, VOCAB)), logit_bias={5: 1.0},
+                              structured_outputs=StructuredOutputs(json={"type": "object"}))
+    served = pickle.loads(pickle.dumps(checked_params(params(), VOCAB)))
+    assert calls == ["vocab"]  # on the caller's thread (the grammar limits too: processors' own name)
+    calls.clear()
+    eng.add_request("served", [3, 4], served)
+    assert calls == []
+    unchecked = [params(), dataclasses.replace(served), checked_params(params(), VOCAB + 1)]
+    calls.clear()
+    for i, p in enumerate(unchecked):
+        eng.add_request(f"offline{i}", [3, 4], p)
+        assert calls == ["vocab", "limits"], (i, calls)
+        calls.clear()
+    with pytest.raises(ValueError, match="token id 200, outside the vocabulary"):
+        eng.add_request("bad", [3], checked_params(SamplingParams(stop_token_ids=[200]), 300))
+    eng.withdraw_requests(["served", "offline0", "offline1", "offline2"])
+    assert not eng.has_unfinished_requests()
