@@ -221,7 +221,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
             kw[name] = value
     try:
         params = SamplingParams(**kw)
-        if vocab_size is not None:  # admission's checks, made here: the engine takes them as made
+        if vocab_size is not None:  # admission's checks and bad-words index, made here
             checked_params(params, vocab_size)
         return params
     except (ValueError, TypeError, NotImplementedError) as e:

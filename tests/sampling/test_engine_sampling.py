@@ -319,3 +319,31 @@ def test_params_a_server_checked_are_admitted_without_being_walked_again(monkeyp
         eng.add_request("bad", [3], checked_params(SamplingParams(stop_token_ids=[200]), 300))
     eng.withdraw_requests(["served", "offline0", "offline1", "offline2"])
     assert not eng.has_unfinished_requests()
+
+
+def test_a_served_requests_bad_words_come_indexed_and_sample_the_same_bits(monkeypatch):
+    """100k bad words took 33 ms to index at admission, which detent-serve's engine makes between
+    two steps on its step thread: every running request waited. The server indexes them on its
+    worker pool (`checked_params`), and the index travels with the params to the engine core, which
+    builds none. The tokens and logprobs are those of the same params indexed at admission (n = 2)."""
+    import pickle
+
+    from detent.engine import checked_params
+    from detent.sampling import processors as P
+    built, real = [], P.BadWords.__init__  # the class itself stays: the index is pickled
+    monkeypatch.setattr(P.BadWords, "__init__", lambda self, words, V: built.append(V) or real(self, words, V))
+    words = [[t] for t in range(100, 140)] + [[t, t + 1] for t in range(2, 100)] + [[7, 8, 9]]
+
+    def params() -> SamplingParams:
+        return SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, logprobs=2, ignore_eos=True,
+                              bad_words_token_ids=words)
+    served = pickle.loads(pickle.dumps(checked_params(params(), VOCAB)))
+    assert built == [VOCAB]  # on the caller's thread
+    built.clear()
+    llm = tiny_llm(VOCAB)
+    got = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [served], use_tqdm=False)[0]
+    assert built == []
+    want = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [params()], use_tqdm=False)[0]
+    assert built == [VOCAB]  # unchecked params: indexed at admission
+    assert all(same(result_of(got, i), result_of(want, i)) for i in range(2))
+    assert all(not set(c.token_ids) & set(range(100, 140)) for c in got.outputs)

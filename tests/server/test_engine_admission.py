@@ -57,3 +57,24 @@ def test_a_served_requests_checks_run_on_the_servers_pool_not_the_engines_step_t
     assert r.status_code == 200, r.text
     assert seen["verify_vocab"] and seen["check_limits"], seen
     assert not any(STEP_THREAD in where for where in seen.values()), seen
+
+
+def test_a_served_requests_bad_words_are_indexed_on_the_servers_pool_with_the_same_bits(client, monkeypatch):
+    """A request's bad words were indexed at admission, on the engine's step thread: 100k of them
+    took 33 ms there, a pause of every running request. The server's pool indexes them and the index
+    travels with the params. Its tokens and logprobs are those of the words indexed at admission."""
+    from detent.sampling import processors
+    from detent.server import params
+    body = {"prompt": "hi there", "max_tokens": 6, "seed": 1, "temperature": 1.0, "logprobs": 1}
+    plain = client.post("/v1/completions", headers=AUTH, json=body).json()["choices"][0]
+    words = [t for t in plain["logprobs"]["tokens"][:3] if t.strip()]
+    seen: dict[str, list[str]] = {}
+    _thread_spy(monkeypatch, processors.BadWords, "__init__", seen)  # the index's build
+    r = client.post("/v1/completions", headers=AUTH, json={**body, "bad_words": words})
+    assert r.status_code == 200, r.text
+    assert seen["__init__"] and STEP_THREAD not in seen["__init__"], seen
+    monkeypatch.setattr(params, "checked_params", lambda p, vocab_size: p.verify_vocab(vocab_size))
+    at_admission = client.post("/v1/completions", headers=AUTH, json={**body, "bad_words": words}).json()
+    assert seen["__init__"][-1] == STEP_THREAD  # built by the engine, as before
+    got, want = r.json()["choices"][0], at_admission["choices"][0]
+    assert got["logprobs"] == want["logprobs"] and got["text"] == want["text"] != plain["text"]
