@@ -162,10 +162,13 @@ class LLMEngine:
         if params.structured_outputs is None:
             return []
         cache = self._grammar_cache()
+        # a spec checked_params checked (under the default limits, the cache's) or the first sample's
+        # is not walked again
+        checked = checked_for(params, self.model_config.vocab_size) is not None
         states = []
         try:
             for _ in range(params.n):
-                states.append(cache.new_state(params.structured_outputs))
+                states.append(cache.new_state(params.structured_outputs, checked=checked or bool(states)))
         except BaseException:
             for g in states:
                 g.release()

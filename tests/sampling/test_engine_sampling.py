@@ -295,14 +295,16 @@ def test_params_a_server_checked_are_admitted_without_being_walked_again(monkeyp
     import pickle
 
     from detent.engine import checked_params, llm_engine
+    from detent.sampling import grammar
     calls = []
     real_vocab, real_limits = SamplingParams.verify_vocab, llm_engine.check_limits
     monkeypatch.setattr(SamplingParams, "verify_vocab", lambda self, V: calls.append("vocab") or real_vocab(self, V))
-    monkeypatch.setattr(llm_engine, "check_limits", lambda spec: calls.append("limits") or real_limits(spec))
+    for module in (llm_engine, grammar):  # admission's check, and the grammar cache's
+        monkeypatch.setattr(module, "check_limits", lambda spec, *a: calls.append("limits") or real_limits(spec, *a))
     eng = tiny_llm(VOCAB).llm_engine
 
     def params() -> SamplingParams:
-        return SamplingParams(max_tokens=3, stop_token_ids=list(range(100, VOCAB)), logit_bias={5: 1.0},
+        return SamplingParams(n=3, max_tokens=3, stop_token_ids=list(range(100, VOCAB)), logit_bias={5: 1.0},
                               structured_outputs=StructuredOutputs(json={"type": "object"}))
     served = pickle.loads(pickle.dumps(checked_params(params(), VOCAB)))
     assert calls == ["vocab"]  # on the caller's thread (the grammar limits too: processors' own name)
@@ -313,7 +315,7 @@ def test_params_a_server_checked_are_admitted_without_being_walked_again(monkeyp
     calls.clear()
     for i, p in enumerate(unchecked):
         eng.add_request(f"offline{i}", [3, 4], p)
-        assert calls == ["vocab", "limits"], (i, calls)
+        assert calls == ["vocab", "limits", "limits"], (i, calls)  # admission's, the cache's once for n = 3
         calls.clear()
     with pytest.raises(ValueError, match="token id 200, outside the vocabulary"):
         eng.add_request("bad", [3], checked_params(SamplingParams(stop_token_ids=[200]), 300))
