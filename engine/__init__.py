@@ -54,6 +54,8 @@ _LAZY = {
     # a request's structured-output spec is bounded before the server validates it
     "check_spec_size": "detent.sampling.grammar_limits",
     "check_limits": "detent.sampling.grammar_limits",
+    # a server's worker makes admission's checks of a request's params, and its bad-words index
+    "checked_params": "detent.sampling.processors",
     # add_request's refusal when a grammar compile lane is full (the server answers 503)
     "CompileQueueFull": "detent.sampling.grammar_workers",
     "request_record": "detent.engine.log_record",

@@ -56,7 +56,7 @@ from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.engine.step_stats import HOST_PARTS, KIND_HOST_PARTS, StepStats, step_kind
 from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams, tokenize_bad_words
-from detent.sampling.processors import RequestMaskIds
+from detent.sampling.processors import RequestMaskIds, checked_for
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
 
@@ -162,10 +162,13 @@ class LLMEngine:
         if params.structured_outputs is None:
             return []
         cache = self._grammar_cache()
+        # a spec checked_params checked (under the default limits, the cache's) or the first sample's
+        # is not walked again
+        checked = checked_for(params, self.model_config.vocab_size) is not None
         states = []
         try:
             for _ in range(params.n):
-                states.append(cache.new_state(params.structured_outputs))
+                states.append(cache.new_state(params.structured_outputs, checked=checked or bool(states)))
         except BaseException:
             for g in states:
                 g.release()
@@ -225,7 +228,9 @@ class LLMEngine:
             # tokenized once, on the params (vLLM does the same at admission)
             p.bad_words_token_ids = tokenize_bad_words(
                 p.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
-        if hasattr(p, "verify_vocab"):
+        # params a server's worker checked for this vocabulary are not walked again on the step thread
+        checked = checked_for(p, vocab)
+        if checked is None and hasattr(p, "verify_vocab"):
             p.verify_vocab(vocab)
         if self.config.rl:
             from detent.engine.rl_contract import check_rl_params
@@ -233,7 +238,8 @@ class LLMEngine:
         if p.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs the model's tokenizer (the engine has none)")
-            check_limits(p.structured_outputs)  # a ValueError naming the limit, before anything compiles
+            if checked is None:  # a ValueError naming the limit, before anything compiles
+                check_limits(p.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and k > self.config.max_logprobs:

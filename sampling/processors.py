@@ -26,6 +26,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import TokenWords
 from detent.sampling.rng import list_to_device, to_device
 from detent.selection import ops
@@ -92,7 +93,8 @@ class RequestMaskIds:
     first masked step: 100k bad words take 180 ms to index, a stall for every
     request of that step. Pickled, it carries the parameters and its key, no
     tables: a tensor-parallel rank receives it once a request and keeps it
-    (engine/tp/plan.py), so it builds them once a request too."""
+    (engine/tp/plan.py), so it builds them once a request too. Parameters a
+    server checked carry their bad words' index (`checked_params`): it is taken."""
 
     def __init__(self, params, eos_token_ids: Sequence[int] = ()):
         self.params = params
@@ -125,7 +127,11 @@ class RequestMaskIds:
     def bad_words(self, V: int) -> "BadWords":
         words = self._bad_words_by_vocab.get(V)
         if words is None:
-            words = self._bad_words_by_vocab[V] = BadWords(self.params.bad_words_token_ids or (), V)
+            checked = checked_for(self.params, V)  # indexed on a server's worker (checked_params)
+            words = checked.bad_words if checked is not None else None
+            if words is None:
+                words = BadWords(self.params.bad_words_token_ids or (), V)
+            self._bad_words_by_vocab[V] = words
         return words
 
     def check_some_token_left(self, V: int) -> None:
@@ -179,6 +185,39 @@ def _holds(sorted_ids: np.ndarray, tok: int) -> bool:
 
 
 _KEYS = itertools.count()
+
+
+class Checked(NamedTuple):
+    """What `checked_params` leaves on a SamplingParams: the vocabulary size its checks were made
+    for, and its bad words' index under it (None without bad words)."""
+    vocab_size: int
+    bad_words: "BadWords | None"
+
+
+_CHECKED = "_checked_for_admission"  # the attribute: not a field, so equality and the record ignore it
+
+
+def checked_params(params, vocab_size: int):
+    """`params`, checked here as `LLMEngine.add_request` checks a request's parameters that need no
+    engine state (verify_vocab, the spec's grammar limits), and its bad words indexed here; an engine
+    of this vocabulary then admits it without either (`checked_for`; a replace()d copy is unchecked).
+    detent-serve calls this on its worker pool: its engine admits requests between two steps, on the
+    step thread, where a 64 KB schema's walk (12 ms), a vocabulary's allowed, bias and stop ids (9 ms)
+    and 100k bad words' index (33 ms) paused every running request. `params` must not change after."""
+    if params.bad_words and params.bad_words_token_ids is None:
+        raise ValueError("bad_words must be tokenized into bad_words_token_ids before the params are checked")
+    params.verify_vocab(vocab_size)
+    if params.structured_outputs is not None:
+        check_limits(params.structured_outputs)
+    words = BadWords(params.bad_words_token_ids, vocab_size) if params.bad_words_token_ids else None
+    setattr(params, _CHECKED, Checked(vocab_size, words))
+    return params
+
+
+def checked_for(params, vocab_size: int) -> Checked | None:
+    """What `checked_params` checked of `params` for this vocabulary size, or None (check them)."""
+    checked = getattr(params, _CHECKED, None)
+    return checked if checked is not None and checked.vocab_size == vocab_size else None
 
 
 class BadWords:

@@ -1,7 +1,7 @@
 """/v1/chat/completions: messages through the model's chat template."""
 from __future__ import annotations
 
-import dataclasses
+import copy
 import time
 import uuid
 from dataclasses import dataclass
@@ -201,8 +201,9 @@ def _output_shape(req: ChatCompletionRequest, state: ServerState, structured: St
     reasoner = ReasoningParser.for_request(state.reasoning_parser, req.chat_template_kwargs)
     if structured is not None and reasoner.thinking:
         end = state.tokenizer.encode(END, add_special_tokens=False)
-        if len(end) == 1:
-            structured = dataclasses.replace(structured, start_after_token_ids=end)
+        if len(end) == 1:  # a copy, not replace(), which checked the schema again on the event loop
+            structured = copy.copy(structured)  # (its meta-schema: 223 ms for 1,000 properties)
+            structured.start_after_token_ids = end
         else:
             reasoner = None
     return ChatOutput(reasoner, True, req.include_reasoning, tool_mode, auto, tools), structured

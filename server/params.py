@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from detent.engine import check_limits, check_spec_size
+from detent.engine import check_limits, check_spec_size, checked_params
 from detent.sampling.params import MAX_INT32, SamplingParams, StructuredOutputs, tokenize_bad_words
 from detent.server.errors import APIError, bad_request
 from detent.server.limits import ServerLimits
@@ -221,8 +221,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
             kw[name] = value
     try:
         params = SamplingParams(**kw)
-        if vocab_size is not None:
-            params.verify_vocab(vocab_size)
+        if vocab_size is not None:  # admission's checks and bad-words index, made here
+            checked_params(params, vocab_size)
         return params
     except (ValueError, TypeError, NotImplementedError) as e:
         raise bad_request(f"invalid sampling parameters: {e}", _field_named(str(e))) from None

@@ -62,8 +62,10 @@ async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest
         return Response(status_code=499)
     (out,) = finals
     c = out.outputs[0]
-    message, _ = plan.shape.message(c.text, c.finish_reason)
-    items = output_items(message, output_logprobs(plan, c), c.finish_reason == "length")
+
+    def items() -> list[dict[str, Any]]:
+        message, _ = plan.shape.message(c.text, c.finish_reason)
+        return output_items(message, output_logprobs(plan, c), c.finish_reason == "length")
     _, body = await head.finished(items, out, plan, state)
     return json_text_response(body)
 
@@ -91,7 +93,7 @@ async def _events(req: ChatCompletionRequest, gen: Generation, plan: ChatPlan,
         final = gen.final[0]
         for e in out.end(final.outputs[0].finish_reason == "length"):
             yield event(e)
-        status, body = await head.finished(_all_logprobs(out.items, plan, final), final, plan, gen.state)
+        status, body = await head.finished(lambda: _all_logprobs(out.items, plan, final), final, plan, gen.state)
     except APIError as e:
         err = e
     except Exception as e:  # noqa: BLE001 - the stream has started: report in-band

@@ -24,7 +24,7 @@ from detent.server.chat import ChatPlan
 from detent.server.formatting import chat_logprobs
 from detent.server.generation import seeds
 from detent.server.protocol import ResponsesRequest, ResponseText
-from detent.server.serving import ServerState
+from detent.server.serving import ServerState, built
 
 
 def item_id(prefix: str) -> str:
@@ -128,9 +128,11 @@ class ResponseHead:
         tail = {"output": output, "usage": usage, **after}
         return "{" + members(head) + "," + self.settings + "," + members(tail) + "}"
 
-    async def finished(self, output: list[dict[str, Any]], final: Any, plan: ChatPlan,
+    async def finished(self, output: Callable[[], list[dict[str, Any]]], final: Any, plan: ChatPlan,
                        state: ServerState) -> tuple[str, str]:
-        """The response's status and JSON text once the engine request finished (`final`: its last output)."""
+        """The response's status and JSON text once the engine request finished (`final`: its last
+        output, `output()` its items). With logprobs the items and the text are built in a worker
+        thread, as chat's body is (server/serving.py `built`)."""
         c = final.outputs[0]
         status = "incomplete" if c.finish_reason == "length" else "completed"
         reasoning = await _reasoning_tokens(state, plan, c)
@@ -140,7 +142,9 @@ class ResponseHead:
                  "total_tokens": len(plan.ids) + len(c.token_ids)}
         done = {"completed_at": int(time.time())} if status == "completed" else {}
         detent = {**state.fingerprint(), "seeds": seeds([final])}
-        return status, self.body(status, output, usage, **done, detent=detent)
+        text = await built(lambda: self.body(status, output(), usage, **done, detent=detent),
+                           plan.top_logprobs is not None)
+        return status, text
 
 
 def _text_echo(text: ResponseText | None) -> dict[str, Any]:

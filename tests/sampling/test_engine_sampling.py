@@ -282,3 +282,70 @@ def test_a_requests_mask_tables_are_built_when_it_is_added_not_on_the_step_loop(
     fresh = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [masked], use_tqdm=False)[0]
     assert all(same(a, result_of(fresh, i)) for i, a in enumerate(kept))
     assert len(built) > 10  # the comparison's rows did build theirs at each step
+
+
+def test_params_a_server_checked_are_admitted_without_being_walked_again(monkeypatch):
+    """detent-serve's engine admits a request between two steps, on its step thread, where checks
+    that read only the request paused every running request (a legal 64 KB schema's walk took 12 ms,
+    a vocabulary's allowed ids, bias and stop ids 9 ms); the server had made them on its worker pool.
+    Params checked there (`checked_params`), pickled as the engine core receives them, are admitted
+    without them. Params the engine has not seen checked (offline, a replace()d copy, another
+    vocabulary's) are checked at admission as before; a bad one is refused there."""
+    import dataclasses
+    import pickle
+
+    from detent.engine import checked_params, llm_engine
+    from detent.sampling import grammar
+    calls = []
+    real_vocab, real_limits = SamplingParams.verify_vocab, llm_engine.check_limits
+    monkeypatch.setattr(SamplingParams, "verify_vocab", lambda self, V: calls.append("vocab") or real_vocab(self, V))
+    for module in (llm_engine, grammar):  # admission's check, and the grammar cache's
+        monkeypatch.setattr(module, "check_limits", lambda spec, *a: calls.append("limits") or real_limits(spec, *a))
+    eng = tiny_llm(VOCAB).llm_engine
+
+    def params() -> SamplingParams:
+        return SamplingParams(n=3, max_tokens=3, stop_token_ids=list(range(100, VOCAB)), logit_bias={5: 1.0},
+                              structured_outputs=StructuredOutputs(json={"type": "object"}))
+    served = pickle.loads(pickle.dumps(checked_params(params(), VOCAB)))
+    assert calls == ["vocab"]  # on the caller's thread (the grammar limits too: processors' own name)
+    calls.clear()
+    eng.add_request("served", [3, 4], served)
+    assert calls == []
+    unchecked = [params(), dataclasses.replace(served), checked_params(params(), VOCAB + 1)]
+    calls.clear()
+    for i, p in enumerate(unchecked):
+        eng.add_request(f"offline{i}", [3, 4], p)
+        assert calls == ["vocab", "limits", "limits"], (i, calls)  # admission's, the cache's once for n = 3
+        calls.clear()
+    with pytest.raises(ValueError, match="token id 200, outside the vocabulary"):
+        eng.add_request("bad", [3], checked_params(SamplingParams(stop_token_ids=[200]), 300))
+    eng.withdraw_requests(["served", "offline0", "offline1", "offline2"])
+    assert not eng.has_unfinished_requests()
+
+
+def test_a_served_requests_bad_words_come_indexed_and_sample_the_same_bits(monkeypatch):
+    """100k bad words took 33 ms to index at admission, which detent-serve's engine makes between
+    two steps on its step thread: every running request waited. The server indexes them on its
+    worker pool (`checked_params`), and the index travels with the params to the engine core, which
+    builds none. The tokens and logprobs are those of the same params indexed at admission (n = 2)."""
+    import pickle
+
+    from detent.engine import checked_params
+    from detent.sampling import processors as P
+    built, real = [], P.BadWords.__init__  # the class itself stays: the index is pickled
+    monkeypatch.setattr(P.BadWords, "__init__", lambda self, words, V: built.append(V) or real(self, words, V))
+    words = [[t] for t in range(100, 140)] + [[t, t + 1] for t in range(2, 100)] + [[7, 8, 9]]
+
+    def params() -> SamplingParams:
+        return SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, logprobs=2, ignore_eos=True,
+                              bad_words_token_ids=words)
+    served = pickle.loads(pickle.dumps(checked_params(params(), VOCAB)))
+    assert built == [VOCAB]  # on the caller's thread
+    built.clear()
+    llm = tiny_llm(VOCAB)
+    got = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [served], use_tqdm=False)[0]
+    assert built == []
+    want = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [params()], use_tqdm=False)[0]
+    assert built == [VOCAB]  # unchecked params: indexed at admission
+    assert all(same(result_of(got, i), result_of(want, i)) for i in range(2))
+    assert all(not set(c.token_ids) & set(range(100, 140)) for c in got.outputs)

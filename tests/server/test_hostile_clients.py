@@ -447,3 +447,22 @@ def test_head_health_is_the_probe_without_a_body(client):
                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64)
     r = TestClient(build_app(idle)).head("/health")  # no lifespan: the engine never started
     assert r.status_code == 503 and r.content == b"", (r.status_code, r.content)
+
+
+def test_a_schema_bound_after_the_reasoning_is_not_checked_again_on_the_event_loop(monkeypatch):
+    """Under --reasoning-parser a structured output binds after `</think>`: the spec was copied with
+    dataclasses.replace, which checked the schema against its meta-schema again, on the event loop
+    (223 ms for a legal schema of 1,000 properties, holding /health and every stream). It is checked
+    once, on the pool; the copy only takes the ids."""
+    class ThinkTokenizer(FakeTokenizer):  # `</think>` is one token, as in the models the parser is for
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [2] if text == "</think>" else super().encode(text, add_special_tokens)
+    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=ThinkTokenizer(), served_model_names=["m"],
+                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
+                        api_key=API_KEY, reasoning_parser="qwen3")
+    on_loop = _on_loop_spy(monkeypatch, "detent.sampling.params", "_check_schema")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}}
+    with TestClient(build_app(state)) as c:
+        assert c.post("/v1/chat/completions", headers=AUTH, json=body).status_code == 200
+    assert on_loop == [False], on_loop

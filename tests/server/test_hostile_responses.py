@@ -121,3 +121,43 @@ def test_the_settings_every_response_object_repeats_are_encoded_once_off_the_eve
     assert r.status_code == 200 and on_loop[2:] == [True], on_loop
     sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=client, max_retries=0)
     assert sdk.responses.create(model="m", input="hi", max_output_tokens=2, user="u").user == "u"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_logprob_body_is_built_off_the_event_loop(client, monkeypatch, stream):
+    """A response with logprobs holds up to --max-logprob-entries entries, tens of MB: its items and
+    JSON text were built on the event loop, holding /health and every stream, while chat built its
+    body in a worker thread. Now the response object is built there too (a stream's last one, which
+    repeats every token's logprobs; its deltas carry a step's each); one without logprobs stays on
+    the loop (no thread hop on the common path)."""
+    import asyncio
+    import json
+
+    from detent.server import responses_output
+    on_loop, real = [], responses_output.chat_logprobs
+
+    def spy(*a, **k):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # a worker's thread
+            on_loop.append(False)
+        return real(*a, **k)
+    monkeypatch.setattr(responses_output, "chat_logprobs", spy)
+    body = {**BODY, "max_output_tokens": 4, "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+            "stream": stream}
+    r = client.post("/v1/responses", headers=AUTH, json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        final = events[-1]["response"]
+        assert on_loop[-1] is False and all(on_loop[:-1]), on_loop
+    else:
+        final = r.json()
+        assert on_loop == [False], on_loop
+    logprobs = final["output"][0]["content"][0]["logprobs"]
+    assert len(logprobs) == 4 and all(len(e["top_logprobs"]) == 2 for e in logprobs), final
+    hops, real_built = [], responses_output.built
+    monkeypatch.setattr(responses_output, "built", lambda build, off_loop: hops.append(off_loop) or real_built(build, off_loop))
+    assert client.post("/v1/responses", headers=AUTH, json={**BODY, "stream": stream}).status_code == 200
+    assert hops == [False], hops

@@ -150,3 +150,24 @@ def test_a_requests_prompt_travels_once_and_its_output_by_its_new_tokens():
     kind, sent, params, drop = pickle.loads(pickle.dumps(sender.message("execute", plan)))
     with pytest.raises(LookupError, match="holds 0 output tokens"):
         KeptParams().plan(sent, {"a": (masks, prompt.copy())}, drop)
+
+
+def test_a_rank_takes_the_bad_words_index_a_server_built(monkeypatch):
+    """detent-serve indexes a request's bad words on its worker pool (`checked_params`), not on the
+    engine's step thread (33 ms for 100k words); the index travels with the params to the engine
+    core and, with the request's first plan, to each rank, which builds none either. The rank's
+    masks are those of the same words indexed for the call."""
+    from detent.engine import checked_params
+    built, real = [], P.BadWords.__init__  # the class itself stays: the index is pickled
+    monkeypatch.setattr(P.BadWords, "__init__", lambda self, words, V: built.append(V) or real(self, words, V))
+    words = [[5], [6, 7]] + [[t, t + 1] for t in range(8, 2_000)]
+    served = pickle.loads(pickle.dumps(checked_params(SamplingParams(max_tokens=60, bad_words_token_ids=words), V)))
+    requests = {"s": (served, P.RequestMaskIds(served, (0,)))}
+    sender, rank = PlanSender(), KeptParams()
+    for step in range(3):
+        built.clear()
+        got, _ = _send(sender, rank, _plan(requests, step))
+        masked = _masks(got, step)
+        assert built == []
+        unchecked = _plan({"s": (replace(served), None)}, step)  # a replace()d copy is unchecked
+        assert torch.equal(masked, _masks(unchecked, step, per_call=True)) and built == [V]

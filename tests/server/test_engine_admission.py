@@ -1,0 +1,80 @@
+"""What a served request's admission runs on the engine's step thread. The engine admits requests
+between two steps (the core process's step loop; under --no-engine-process, `AsyncEngine`'s
+"detent-engine" thread), so work there in the size of what a client sent pauses every running
+request. In process, over a real tiny engine in that thread: the server's path, not the model, is
+under test."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from starlette.testclient import TestClient
+
+from server_helpers import API_KEY
+
+from detent.server.app import build_app
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+STEP_THREAD = "detent-engine"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model):
+    from detent.server.cli import build_state, parse_args
+    state = build_state(parse_args(["--model", tiny_model, "--no-engine-process", "--max-model-len", "256",
+                                    "--api-key", API_KEY, "--disable-log-stats"]))
+    with TestClient(build_app(state)) as c:
+        yield c
+
+
+def _thread_spy(monkeypatch, owner, name: str, seen: dict[str, list[str]]) -> None:
+    """Replaces owner.name with a spy that records, per call, the name of the thread it runs on."""
+    real, where = getattr(owner, name), seen.setdefault(name, [])
+
+    def spy(*a, **k):
+        where.append(threading.current_thread().name)
+        return real(*a, **k)
+    monkeypatch.setattr(owner, name, spy)
+
+
+def test_a_served_requests_checks_run_on_the_servers_pool_not_the_engines_step_thread(client, monkeypatch):
+    """The engine's admission checked a request's token ids against the vocabulary (`verify_vocab`)
+    and its schema against the grammar limits (`check_limits`, twice: admission's and the grammar
+    cache's) again, on its step thread, after the server's pool had: a vocabulary's allowed ids,
+    bias and stop ids took 9 ms, a legal 64 KB schema 12 ms a walk, a pause of every running
+    request. The server's checks stand (`checked_params`): the step thread repeats neither."""
+    from detent.engine import llm_engine
+    from detent.sampling import grammar, processors
+    from detent.sampling.params import SamplingParams
+    seen: dict[str, list[str]] = {}
+    _thread_spy(monkeypatch, SamplingParams, "verify_vocab", seen)
+    for module in (llm_engine, grammar, processors):  # admission's, the grammar cache's, the server's
+        _thread_spy(monkeypatch, module, "check_limits", seen)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 1,
+            "logit_bias": {"5": 1.0}, "stop_token_ids": list(range(100, 4000)),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}}
+    r = client.post("/v1/chat/completions", headers=AUTH, json=body)
+    assert r.status_code == 200, r.text
+    assert seen["verify_vocab"] and seen["check_limits"], seen
+    assert not any(STEP_THREAD in where for where in seen.values()), seen
+
+
+def test_a_served_requests_bad_words_are_indexed_on_the_servers_pool_with_the_same_bits(client, monkeypatch):
+    """A request's bad words were indexed at admission, on the engine's step thread: 100k of them
+    took 33 ms there, a pause of every running request. The server's pool indexes them and the index
+    travels with the params. Its tokens and logprobs are those of the words indexed at admission."""
+    from detent.sampling import processors
+    from detent.server import params
+    body = {"prompt": "hi there", "max_tokens": 6, "seed": 1, "temperature": 1.0, "logprobs": 1}
+    plain = client.post("/v1/completions", headers=AUTH, json=body).json()["choices"][0]
+    words = [t for t in plain["logprobs"]["tokens"][:3] if t.strip()]
+    seen: dict[str, list[str]] = {}
+    _thread_spy(monkeypatch, processors.BadWords, "__init__", seen)  # the index's build
+    r = client.post("/v1/completions", headers=AUTH, json={**body, "bad_words": words})
+    assert r.status_code == 200, r.text
+    assert seen["__init__"] and STEP_THREAD not in seen["__init__"], seen
+    monkeypatch.setattr(params, "checked_params", lambda p, vocab_size: p.verify_vocab(vocab_size))
+    at_admission = client.post("/v1/completions", headers=AUTH, json={**body, "bad_words": words}).json()
+    assert seen["__init__"][-1] == STEP_THREAD  # built by the engine, as before
+    got, want = r.json()["choices"][0], at_admission["choices"][0]
+    assert got["logprobs"] == want["logprobs"] and got["text"] == want["text"] != plain["text"]
