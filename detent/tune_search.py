@@ -19,7 +19,10 @@ cheapest measured on the whole workload (`Search._pick`): the combined
 one where the gains add up, a mix or one family's repin where they do not,
 and the default unless one of them measures cheaper.
 
-With a `deadline` (a `clock()` value) no measurement starts after it: a
+With a `deadline` (a `clock()` value) the first rung starts no new
+candidate once it has used its share of the time left at its start
+(`Search._first_rung`), and no
+measurement starts after the deadline: a
 family cut short takes its best candidate measured on the whole workload
 (or keeps its default), the families not reached keep their defaults, and
 the additivity check is left out; the tuple returned is then the one
@@ -105,8 +108,8 @@ def spread(space: FamilySpace, max_candidates: int, default: dict[str, Any],
             break
         free[name] = _thinned(free[name], (len(free[name]) + 1) // 2, default[name])
     off = lambda a: sum(a[m] != default[m] for m in default if m in a)  # noqa: E731
-    for name, vals in free.items():
-        for v in vals:
+    for name, vals in sorted(free.items(), key=lambda kv: len(kv[1])):  # short axes first: a rung the
+        for v in vals:  # deadline shortens (Search._first_rung) keeps every knob's other values
             at = [a for a in pool if a[name] == v and v != default[name]]
             if at:
                 add(min(at, key=off))
@@ -205,6 +208,8 @@ class Search:
         try:
             alive = cands
             for fraction in _rungs(self.min_fraction, self.eta):
+                if alive is cands and fraction < 1.0:
+                    alive = self._first_rung(space.family, cands, lambda a: run(a, fraction))
                 ranked = sorted(alive, key=lambda a: run(a, fraction))
                 alive = ranked if fraction == 1.0 else ranked[:max(1, math.ceil(len(ranked) / self.eta))]
             best = alive[0]
@@ -230,6 +235,28 @@ class Search:
         cost = base_cost if cost is None else cost
         self.progress(f"family {space.family}: chose {best} ({cost:.4g}; default {base_cost:.4g})")
         return res
+
+    def _first_rung(self, family: str, cands: list[dict[str, Any]], run: Callable[[dict], float]) -> list:
+        """The first rung's candidates, measured in order. With a deadline, no new one starts once
+        the rung has used its share of the time left at its start: its part of the halving's
+        cost, were each measurement's time its share of the workload (0.41 at 0.25 and eta 3),
+        less a fifth for the hill climb. Cut inside the first rung, a search would learn nothing
+        on the whole workload and keep the default."""
+        if self.deadline is None:
+            return cands
+        rungs = _rungs(self.min_fraction, self.eta)
+        share = 0.8 * rungs[0] / sum(f / self.eta ** i for i, f in enumerate(rungs))
+        start = self.clock()
+        stop = start + share * (self.deadline - start)
+        out = []
+        for a in cands:
+            if len(out) >= 2 and self.clock() >= stop:
+                self.progress(f"family {family}: the first rung stops at {len(out)} of {len(cands)} "
+                              f"candidates ({share:.0%} of the search's time left at its start)")
+                break
+            run(a)
+            out.append(a)
+        return out
 
     def _unreached(self, space: FamilySpace, base_cost: float) -> FamilyResult:
         """A family the deadline left unsearched: it keeps its default, nothing measured."""

@@ -166,3 +166,31 @@ def test_without_a_deadline_the_same_search_runs_to_the_additivity_check(facts):
     spaces = [family_space(facts, "gemm"), family_space(facts, "attention")]
     res = Search(base, cost, facts, min_fraction=1.0, refine=0, max_candidates=4, interactions=0).run(spaces)
     assert res.cut is None and res.checks and not res.kept_default
+
+
+def test_a_deadline_shortens_the_first_rung_so_the_search_reaches_the_whole_workload(facts):
+    # a measurement takes 40 s per whole workload; 24 candidates at a quarter take 240 s, and the
+    # halving's second rung 240 s more: past a deadline 450 s after the default's two runs, the
+    # search would be cut inside its second rung with nothing measured whole, keeping the default
+    from detent.tune_search import Search
+    base = default_tuple(facts)
+    space = family_space(facts, "attention")
+    default = family_assignment(base, "attention")
+    cands = spread(space, 32, default)
+    target = cands[1]
+
+    class Slow:
+        now, starts = 0.0, []
+
+        def measure(self, t, fraction):
+            self.starts.append((self.now, fraction))
+            self.now += 40.0 * fraction
+            a = family_assignment(t, "attention")
+            return 100.0 if a == default else 95.0 if a == target else 101.0
+    cost = Slow()
+    res = Search(base, cost, facts, refine=0, interactions=0, deadline=80.0 + 450.0,
+                 clock=lambda: cost.now).run([space])
+    first = [s for s in cost.starts if s[1] == 0.25]
+    assert 2 <= len(first) < len(cands)  # the first rung stopped early
+    assert res.cut is None and not res.kept_default
+    assert family_assignment(res.chosen, "attention") == target
