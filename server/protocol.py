@@ -37,7 +37,7 @@ def _bias_size(v: Any, info: ValidationInfo) -> Any:
 # As Items: an object of wrong values is reported by its first (1M of them stalled /health 2.9 s)
 LogitBias = Annotated[dict[str, float], Field(fail_fast=True), BeforeValidator(_bias_size)]
 
-MAX_TOOLS = 128  # OpenAI's: "A max of 128 functions are supported" (chat), and its 400 on Responses too
+MAX_TOOLS = 128  # OpenAI's on Responses (its 400), which echoes them; chat repeats none and takes more, as vLLM
 
 
 def _tool_count(v: Any) -> Any:
@@ -153,7 +153,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Tools | None = None
+    tools: Items[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
