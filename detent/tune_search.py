@@ -21,8 +21,7 @@ and the default unless one of them measures cheaper.
 
 With a `deadline` (a `clock()` value) the first rung starts no new
 candidate once it has used its share of the time left at its start
-(`Search._first_rung`), and no
-measurement starts after the deadline: a
+(`Search._first_rung`), and no measurement starts after the deadline: a
 family cut short takes its best candidate measured on the whole workload
 (or keeps its default), the families not reached keep their defaults, and
 the additivity check is left out; the tuple returned is then the one
