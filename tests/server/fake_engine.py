@@ -132,3 +132,13 @@ class FakeEngine:
                                          seed=r.params.seed))
         return RequestOutput(request_id=r.rid, prompt=None, prompt_token_ids=list(r.prompt),
                              prompt_logprobs=None, outputs=outs, finished=finished)
+
+
+def fake_state(engine=None, tokenizer=None, **kw):
+    """A `ServerState` over `engine` (a FakeEngine by default) and `tokenizer` (a FakeTokenizer),
+    serving model "m" with a 512-token context and fixed hashes; `kw`: the other fields."""
+    from detent.server.async_engine import AsyncEngine
+    from detent.server.serving import ServerState
+    return ServerState(engine=AsyncEngine(engine or FakeEngine()), tokenizer=tokenizer or FakeTokenizer(),
+                       served_model_names=kw.pop("served_model_names", ["m"]), model_root="x", max_model_len=512,
+                       tuple_hash="a" * 64, deployment_hash="b" * 64, **kw)

@@ -5,14 +5,12 @@ are under test."""
 from __future__ import annotations
 
 import pytest
-from fake_engine import FakeEngine, FakeTokenizer
+from fake_engine import FakeEngine, FakeTokenizer, fake_state
 from starlette.testclient import TestClient
 
 from server_helpers import API_KEY, client_error as _error
 
 from detent.server.app import build_app
-from detent.server.async_engine import AsyncEngine
-from detent.server.serving import ServerState
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -21,10 +19,7 @@ COMPLETION = {"prompt": "hi", "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def client():
-    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
-                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
-                        api_key=API_KEY)
-    with TestClient(build_app(state)) as c:
+    with TestClient(build_app(fake_state(api_key=API_KEY))) as c:
         yield c
 
 
@@ -124,9 +119,7 @@ def test_update_weights_with_a_nul_in_the_path_or_a_broken_index_is_a_400(tmp_pa
         def update_weights(self, tensors):
             return len(tensors)
 
-    state = ServerState(engine=AsyncEngine(Updatable()), tokenizer=FakeTokenizer(), served_model_names=["m"],
-                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
-                        api_key=API_KEY, allowed_weight_dirs=(str(tmp_path),))
+    state = fake_state(Updatable(), api_key=API_KEY, allowed_weight_dirs=(str(tmp_path),))
     with TestClient(build_app(state)) as c:
         err = _error(c.post("/v1/update_weights", headers=AUTH, json={"path": str(tmp_path) + "/x\u0000y"}))
         assert err["param"] == "path" and "NUL" in err["message"], err
@@ -356,9 +349,7 @@ def test_logit_bias_is_bounded_by_the_vocabulary_and_read_to_its_first_wrong_val
     worth of biases is a request. The official client reads the 400."""
     import openai
     V = FakeTokenizer.vocab_size
-    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
-                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
-                        api_key=API_KEY, vocab_size=V)
+    state = fake_state(api_key=API_KEY, vocab_size=V)
     with TestClient(build_app(state)) as c:
         for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
                            ("/v1/responses", {"input": "hi", "max_output_tokens": 2})):
@@ -414,9 +405,7 @@ def test_an_integer_of_too_many_digits_and_an_id_outside_the_vocabulary_read_as_
     r = client.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": ' + b"1" * 5001 + b"}",
                     headers={**AUTH, "Content-Type": "application/json"})
     assert _error(r)["message"] == "malformed JSON body: an integer has more than 4,300 digits", r.text
-    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
-                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
-                        api_key=API_KEY, vocab_size=FakeTokenizer.vocab_size)
+    state = fake_state(api_key=API_KEY, vocab_size=FakeTokenizer.vocab_size)
     with TestClient(build_app(state)) as c:
         err = _error(c.post("/detokenize", json={"tokens": [1, 10 ** 6]}, headers=AUTH))
     assert err["param"] == "tokens" and err["message"] == (
@@ -443,9 +432,7 @@ def test_head_health_is_the_probe_without_a_body(client):
     r = client.head("/health")
     assert r.status_code == 200 and r.content == b"", (r.status_code, r.content)
     assert client.get("/health").json() == {"status": "ok"}
-    idle = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
-                       model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64)
-    r = TestClient(build_app(idle)).head("/health")  # no lifespan: the engine never started
+    r = TestClient(build_app(fake_state())).head("/health")  # no lifespan: the engine never started
     assert r.status_code == 503 and r.content == b"", (r.status_code, r.content)
 
 
@@ -457,9 +444,7 @@ def test_a_schema_bound_after_the_reasoning_is_not_checked_again_on_the_event_lo
     class ThinkTokenizer(FakeTokenizer):  # `</think>` is one token, as in the models the parser is for
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
             return [2] if text == "</think>" else super().encode(text, add_special_tokens)
-    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=ThinkTokenizer(), served_model_names=["m"],
-                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
-                        api_key=API_KEY, reasoning_parser="qwen3")
+    state = fake_state(tokenizer=ThinkTokenizer(), api_key=API_KEY, reasoning_parser="qwen3")
     on_loop = _on_loop_spy(monkeypatch, "detent.sampling.params", "_check_schema")
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}}

@@ -4,14 +4,12 @@ now. In process, over the fake engine: the route's checks, not the model, are un
 from __future__ import annotations
 
 import pytest
-from fake_engine import FakeEngine, FakeTokenizer
+from fake_engine import fake_state
 from starlette.testclient import TestClient
 
 from server_helpers import API_KEY, client_error as _error
 
 from detent.server.app import build_app
-from detent.server.async_engine import AsyncEngine
-from detent.server.serving import ServerState
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BODY = {"input": "hi", "max_output_tokens": 2}
@@ -19,10 +17,7 @@ BODY = {"input": "hi", "max_output_tokens": 2}
 
 @pytest.fixture(scope="module")
 def client():
-    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=FakeTokenizer(), served_model_names=["m"],
-                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
-                        api_key=API_KEY)
-    with TestClient(build_app(state)) as c:
+    with TestClient(build_app(fake_state(api_key=API_KEY))) as c:
         yield c
 
 

@@ -5,23 +5,20 @@ checks, not the model, are under test."""
 from __future__ import annotations
 
 import pytest
-from fake_engine import FakeEngine, FakeTokenizer
+from fake_engine import FakeEngine, FakeTokenizer, fake_state
 from starlette.testclient import TestClient
 
 from server_helpers import API_KEY, client_error as _error
 
 from detent.engine.fingerprint import Fingerprint
 from detent.server.app import build_app
-from detent.server.async_engine import AsyncEngine
 from detent.server.serving import ServerState
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _state(engine, **kw) -> ServerState:
-    return ServerState(engine=AsyncEngine(engine), tokenizer=FakeTokenizer(), served_model_names=["m"],
-                       model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
-                       api_key=API_KEY, engine_fingerprint=Fingerprint("a" * 64, "b" * 64), **kw)
+    return fake_state(engine, api_key=API_KEY, engine_fingerprint=Fingerprint("a" * 64, "b" * 64), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,13 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from fake_engine import FakeEngine, FakeTokenizer
+from fake_engine import FakeEngine, fake_state
 
 from detent.server.app import build_app
-from detent.server.async_engine import AsyncEngine
 from detent.server.body import check_json
 from detent.server.errors import APIError
 from detent.server.limits import ServerLimits
 from detent.server.preprocess import Preprocessor
-from detent.server.serving import ServerState
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 WRITES = "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}"
@@ -99,9 +97,7 @@ def test_the_models_own_template_renders_as_before(tokenizer):
 
 
 def _state(engine=None, names=("m",)):
-    return ServerState(engine=AsyncEngine(engine or FakeEngine()), tokenizer=FakeTokenizer(),
-                       served_model_names=list(names), model_root="x", max_model_len=512,
-                       tuple_hash="a" * 64, deployment_hash="b" * 64)
+    return fake_state(engine, served_model_names=list(names))
 
 
 def test_a_500_closes_the_connection_and_says_so():
@@ -177,9 +173,7 @@ def test_client_templates_pass_only_when_trusted():
 
 
 def test_continue_final_message_through_a_template_that_drops_the_text_is_a_400(tokenizer):
-    state = ServerState(engine=AsyncEngine(FakeEngine()), tokenizer=tokenizer, served_model_names=["m"],
-                        model_root="x", max_model_len=512, tuple_hash="a" * 64, deployment_hash="b" * 64,
-                        limits=ServerLimits(trust_request_chat_template=True))
+    state = fake_state(tokenizer=tokenizer, limits=ServerLimits(trust_request_chat_template=True))
     client = TestClient(build_app(state))
     msgs = [*MSGS, {"role": "assistant", "content": "the answer is"}]
     body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
