@@ -3,7 +3,10 @@ cache (layout of selection/context.py and the attention candidates:
 per layer [2, num_blocks, block_size, KVH, D], slot = block * bs + offset)."""
 from __future__ import annotations
 
+import os
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from detent.selection.context import AttentionMetadata, ForwardContext, forward_context
 from detent.selection import make_dispatcher
@@ -100,3 +103,16 @@ def batch_prefill_logits(model, seqs: list[list[int]], mode: str = "pinned") -> 
     with forward_context(ForwardContext(attn=meta, kv_caches=kv, dispatcher=cpu_dispatcher(mode))):
         logits = model.compute_logits(model(ids, pos))
     return [logits[a:b] for a, b in zip(qsl[:-1], qsl[1:])]
+
+
+def copy_checkpoint(src, dst, edit) -> str:
+    """A copy of the one-file checkpoint `src` (its config files too) whose tensors dict went
+    through `edit`."""
+    os.makedirs(dst, exist_ok=True)
+    for f in ("config.json", "generation_config.json"):
+        with open(os.path.join(src, f)) as a, open(os.path.join(dst, f), "w") as b:
+            b.write(a.read())
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    edit(sd)
+    save_file(sd, os.path.join(dst, "model.safetensors"))
+    return str(dst)

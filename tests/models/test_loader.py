@@ -6,11 +6,10 @@ import re
 import pytest
 import torch
 import transformers as tf
-from safetensors.torch import load_file, save_file
 
 from detent.models import ModelConfig, ModelNotFound, load_model, resolve_model
 from detent.models.weights import CheckpointError
-from helpers import prefill_logits
+from helpers import copy_checkpoint, prefill_logits
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -24,30 +23,18 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def _copy_with(src, dst, edit):
-    """A copy of checkpoint `src` whose tensors dict went through `edit`."""
-    os.makedirs(dst, exist_ok=True)
-    for f in ("config.json", "generation_config.json"):
-        with open(os.path.join(src, f)) as a, open(os.path.join(dst, f), "w") as b:
-            b.write(a.read())
-    sd = load_file(os.path.join(src, "model.safetensors"))
-    edit(sd)
-    save_file(sd, os.path.join(dst, "model.safetensors"))
-    return str(dst)
-
-
 def _load(d):
     return load_model(ModelConfig.from_hf(d), path=str(d), dtype=torch.float32, progress=False)
 
 
 def test_missing_tensor_is_named(ckpt, tmp_path):
-    d = _copy_with(ckpt, tmp_path, lambda sd: sd.pop("model.layers.1.self_attn.k_proj.weight"))
+    d = copy_checkpoint(ckpt, tmp_path, lambda sd: sd.pop("model.layers.1.self_attn.k_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.weight"):
         _load(d)
 
 
 def test_extra_tensor_is_named(ckpt, tmp_path):
-    d = _copy_with(ckpt, tmp_path, lambda sd: sd.__setitem__("model.layers.0.mlp.extra.weight",
+    d = copy_checkpoint(ckpt, tmp_path, lambda sd: sd.__setitem__("model.layers.0.mlp.extra.weight",
                                                              torch.zeros(3)))
     with pytest.raises(CheckpointError, match=r"unexpected tensors: model\.layers\.0\.mlp\.extra\.weight"):
         _load(d)
@@ -56,14 +43,14 @@ def test_extra_tensor_is_named(ckpt, tmp_path):
 def test_wrong_shape_is_named(ckpt, tmp_path):
     def edit(sd):
         sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(47, 32)
-    d = _copy_with(ckpt, tmp_path, edit)
+    d = copy_checkpoint(ckpt, tmp_path, edit)
     with pytest.raises(CheckpointError, match=re.escape(
             "model.layers.0.mlp.up_proj.weight: checkpoint [47, 32], model expects [48, 32]")):
         _load(d)
 
 
 def test_truncated_file_is_named(ckpt, tmp_path):
-    d = _copy_with(ckpt, tmp_path, lambda sd: None)
+    d = copy_checkpoint(ckpt, tmp_path, lambda sd: None)
     f = os.path.join(d, "model.safetensors")
     data = open(f, "rb").read()
     open(f, "wb").write(data[: len(data) // 2])
@@ -72,7 +59,7 @@ def test_truncated_file_is_named(ckpt, tmp_path):
 
 
 def test_pickled_checkpoint_is_refused(ckpt, tmp_path):
-    d = _copy_with(ckpt, tmp_path, lambda sd: None)
+    d = copy_checkpoint(ckpt, tmp_path, lambda sd: None)
     os.remove(os.path.join(d, "model.safetensors"))
     open(os.path.join(d, "pytorch_model.bin"), "wb").write(b"not opened")
     with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*never unpickles"):
@@ -117,7 +104,7 @@ def test_sharded_checkpoint_loads_like_single(ckpt, tmp_path):
 
 def test_hf_cache_snapshot_and_local_dir_resolve(ckpt, tmp_path, monkeypatch):
     snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc123"
-    _copy_with(ckpt, snap, lambda sd: None)
+    copy_checkpoint(ckpt, snap, lambda sd: None)
     (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
     (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HOME", str(tmp_path))

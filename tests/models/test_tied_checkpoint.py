@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 import transformers as tf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from detent.models import ModelConfig, load_model
 from detent.models.weights import CheckpointError
-from helpers import prefill_logits
+from helpers import copy_checkpoint, prefill_logits
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
@@ -30,14 +30,9 @@ def tied(tmp_path_factory):
 
 def _with_head(src, dst, head):
     """A copy of `src` whose file also holds `lm_head.weight = head(embedding)`."""
-    os.makedirs(dst, exist_ok=True)
-    for f in ("config.json", "generation_config.json"):
-        with open(os.path.join(src, f)) as a, open(os.path.join(dst, f), "w") as b:
-            b.write(a.read())
-    sd = load_file(os.path.join(src, "model.safetensors"))
-    sd["lm_head.weight"] = head(sd["model.embed_tokens.weight"])
-    save_file(sd, os.path.join(dst, "model.safetensors"))
-    return str(dst)
+    def edit(sd):
+        sd["lm_head.weight"] = head(sd["model.embed_tokens.weight"])
+    return copy_checkpoint(src, dst, edit)
 
 
 def _load(d, **kw):
