@@ -148,3 +148,16 @@ def text_llm(selection: str = "pinned", **kw) -> LLM:
     """The tiny Llama with the byte tokenizer (text prompts, stop strings)."""
     b = bundle("llama")
     return make_llm(Bundle("llama", b.model, b.config, ByteTokenizer()), selection, **kw)
+
+
+def failing_launch(runner, at: int, error: BaseException):
+    """A stand-in for `runner.launch` that raises `error` at its `at`-th call (1-based) and
+    launches as the runner does otherwise: set it with monkeypatch."""
+    real, calls = runner.launch, [0]
+
+    def launch(plan, prev=None):
+        calls[0] += 1
+        if calls[0] == at:
+            raise error
+        return real(plan, prev)
+    return launch

@@ -15,7 +15,7 @@ from detent.engine import LLM, CompletionOutput, Logprob, RequestOutput, Samplin
 from detent.engine.config import EngineConfig
 from detent.engine.llm_engine import LLMEngine
 from detent.engine.step_stats import KindCounters
-from engine_helpers import bundle, make_llm, prompt, text_llm
+from engine_helpers import bundle, failing_launch, make_llm, prompt, text_llm
 
 G = dict(temperature=0, ignore_eos=True)
 
@@ -334,16 +334,8 @@ def test_add_and_abort_from_another_thread():
 def test_a_step_that_raises_fails_its_requests_only(monkeypatch):
     llm = text_llm()
     eng = llm.llm_engine
-    real = eng.runner.launch
-    calls = {"n": 0}
-
-    def flaky(plan, prev=None):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise NotImplementedError("unsupported sampling field: demo")
-        return real(plan, prev)
-
-    monkeypatch.setattr(eng.runner, "launch", flaky)
+    monkeypatch.setattr(eng.runner, "launch",
+                        failing_launch(eng.runner, 1, NotImplementedError("unsupported sampling field: demo")))
     outs = llm.generate(["abc"], SamplingParams(max_tokens=3, **G), use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and "demo" in outs[0].error
     outs = llm.generate(["abc"], SamplingParams(max_tokens=3, **G), use_tqdm=False)

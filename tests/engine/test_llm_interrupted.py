@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from detent.engine import SamplingParams
-from engine_helpers import text_llm
+from engine_helpers import failing_launch, text_llm
 
 SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [3, 4, 5, 6]}, {"prompt_token_ids": [9, 8, 7]}]
@@ -66,17 +66,8 @@ def test_an_engine_error_inside_a_step_takes_the_batch_back(monkeypatch, want, o
     re-raises it (its plan retracted), and generate withdraws the batch."""
     llm = text_llm(async_scheduling=overlap)
     eng = llm.llm_engine
-    real = eng.runner.launch
-    calls = {"n": 0}
-
-    def launch(plan, prev=None):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("device lost")
-        return real(plan, prev)
-
     with monkeypatch.context() as m:
-        m.setattr(eng.runner, "launch", launch)
+        m.setattr(eng.runner, "launch", failing_launch(eng.runner, 2, RuntimeError("device lost")))
         with pytest.raises(RuntimeError, match="device lost"):
             llm.generate(PROMPTS, SP, use_tqdm=False)
     _assert_clean_and_usable(llm, want)
