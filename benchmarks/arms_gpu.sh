@@ -48,7 +48,9 @@ N=64  # requests a load; the tunes tune the same workload (W-B's 200 did not fit
 # without a stock part (lease 30: benchmarks/results/h100-2026-12-06-lease29/arms-W-B)
 FROM=""
 for D in ${LAMBDA_MAX_FROM:-}; do FROM="$FROM --lambda-max-from $D"; done
-A="--model $M $FACTS --num-requests $N --workloads $WL --out $ARMS$FROM"
+# LOADS="A1,W-B": the stock, pinned and tuned parts serve only these loads (or workloads' loads), so
+# one arm over two workloads can be split across calls (each part under its 560 s)
+A="--model $M $FACTS --num-requests $N --workloads $WL --out $ARMS$FROM${LOADS:+ --loads $LOADS}"
 mkdir -p "$OUT" "$ARMS" $TUNES
 [ -f $M/config.json ] || python3 benchmarks/wordlevel_model.py $M $SHAPE > /dev/null
 for T in $SEEDS; do  # the last leases' tuples, unless this machine tuned its own
