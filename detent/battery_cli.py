@@ -35,8 +35,8 @@ def add_subparsers(sub) -> None:
                        "--url: by that server's POST /v1/verify); or --url with --request/--response: send one "
                        "request again to a running server. Compare "
                        "token ids, logprobs and top-k logprobs with ==. Exit 0 if equal, 1 if any differs, "
-                       "3 if a request cannot be re-executed here (another deployment or tuple), 2 on a usage "
-                       "error (docs/verify.md).")
+                       "3 if a request cannot be re-executed here (another deployment or tuple) or was not (the "
+                       "engine stopped, the --url server went away midway), 2 on a usage error (docs/verify.md).")
     v.add_argument("log", nargs="?", default=None, help="a request log written by detent-serve --request-log")
     v.add_argument("--model", default=None, help="LOG: the model to re-execute on (default: the embedded SmolLM2)")
     v.add_argument("--tokenizer", default=None, help="LOG: the tokenizer, when the deployment served one other than "

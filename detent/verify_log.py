@@ -162,8 +162,10 @@ def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key
                   batch: int = 16, timeout: float = 600) -> tuple[list[Finding], dict[str, Any]]:
     """The same report from a running server's POST /v1/verify, `batch` records per call
     (each call carries the log's tuples, so refusals name pins); lines that did not parse
-    stay errors here. Ctrl-C raises Interrupted with the batches answered so far (the server
-    aborts the call it was answering when the connection closes)."""
+    stay errors here. If the connection fails after the server answered a call, the batches
+    answered keep their results and the other records are errors saying why (one that fails
+    on the first call raises: no server answers); Ctrl-C raises Interrupted with the batches
+    answered so far (the server aborts the call it was answering when the connection closes)."""
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     servers = [{"type": "server", "tuple_hash": h, "tuple": t} for h, t in tuples.items()]
@@ -182,11 +184,16 @@ def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key
             entries += rep["records"]
             done = start + batch
     except KeyboardInterrupt as e:
-        entries += [{"request_id": r.request_id, "status": "error", "reason": NOT_RUN + "interrupted (Ctrl-C)"}
-                    for r in parsed[done:]]
-        interrupted = e
+        stopped, interrupted = "interrupted (Ctrl-C)", e
+    except httpx.HTTPError as e:
+        if not done:
+            raise
+        stopped, interrupted = f"the connection to the server failed: {type(e).__name__}: {e}", None
     else:
-        interrupted = None
+        stopped = interrupted = None
+    if stopped is not None:
+        entries += [{"request_id": r.request_id, "status": "error", "reason": NOT_RUN + stopped}
+                    for r in parsed[done:]]
     findings = [Finding(e["request_id"], e["status"], e.get("reason"), e.get("differences", [])) for e in entries]
     report = verify_report(findings, _Fp(rep.get("tuple_hash"), rep.get("deployment_hash"), rep.get("selection")))
     if interrupted is not None:

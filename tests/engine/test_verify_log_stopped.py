@@ -132,3 +132,69 @@ def test_ctrl_c_during_verify_url_reports_the_batches_answered(monkeypatch, line
     rows = [r.split()[:2] for r in std.out.splitlines()[1:5]]
     assert rows == [["r0", "equal"], ["r1", "equal"], ["r2", "error"], ["r3", "error"]], std.out
     assert "verify: 2 of 4 records not re-executed: interrupted (Ctrl-C)" in std.err, std.err
+
+
+@pytest.mark.parametrize("how", ["drops", "stops"])
+def test_verify_url_reports_the_batches_answered_when_the_server_goes_away(lines, tmp_path, capsys, how):
+    """`detent verify LOG --url` whose server answered the first batch and then went away (closed
+    the connection of the second call unanswered, or stopped listening) said only "no detent-serve
+    answers" and exited 2, the answered batch unsaid. It reports that batch, the other records as
+    not re-executed with the connection error, and exits 3; a server gone before its first answer
+    is still exit 2."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from detent.cli import main
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(line + "\n" for line in lines))
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            calls.append([r["request_id"] for r in body if r.get("type") == "request"])
+            if len(calls) > 1:  # gone: the connection closes with no answer
+                return
+            if how == "stops":  # stops listening before it answers: the next call is refused
+                self.server.socket.close()
+            data = json.dumps({"equal": True, "tuple_hash": "t", "deployment_hash": "d", "selection": "pinned",
+                               "records": [{"request_id": i, "status": "equal"} for i in calls[0]]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def serve():
+        for _ in range(2 if how == "drops" else 1):
+            server.handle_request()
+        server.server_close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    out = tmp_path / "report.json"
+    got = main(["verify", str(log), "--url", url, "--batch", "2", "--json", str(out)])
+    thread.join(10)
+    std = capsys.readouterr()
+    assert got == 3, std
+    assert calls == ([["r0", "r1"], ["r2", "r3"]] if how == "drops" else [["r0", "r1"]]), calls
+    rows = [r.split()[:2] for r in std.out.splitlines()[1:5]]
+    assert rows == [["r0", "equal"], ["r1", "equal"], ["r2", "error"], ["r3", "error"]], std.out
+    assert std.out.splitlines()[5] == "2 equal, 0 different, 0 refused, 0 skipped, 2 failed, of 4 records", std.out
+    error = "RemoteProtocolError: Server disconnected" if how == "drops" else "ConnectError: "
+    said = "error: 2 of 4 records not re-executed: the connection to the server failed: " + error
+    assert said in std.err, std.err
+    rep = json.loads(out.read_text())
+    assert rep["equal"] is False and rep["counts"] == {"equal": 2, "different": 0, "refused": 0, "skipped": 0,
+                                                       "error": 2}
+    assert all(r["reason"].startswith(NOT_RUN + "the connection to the server failed: " + error)
+               for r in rep["records"][2:]), rep["records"]
+    # no answer at all: nothing was verified, a usage error as before
+    assert main(["verify", str(log), "--url", url, "--batch", "2"]) == 2
+    assert f"error: no detent-serve answers at {url}: " in capsys.readouterr().err
