@@ -96,7 +96,9 @@ def replay(engine: Any, records: list[Any], batch: int = 32, done: dict[int, Any
                 ids[rid] = i
             rid = None
             while ids:
-                for out in engine.step():
+                outs = engine.step()
+                engine.pause_if_idle(outs)  # only requests waiting on a grammar compile: do not spin
+                for out in outs:
                     if out.finished and out.request_id in ids:
                         done[ids.pop(out.request_id)] = out
         except BaseException:  # an engine error or Ctrl-C: none of them runs on in the engine unseen

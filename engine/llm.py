@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
@@ -169,8 +168,7 @@ class LLM:
         try:
             while eng.has_unfinished_requests() and not want <= done.keys():
                 outs = eng.step()
-                if not outs and not eng.scheduler.running:
-                    time.sleep(0.001)  # only requests waiting on a grammar compile: do not spin
+                eng.pause_if_idle(outs)
                 for out in outs:
                     if out.finished and out.request_id in want:
                         done[out.request_id] = out

@@ -351,6 +351,12 @@ class LLMEngine:
                 self.profiler.on_step()
             return results
 
+    def pause_if_idle(self, outputs: list[RequestOutput]) -> None:
+        """After a step that returned `outputs`: sleep 1 ms if it returned nothing and nothing
+        runs (only requests waiting on a grammar compile), so a loop over step() does not spin."""
+        if not outputs and not self.scheduler.running:
+            time.sleep(0.001)
+
     def _launch(self, plan, prev, results: list[RequestOutput]):
         """(handle, prev): launch `plan`. If it raises, collect `prev` first (into
         `results`), fail the requests whose own inputs raise (engine/isolation.py)

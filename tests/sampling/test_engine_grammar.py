@@ -4,7 +4,8 @@ Tiny dummy Llama + a character tokenizer (fast): JSON schema outputs validate
 (jsonschema), regex outputs fullmatch (re), EBNF outputs parse (an independent
 recursive-descent parser), choice outputs are one of the choices; a request
 preempted mid-output completes validly and with the same tokens as unpreempted;
-a bad schema or a compile timeout fails only its own request.
+a bad schema or a compile timeout fails only its own request; a log replay
+(`detent verify LOG`) waiting on a held-back compile does not spin.
 SmolLM2 (slow): 6 seeds of a JSON-schema chat request validate with jsonschema,
 plus regex and EBNF requests, a bad schema beside them, and preemption.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -21,6 +24,7 @@ from detent.sampling import sampler as sampling
 from detent.sampling.grammar import GrammarCompilerCache
 from detent.sampling.params import StructuredOutputs
 from detent.selection.context import forward_context
+from detent.verify_log import replay
 
 from .engine_util import result_of, same, tiny_llm
 
@@ -435,3 +439,48 @@ def test_a_grammar_that_allows_no_token_fails_its_request_alone_naming_the_gramm
         assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", []), bad
         assert bad.error == "the structured_outputs grammar allows no token at output token 0", bad.error
         assert same(result_of(n), result_of(solo))
+
+
+class _HeldCompile:
+    """A grammar state whose compile is held back until `until` (monotonic seconds), then the real one."""
+
+    def __init__(self, state, until):
+        self.state, self.until = state, until
+
+    def __getattr__(self, name):
+        return getattr(self.state, name)
+
+    @property
+    def ready(self):
+        return time.monotonic() >= self.until and self.state.ready
+
+    @property
+    def pending(self):
+        return time.monotonic() < self.until or self.state.pending
+
+    @property
+    def error(self):
+        return None if time.monotonic() < self.until else self.state.error
+
+
+def test_a_log_replay_waiting_on_a_grammar_compile_does_not_spin(monkeypatch):
+    """`detent verify LOG`'s replay loop stepped the engine back to back while its only request
+    waited on a grammar compile (held back at least 0.3 s): some 90,000 empty steps a
+    second here, a core busy doing nothing. It pauses 1 ms after such a step, as LLM.generate
+    does (LLMEngine.pause_if_idle): at most one step a millisecond beside the request's own."""
+    llm = tiny_llm(VOCAB)
+    eng = llm.llm_engine
+    cache = eng._grammar_cache()
+    new_state = cache.new_state
+    monkeypatch.setattr(cache, "new_state", lambda spec, checked=False: _HeldCompile(new_state(spec, checked),
+                                                                                   time.monotonic() + 0.3))
+    step, steps = eng.step, []
+    monkeypatch.setattr(eng, "step", lambda: steps.append(1) or step())
+    # a request record as parse_record reads it
+    record = SimpleNamespace(prompt_token_ids=[3, 4], raw={"prompt": None}, params=SamplingParams(
+        temperature=1.0, seed=0, max_tokens=60, structured_outputs=SPECS["regex"]))
+    t0 = time.monotonic()
+    out = replay(eng, [record])[0]
+    wall = time.monotonic() - t0
+    assert out.error is None and check("regex", out.outputs[0].text), (out.error, out.outputs[0].text)
+    assert wall >= 0.3 and len(steps) <= wall * 1000 + len(out.outputs[0].token_ids) + 5, (len(steps), wall)
