@@ -217,9 +217,12 @@ def _loop(conn, engine) -> None:
     if getattr(engine, "outputs", None) is not None:  # each step's outputs are encoded before the next step
         engine.outputs.share_lists = True
     host = getattr(engine, "host_seconds", None)  # the step loop's host time, by part (LLMEngine)
+    stalled = getattr(engine, "stalled", lambda outs: False)
+    idle_step = False  # the last step stalled: wait on the pipe 1 ms rather than step again at once
     while True:
         busy = engine.has_unfinished_requests()
-        timeout = 0.0 if busy else 0.5
+        timeout = (0.001 if idle_step else 0.0) if busy else 0.5
+        idle_step = False
         while conn.poll(timeout):
             t_in = time.perf_counter()
             msg = conn.recv()
@@ -247,6 +250,7 @@ def _loop(conn, engine) -> None:
             t0 = time.perf_counter()
             outs = engine.step()
             dt = time.perf_counter() - t0
+            idle_step = stalled(outs)
             if dt > SLOW_STEP_S:
                 log.warning("engine step took %.1f s; %s", dt, _held(engine))
             now = time.monotonic()

@@ -351,10 +351,15 @@ class LLMEngine:
                 self.profiler.on_step()
             return results
 
+    def stalled(self, outputs: list[RequestOutput]) -> bool:
+        """After a step that returned `outputs`: whether it returned nothing with nothing running
+        (only requests waiting on a grammar compile), so that a loop over step() waits a little
+        instead of spinning (which also takes the GIL from the compile's thread)."""
+        return not outputs and not self.scheduler.running
+
     def pause_if_idle(self, outputs: list[RequestOutput]) -> None:
-        """After a step that returned `outputs`: sleep 1 ms if it returned nothing and nothing
-        runs (only requests waiting on a grammar compile), so a loop over step() does not spin."""
-        if not outputs and not self.scheduler.running:
+        """Sleep 1 ms after a step that `stalled`."""
+        if self.stalled(outputs):
             time.sleep(0.001)
 
     def _launch(self, plan, prev, results: list[RequestOutput]):

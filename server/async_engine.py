@@ -44,6 +44,7 @@ def short_reason(why: str, limit: int = 300) -> str:
 class AsyncEngine:
     def __init__(self, engine: Any, *, max_queue_len: int | None = None):
         self.engine = engine
+        self._stalled = getattr(engine, "stalled", lambda outputs: False)  # LLMEngine.stalled
         self.max_queue_len = max_queue_len
         self._cmds: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -249,6 +250,9 @@ class AsyncEngine:
                     self.steps += 1
                     if outputs and self._loop is not None:  # one wake-up of the event loop per step
                         self._loop.call_soon_threadsafe(self._fan_out, outputs)
+                    elif self._stalled(outputs):  # only grammar compiles pending: a command still wakes it
+                        self._wake.wait(0.001)
+                        self._wake.clear()
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()

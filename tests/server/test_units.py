@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -193,6 +194,63 @@ def test_a_full_grammar_compile_lane_is_a_503_with_retry_after():
         assert futs["long"].exception().status == 400
 
     asyncio.run(from_core())
+
+
+class _Compiling(FakeEngine):
+    """A fake whose requests wait `hold` seconds (as on a grammar compile) before they run: its
+    steps return nothing meanwhile, and `stalled` says so, as LLMEngine.stalled does."""
+
+    def __init__(self, hold: float):
+        super().__init__(step_s=0.0)
+        self.until, self.steps = time.monotonic() + hold, 0
+
+    def step(self):
+        self.steps += 1
+        return [] if time.monotonic() < self.until else super().step()
+
+    def stalled(self, outputs) -> bool:
+        return not outputs and not self.running
+
+
+def test_the_step_loops_wait_while_only_grammar_compiles_are_pending():
+    """The server's step loops (in process, and the engine core's) stepped back to back while
+    their only request waited on a grammar compile, taking a core (and the GIL from the
+    compile's thread): here some 10^5 empty steps in 0.3 s. After a step that stalled they wait
+    1 ms on their commands (a new request still wakes them at once)."""
+    import multiprocessing as mp
+    import threading
+
+    from detent.engine.core_process import _loop
+
+    async def in_process(eng):
+        ae = AsyncEngine(eng)
+        ae.start(asyncio.get_running_loop())
+        outs = [o async for o in await ae.add("a", [5, 6], _sp(max_tokens=3))]
+        ae.shutdown()
+        return outs
+
+    eng = _Compiling(0.3)
+    t0 = time.monotonic()
+    outs = asyncio.run(in_process(eng))
+    wall = time.monotonic() - t0
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    assert eng.steps <= wall * 1000 + 10, (eng.steps, wall)
+
+    eng = _Compiling(0.3)
+    parent, child = mp.Pipe()
+    core = threading.Thread(target=_loop, args=(child, eng), daemon=True)
+    t0 = time.monotonic()
+    core.start()
+    parent.send(("add", "a", [5, 6], _sp(max_tokens=3)))
+    while True:
+        msg = parent.recv()
+        if msg[0] == "out" and msg[1]:
+            if eng.steps and not eng.has_unfinished_requests():
+                break
+    wall = time.monotonic() - t0
+    parent.send(("stop",))
+    core.join(10)
+    assert eng.steps <= wall * 1000 + 10, (eng.steps, wall)
 
 
 def test_cli_flags(monkeypatch):
