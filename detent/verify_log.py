@@ -164,9 +164,9 @@ def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key
                   batch: int = 16, timeout: float = 600) -> tuple[list[Finding], dict[str, Any]]:
     """The same report from a running server's POST /v1/verify, `batch` records per call
     (each call carries the log's tuples, so refusals name pins); lines that did not parse
-    stay errors here. If the connection fails after the server answered a call, the batches
-    answered keep their results and the other records are errors saying why (one that fails
-    on the first call raises: no server answers); Ctrl-C raises Interrupted with the batches
+    stay errors here. If the connection fails, or the server refuses a call (a 503 when it is
+    overloaded), after it answered one, the batches answered keep their results and the other
+    records are errors saying why (a failure at the first call raises: nothing was verified); Ctrl-C raises Interrupted with the batches
     answered so far (the server aborts the call it was answering when the connection closes)."""
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -175,13 +175,17 @@ def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key
     entries: list[dict] = [f.to_json() for f in records if isinstance(f, Finding)]
     rep: dict[str, Any] = {}
     done = 0
+    stopped = interrupted = None
     try:
         for start in range(0, len(parsed), batch):
             body = servers + [r.raw for r in parsed[start:start + batch]]
             r = httpx.post(url.rstrip("/") + "/v1/verify", json=body, headers=headers, timeout=timeout)
             if r.status_code != 200:
-                raise ValueError(f"the server refused records {start}..{start + batch - 1} ({r.status_code}): "
-                                 f"{r.text[:500]}")
+                stopped = (f"the server refused records {start}..{start + batch - 1} ({r.status_code}): "
+                           f"{r.text[:500]}")
+                if not done:
+                    raise ValueError(stopped)
+                break
             rep = r.json()
             entries += rep["records"]
             done = start + batch
@@ -190,9 +194,7 @@ def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key
     except httpx.HTTPError as e:
         if not done:
             raise
-        stopped, interrupted = f"the connection to the server failed: {type(e).__name__}: {e}", None
-    else:
-        stopped = interrupted = None
+        stopped = f"the connection to the server failed: {type(e).__name__}: {e}"
     if stopped is not None:
         entries += [{"request_id": r.request_id, "status": "error", "reason": NOT_RUN + stopped}
                     for r in parsed[done:]]

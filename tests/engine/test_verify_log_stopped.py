@@ -134,13 +134,14 @@ def test_ctrl_c_during_verify_url_reports_the_batches_answered(monkeypatch, line
     assert "verify: 2 of 4 records not re-executed: interrupted (Ctrl-C)" in std.err, std.err
 
 
-@pytest.mark.parametrize("how", ["drops", "stops"])
+@pytest.mark.parametrize("how", ["drops", "stops", "refuses"])
 def test_verify_url_reports_the_batches_answered_when_the_server_goes_away(lines, tmp_path, capsys, how):
     """`detent verify LOG --url` whose server answered the first batch and then went away (closed
     the connection of the second call unanswered, or stopped listening) said only "no detent-serve
-    answers" and exited 2, the answered batch unsaid. It reports that batch, the other records as
-    not re-executed with the connection error, and exits 3; a server gone before its first answer
-    is still exit 2."""
+    answers" and exited 2, the answered batch unsaid; one that refused the second call (a 503,
+    overloaded) exited 2 too. It reports that batch, the other records as not re-executed with
+    the connection error or the refusal, and exits 3; a server gone before its first answer is
+    still exit 2."""
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -153,6 +154,13 @@ def test_verify_url_reports_the_batches_answered_when_the_server_goes_away(lines
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             calls.append([r["request_id"] for r in body if r.get("type") == "request"])
+            if len(calls) > 1 and how == "refuses":
+                data = b'{"error": {"message": "the server is overloaded"}}'
+                self.send_response(503)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             if len(calls) > 1:  # gone: the connection closes with no answer
                 return
             if how == "stops":  # stops listening before it answers: the next call is refused
@@ -172,7 +180,7 @@ def test_verify_url_reports_the_batches_answered_when_the_server_goes_away(lines
     url = f"http://127.0.0.1:{server.server_address[1]}"
 
     def serve():
-        for _ in range(2 if how == "drops" else 1):
+        for _ in range(1 if how == "stops" else 2):
             server.handle_request()
         server.server_close()
 
@@ -183,18 +191,19 @@ def test_verify_url_reports_the_batches_answered_when_the_server_goes_away(lines
     thread.join(10)
     std = capsys.readouterr()
     assert got == 3, std
-    assert calls == ([["r0", "r1"], ["r2", "r3"]] if how == "drops" else [["r0", "r1"]]), calls
+    assert calls == ([["r0", "r1"]] if how == "stops" else [["r0", "r1"], ["r2", "r3"]]), calls
     rows = [r.split()[:2] for r in std.out.splitlines()[1:5]]
     assert rows == [["r0", "equal"], ["r1", "equal"], ["r2", "error"], ["r3", "error"]], std.out
     assert std.out.splitlines()[5] == "2 equal, 0 different, 0 refused, 0 skipped, 2 failed, of 4 records", std.out
-    error = "RemoteProtocolError: Server disconnected" if how == "drops" else "ConnectError: "
-    said = "error: 2 of 4 records not re-executed: the connection to the server failed: " + error
-    assert said in std.err, std.err
+    error = {"drops": "the connection to the server failed: RemoteProtocolError: Server disconnected",
+             "stops": "the connection to the server failed: ConnectError: ",
+             "refuses": "the server refused records 2..3 (503): {\"error\": {\"message\": \"the server is "
+                        "overloaded\"}}"}[how]
+    assert "error: 2 of 4 records not re-executed: " + error in std.err, std.err
     rep = json.loads(out.read_text())
     assert rep["equal"] is False and rep["counts"] == {"equal": 2, "different": 0, "refused": 0, "skipped": 0,
                                                        "error": 2}
-    assert all(r["reason"].startswith(NOT_RUN + "the connection to the server failed: " + error)
-               for r in rep["records"][2:]), rep["records"]
+    assert all(r["reason"].startswith(NOT_RUN + error) for r in rep["records"][2:]), rep["records"]
     # no answer at all: nothing was verified, a usage error as before
     assert main(["verify", str(log), "--url", url, "--batch", "2"]) == 2
     assert f"error: no detent-serve answers at {url}: " in capsys.readouterr().err
