@@ -4,7 +4,7 @@ The core admits requests between two steps (engine/core_process.py), so this tim
 pause of every running request. Per case, a hostile-but-legal request (many bad words,
 a 64 KB JSON schema, a vocabulary's logit_bias, allowed ids or stop ids, many stop
 strings, a long prompt) is made as the server makes it: SamplingParams checked on its
-pool for the engine's vocabulary (`checked_params`, timed as "pool") and
+pool for the engine's vocabulary and EOS ids (`checked_params`, timed as "pool") and
 pickled as the pipe pickles it. Then, median of `--repeat` admissions: the message read
 from a pipe as another process writes it ("pipe", as the core reads a server's), its
 unpickling, `add_request`, and the inbox's drain into the scheduler (the start of the
@@ -155,14 +155,14 @@ def wait_for_grammar(eng, rid: str, timeout_s: float = 120.0) -> None:
 
 def measure(eng, server: Server, what, prompt, fields, repeat: int) -> dict:
     from detent.engine import SamplingParams, checked_params
-    V = eng.model_config.vocab_size
+    limits = eng.limits()  # what the server knows of its engine
     row: dict = {"what": what}
     pool, parts = [], {p: [] for p in PARTS}
     totals = []
     for i in range(-1, repeat):  # -1: a warm-up (a schema's compile), not counted
         params = SamplingParams(max_tokens=8, **fields(max(i, 0)))
         t = time.perf_counter()
-        checked_params(params, V)
+        checked_params(params, limits.vocab_size, limits.eos_token_ids)
         pool.append(time.perf_counter() - t)
         rid = f"r{i}"
         message = bytes(ForkingPickler.dumps(("add", rid, prompt, params)))

@@ -494,4 +494,4 @@ class LLMEngine:
         c = self.config
         return EngineLimits(int(self.state.max_model_len), int(self.model_config.vocab_size), c.max_logprobs,
                             c.max_num_seqs, c.max_num_batched_tokens, int(self.state.block_size),
-                            int(self.state.num_usable_blocks * self.state.block_size))
+                            int(self.state.num_usable_blocks * self.state.block_size), self.eos_token_ids)

@@ -349,3 +349,42 @@ def test_a_served_requests_bad_words_come_indexed_and_sample_the_same_bits(monke
     assert built == [VOCAB]  # unchecked params: indexed at admission
     assert all(same(result_of(got, i), result_of(want, i)) for i in range(2))
     assert all(not set(c.token_ids) & set(range(100, 140)) for c in got.outputs)
+
+
+def test_a_served_requests_mask_tables_come_built_and_checked_and_sample_the_same_bits(monkeypatch):
+    """A vocabulary's allowed ids, bias and stop ids took 14 ms on detent-serve's step thread to build
+    into the request's mask tables (`build_mask_ids`) and to check that they leave some token (set
+    operations over every id), a pause of every running request. Given the engine's EOS ids, the
+    server's worker pool does both (`checked_params`) and the tables travel with the params: the
+    engine builds and checks none. Tokens and logprobs (n = 2) are those of the same params built at
+    admission; params checked for other EOS ids are built and checked there, and a request whose bans
+    leave no token is refused on the pool."""
+    import pickle
+
+    from detent.engine import checked_params
+    from detent.sampling import processors as P
+    llm = tiny_llm(VOCAB)
+    eng = llm.llm_engine
+
+    def params() -> SamplingParams:
+        return SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, logprobs=2, ignore_eos=True, min_tokens=4,
+                              allowed_token_ids=list(range(2, 120)), stop_token_ids=list(range(100, VOCAB)),
+                              logit_bias={t: t % 7 - 3.0 for t in range(VOCAB)}, bad_words_token_ids=[[5], [6, 7]])
+    served = pickle.loads(pickle.dumps(checked_params(params(), VOCAB, eng.eos_token_ids)))
+    calls = []
+    real = {"build_mask_ids": P.build_mask_ids, "setdiff1d": np.setdiff1d, "union1d": np.union1d}
+    monkeypatch.setattr(P, "build_mask_ids", lambda *a: calls.append("build_mask_ids") or real["build_mask_ids"](*a))
+    for name in ("setdiff1d", "union1d"):  # check_some_token_left's set operations
+        monkeypatch.setattr(np, name, lambda *a, _n=name, **k: calls.append(_n) or real[_n](*a, **k))
+    eng.add_request("served", TARGET_PROMPT[:9], served)
+    assert calls == []
+    eng.add_request("other-eos", TARGET_PROMPT[:9], checked_params(params(), VOCAB, (0,)))
+    assert calls[0] == "build_mask_ids" and "setdiff1d" in calls, calls
+    eng.withdraw_requests(["served", "other-eos"])
+    got = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [served], use_tqdm=False)[0]
+    want = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [params()], use_tqdm=False)[0]
+    assert all(same(result_of(got, i), result_of(want, i)) for i in range(2))
+    assert all(set(c.token_ids) <= set(range(2, 120)) - {5} for c in got.outputs)
+    with pytest.raises(ValueError, match="min_tokens=1 bans EOS and stop_token_ids"):
+        checked_params(SamplingParams(min_tokens=1, allowed_token_ids=[9], stop_token_ids=[9]), VOCAB, eng.eos_token_ids)
+

@@ -73,8 +73,9 @@ def test_a_served_requests_bad_words_are_indexed_on_the_servers_pool_with_the_sa
     r = client.post("/v1/completions", headers=AUTH, json={**body, "bad_words": words})
     assert r.status_code == 200, r.text
     assert seen["__init__"] and STEP_THREAD not in seen["__init__"], seen
-    monkeypatch.setattr(params, "checked_params", lambda p, vocab_size: p.verify_vocab(vocab_size))
+    monkeypatch.setattr(params, "checked_params", lambda p, vocab_size, *eos: p.verify_vocab(vocab_size))
     at_admission = client.post("/v1/completions", headers=AUTH, json={**body, "bad_words": words}).json()
     assert seen["__init__"][-1] == STEP_THREAD  # built by the engine, as before
     got, want = r.json()["choices"][0], at_admission["choices"][0]
     assert got["logprobs"] == want["logprobs"] and got["text"] == want["text"] != plain["text"]
+
