@@ -163,12 +163,14 @@ class LLMEngine:
             return []
         cache = self._grammar_cache()
         # a spec checked_params checked (under the default limits, the cache's) or the first sample's
-        # is not walked again
-        checked = checked_for(params, self.model_config.vocab_size) is not None
+        # is not walked again; its key, checked_params' or made here, serves every sample
+        checked = checked_for(params, self.model_config.vocab_size)
+        spec = params.structured_outputs
+        key = checked.spec_key if checked is not None else spec.key()
         states = []
         try:
             for _ in range(params.n):
-                states.append(cache.new_state(params.structured_outputs, checked=checked or bool(states)))
+                states.append(cache.new_state(spec, checked=checked is not None or bool(states), key=key))
         except BaseException:
             for g in states:
                 g.release()
