@@ -256,9 +256,12 @@ class LLMEngine:
             if kind == "add":
                 rid, ids, params, prompt, seed, grammars, masks = payload
                 n = params.n
-                children = [Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
-                                    block_size=self.config.block_size, sample_index=i,
-                                    eos_token_ids=self.eos_token_ids, mask_ids=masks) for i in range(n)]
+                children: list[Request] = []
+                for i in range(n):  # the first sample hashes the prompt's blocks, for every sample
+                    children.append(Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
+                                            block_size=self.config.block_size, sample_index=i,
+                                            eos_token_ids=self.eos_token_ids, mask_ids=masks,
+                                            sibling=children[0] if children else None))
                 for c, g in zip(children, grammars):  # compiling off the step loop since add_request
                     c.grammar = g
                 self.outputs.add(rid, prompt, children)
