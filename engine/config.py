@@ -188,3 +188,6 @@ class EngineLimits:
     max_num_batched_tokens: int
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_tokens: int = 0  # the KV pool: usable blocks x block_size
+    # the ids min_tokens bans (None: not told): a server's worker builds a request's mask tables with
+    # them (sampling/processors.checked_params), which admission, on the step thread, then takes
+    eos_token_ids: tuple[int, ...] | None = None

@@ -163,12 +163,14 @@ class LLMEngine:
             return []
         cache = self._grammar_cache()
         # a spec checked_params checked (under the default limits, the cache's) or the first sample's
-        # is not walked again
-        checked = checked_for(params, self.model_config.vocab_size) is not None
+        # is not walked again; its key, checked_params' or made here, serves every sample
+        checked = checked_for(params, self.model_config.vocab_size)
+        spec = params.structured_outputs
+        key = checked.spec_key if checked is not None else spec.key()
         states = []
         try:
             for _ in range(params.n):
-                states.append(cache.new_state(params.structured_outputs, checked=checked or bool(states)))
+                states.append(cache.new_state(spec, checked=checked is not None or bool(states), key=key))
         except BaseException:
             for g in states:
                 g.release()
@@ -254,9 +256,12 @@ class LLMEngine:
             if kind == "add":
                 rid, ids, params, prompt, seed, grammars, masks = payload
                 n = params.n
-                children = [Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
-                                    block_size=self.config.block_size, sample_index=i,
-                                    eos_token_ids=self.eos_token_ids, mask_ids=masks) for i in range(n)]
+                children: list[Request] = []
+                for i in range(n):  # the first sample hashes the prompt's blocks, for every sample
+                    children.append(Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
+                                            block_size=self.config.block_size, sample_index=i,
+                                            eos_token_ids=self.eos_token_ids, mask_ids=masks,
+                                            sibling=children[0] if children else None))
                 for c, g in zip(children, grammars):  # compiling off the step loop since add_request
                     c.grammar = g
                 self.outputs.add(rid, prompt, children)
@@ -505,4 +510,4 @@ class LLMEngine:
         c = self.config
         return EngineLimits(int(self.state.max_model_len), int(self.model_config.vocab_size), c.max_logprobs,
                             c.max_num_seqs, c.max_num_batched_tokens, int(self.state.block_size),
-                            int(self.state.num_usable_blocks * self.state.block_size))
+                            int(self.state.num_usable_blocks * self.state.block_size), self.eos_token_ids)

@@ -107,17 +107,19 @@ class GrammarCompilerCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def submit(self, spec: StructuredOutputs, want: bool = False, checked: bool = False) -> Future:
+    def submit(self, spec: StructuredOutputs, want: bool = False, checked: bool = False,
+               key: str | None = None) -> Future:
         """The compiled grammar for `spec`, as a future (shared by every request with this spec).
         ValueError (naming the limit) for a spec over `self.limits`; CompileQueueFull (a
         ValueError) for a new spec whose lane already holds `max_queued_compiles` waiting jobs.
         `want`: count one more holder of the future (new_state's), in the same locked step as
         the lookup, so a release in another thread cannot drop the job in between. `checked`: the
         caller has checked the spec against these limits (the engine's admission: a spec a
-        server's worker checked, or a request's later samples), which are not walked again."""
+        server's worker checked, or a request's later samples), which are not walked again. `key`:
+        `spec.key()`, made by the caller (a server's worker, once for a request's samples)."""
         if not checked:
             check_limits(spec, self.limits)
-        key = (self.tokenizer_key, spec.key())
+        key = (self.tokenizer_key, spec.key() if key is None else key)
         with self._lock:
             fut = self._lru.get(key)
             if fut is not None:
@@ -163,11 +165,12 @@ class GrammarCompilerCache:
     def _compile_here(self, job: grammar_workers.CompileJob) -> xgr.CompiledGrammar:
         return grammar_workers.compile_job(self._compiler, job)
 
-    def new_state(self, spec: StructuredOutputs, checked: bool = False) -> "GrammarState | DeferredGrammar":
+    def new_state(self, spec: StructuredOutputs, checked: bool = False,
+                  key: str | None = None) -> "GrammarState | DeferredGrammar":
         """A request's grammar (its compile submitted, or shared); `release()` it when the
-        request is gone. Raises as `submit` does (`checked`: as its)."""
-        state = GrammarState(self.submit(spec, want=True, checked=checked), self.vocab_size, self.timeout_s,
-                             release=self.release)
+        request is gone. Raises as `submit` does (`checked`, `key`: as its)."""
+        state = GrammarState(self.submit(spec, want=True, checked=checked, key=key), self.vocab_size,
+                             self.timeout_s, release=self.release)
         if spec.start_after_token_ids:
             return DeferredGrammar(state, spec.start_after_token_ids, self.vocab_size)
         return state

@@ -94,7 +94,8 @@ class RequestMaskIds:
     request of that step. Pickled, it carries the parameters and its key, no
     tables: a tensor-parallel rank receives it once a request and keeps it
     (engine/tp/plan.py), so it builds them once a request too. Parameters a
-    server checked carry their bad words' index (`checked_params`): it is taken."""
+    server checked carry their bad words' index, and their `MaskIds` where its EOS ids are
+    this request's (`checked_params`): they are taken."""
 
     def __init__(self, params, eos_token_ids: Sequence[int] = ()):
         self.params = params
@@ -121,8 +122,15 @@ class RequestMaskIds:
     def under(self, V: int) -> MaskIds:
         ids = self._by_vocab.get(V)
         if ids is None:
-            ids = self._by_vocab[V] = build_mask_ids(self.params, self.eos_token_ids, V)
+            checked = self._checked(V)  # built on a server's worker (checked_params)
+            ids = checked.mask_ids if checked is not None else build_mask_ids(self.params, self.eos_token_ids, V)
+            self._by_vocab[V] = ids
         return ids
+
+    def _checked(self, V: int) -> "Checked | None":
+        """What `checked_params` built and checked of the params under V for this request's EOS ids, or None."""
+        checked = checked_for(self.params, V)
+        return checked if checked is not None and checked.eos_token_ids == self.eos_token_ids else None
 
     def bad_words(self, V: int) -> "BadWords":
         words = self._bad_words_by_vocab.get(V)
@@ -140,9 +148,10 @@ class RequestMaskIds:
         audit); the engine refuses such a request at admission. The bans are the sampler's own
         tables: one-token bad words always, and EOS and stop_token_ids while min_tokens holds.
         Bans that only a longer bad word's prefix brings fail the request where they do
-        (`leaves_out`, Scheduler._none_left)."""
+        (`leaves_out`, Scheduler._none_left). Params a server's worker checked for these EOS ids
+        (`checked_params`) are not checked again."""
         p = self.params
-        if not (p.allowed_token_ids or p.bad_words_token_ids or p.min_tokens):
+        if not (p.allowed_token_ids or p.bad_words_token_ids or p.min_tokens) or self._checked(V) is not None:
             return
         ids = self.under(V)
         what = "every allowed id" if p.allowed_token_ids else "every token of the vocabulary"
@@ -189,28 +198,44 @@ _KEYS = itertools.count()
 
 class Checked(NamedTuple):
     """What `checked_params` leaves on a SamplingParams: the vocabulary size its checks were made
-    for, and its bad words' index under it (None without bad words)."""
+    for, its bad words' index under it (None without bad words), its spec's key() (the grammar
+    cache's; None without a spec), and, given the engine's EOS ids, those ids and its `MaskIds`
+    under them, the check that some token is left made (else None)."""
     vocab_size: int
     bad_words: "BadWords | None"
+    spec_key: str | None = None
+    eos_token_ids: tuple[int, ...] | None = None
+    mask_ids: MaskIds | None = None
 
 
 _CHECKED = "_checked_for_admission"  # the attribute: not a field, so equality and the record ignore it
 
 
-def checked_params(params, vocab_size: int):
+def checked_params(params, vocab_size: int, eos_token_ids: Sequence[int] | None = None):
     """`params`, checked here as `LLMEngine.add_request` checks a request's parameters that need no
-    engine state (verify_vocab, the spec's grammar limits), and its bad words indexed here; an engine
-    of this vocabulary then admits it without either (`checked_for`; a replace()d copy is unchecked).
-    detent-serve calls this on its worker pool: its engine admits requests between two steps, on the
-    step thread, where a 64 KB schema's walk (12 ms), a vocabulary's allowed, bias and stop ids (9 ms)
-    and 100k bad words' index (33 ms) paused every running request. `params` must not change after."""
+    engine state (verify_vocab, the spec's grammar limits), its bad words indexed and its spec's
+    grammar-cache key made here; an engine of this vocabulary then admits it without any of them
+    (`checked_for`; a replace()d copy is unchecked). Given the engine's EOS ids
+    (`EngineLimits.eos_token_ids`), its mask tables are built here too and the check that they leave
+    some token is made (`RequestMaskIds.check_some_token_left`); an engine with those EOS ids takes
+    both. detent-serve calls this on its worker pool: its engine admits requests between two steps,
+    on the step thread, where a 64 KB schema's walk (12 ms) and key (0.5 ms a sample, 69 ms for
+    n = 128), a vocabulary's allowed, bias and stop ids (9 ms to check, 14 ms to build their tables
+    and check them) and 100k bad words' index (33 ms) paused every running request. `params` must
+    not change after."""
     if params.bad_words and params.bad_words_token_ids is None:
         raise ValueError("bad_words must be tokenized into bad_words_token_ids before the params are checked")
     params.verify_vocab(vocab_size)
-    if params.structured_outputs is not None:
-        check_limits(params.structured_outputs)
+    spec = params.structured_outputs
+    if spec is not None:
+        check_limits(spec)
     words = BadWords(params.bad_words_token_ids, vocab_size) if params.bad_words_token_ids else None
-    setattr(params, _CHECKED, Checked(vocab_size, words))
+    checked = Checked(vocab_size, words, spec.key() if spec is not None else None)
+    setattr(params, _CHECKED, checked)
+    if eos_token_ids is not None:  # the tables take the index just left on the params
+        masks = RequestMaskIds(params, eos_token_ids)
+        masks.check_some_token_left(vocab_size)
+        setattr(params, _CHECKED, checked._replace(eos_token_ids=masks.eos_token_ids, mask_ids=masks.under(vocab_size)))
     return params
 
 

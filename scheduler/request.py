@@ -38,7 +38,8 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  *, seed: int, block_size: int, sample_index: int = 0, extra_keys: tuple = (),
-                 eos_token_ids: Sequence[int] = (), mask_ids: RequestMaskIds | None = None):
+                 eos_token_ids: Sequence[int] = (), mask_ids: RequestMaskIds | None = None,
+                 sibling: Request | None = None):
         self.request_id = request_id
         self.params = params
         self.seed = seed  # params.seed, or one drawn at admission (kept for replay)
@@ -51,7 +52,10 @@ class Request:
         # gather from the parameters' lists every step. The engine gives them built
         # (RequestMaskIds.build at add_request); else its first masked step builds them
         self.mask_ids = mask_ids or RequestMaskIds(params, self.eos_token_ids)
-        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        # `sibling`: another sample of the request, made before it (the engine makes a request's n
+        # samples together, on its step thread): its prompt list (read-only) and the prompt's block
+        # hashes are taken, not made again (a 32k-token prompt's took 6.5 ms a sample, 0.85 s for n = 128)
+        self.prompt_token_ids: list[int] = sibling.prompt_token_ids if sibling is not None else list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self._outputs = np.empty(0, dtype=np.int64)  # output_token_ids' numpy mirror (output_array)
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -61,7 +65,9 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet scheduled)
         self.num_preemptions = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[BlockHash] = hash_blocks(self.all_token_ids, block_size, self.extra_keys)
+        self.block_hashes: list[BlockHash] = (
+            sibling.block_hashes[:self.num_prompt_tokens // block_size] if sibling is not None
+            else hash_blocks(self.all_token_ids, block_size, self.extra_keys))
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -152,7 +152,7 @@ async def prepare_chat(req: ChatCompletionRequest, state: ServerState, names: Fi
     (params,) = await sampling_params_per_prompt(state.preprocess, req, [mt], logprobs=k,
                                                  prompt_logprobs=req.prompt_logprobs, structured=structured,
                                                  vocab_size=state.vocab_size, defaults=state.sampling_defaults,
-                                                 bad_words=bad_words)
+                                                 bad_words=bad_words, eos_token_ids=state.eos_token_ids)
     return ChatPlan(model, ids, params, shape, k, state.token_text(req.return_tokens_as_token_ids))
 
 

@@ -74,7 +74,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     params = await sampling_params_per_prompt(state.preprocess, req, mts, logprobs=req.logprobs,
                                               prompt_logprobs=prompt_lp, structured=structured,
                                               vocab_size=state.vocab_size, defaults=state.sampling_defaults,
-                                              bad_words=bad)
+                                              bad_words=bad, eos_token_ids=state.eos_token_ids)
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, rid, [ids for _, ids in prompts], params, endpoint="/v1/completions",
                      texts=[t for t, _ in prompts])

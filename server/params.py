@@ -200,10 +200,11 @@ def _encode_plain(tokenizer, text: str) -> list[int]:
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
                     logprobs: int | None, prompt_logprobs: int | None,
                     structured: StructuredOutputs | None, vocab_size: int | None = None,
-                    defaults: dict[str, Any] | None = None, bad_words: list[list[int]] | None = None
-                    ) -> SamplingParams:
+                    defaults: dict[str, Any] | None = None, bad_words: list[list[int]] | None = None,
+                    eos_token_ids: tuple[int, ...] | None = None) -> SamplingParams:
     """The request's sampling parameters; those it leaves unset come from `defaults`
-    (--generation-config), then SamplingParams' own."""
+    (--generation-config), then SamplingParams' own. Given the vocabulary (and the engine's EOS
+    ids), checked for admission here (`checked_params`)."""
     kw: dict[str, Any] = dict(
         logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=_unique(req.allowed_token_ids),
         bad_words_token_ids=bad_words,
@@ -221,8 +222,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
             kw[name] = value
     try:
         params = SamplingParams(**kw)
-        if vocab_size is not None:  # admission's checks and bad-words index, made here
-            checked_params(params, vocab_size)
+        if vocab_size is not None:  # admission's checks, bad-words index and mask tables, made here
+            checked_params(params, vocab_size, eos_token_ids)
         return params
     except (ValueError, TypeError, NotImplementedError) as e:
         raise bad_request(f"invalid sampling parameters: {e}", _field_named(str(e))) from None
@@ -269,7 +270,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 def _field_named(message: str) -> str | None:
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "golden_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                 "seed", "stop_token_ids", "stop", "logit_bias", "allowed_token_ids", "structured_outputs", "n"):
+                 "seed", "stop_token_ids", "stop", "logit_bias", "allowed_token_ids", "structured_outputs", "n",
+                 "bad_words"):
         if re.search(rf"\b{name}\b", message):
             return name
     return None

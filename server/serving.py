@@ -40,6 +40,7 @@ class ServerState:
     deployment_hash: str
     selection: str = "pinned"
     vocab_size: int | None = None
+    eos_token_ids: tuple[int, ...] | None = None  # the engine's (EngineLimits): requests' mask tables built on the pool
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     metrics: Metrics | None = None

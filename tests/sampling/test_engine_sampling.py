@@ -349,3 +349,98 @@ def test_a_served_requests_bad_words_come_indexed_and_sample_the_same_bits(monke
     assert built == [VOCAB]  # unchecked params: indexed at admission
     assert all(same(result_of(got, i), result_of(want, i)) for i in range(2))
     assert all(not set(c.token_ids) & set(range(100, 140)) for c in got.outputs)
+
+
+def test_a_served_requests_mask_tables_come_built_and_checked_and_sample_the_same_bits(monkeypatch):
+    """A vocabulary's allowed ids, bias and stop ids took 14 ms on detent-serve's step thread to build
+    into the request's mask tables (`build_mask_ids`) and to check that they leave some token (set
+    operations over every id), a pause of every running request. Given the engine's EOS ids, the
+    server's worker pool does both (`checked_params`) and the tables travel with the params: the
+    engine builds and checks none. Tokens and logprobs (n = 2) are those of the same params built at
+    admission; params checked for other EOS ids are built and checked there, and a request whose bans
+    leave no token is refused on the pool."""
+    import pickle
+
+    from detent.engine import checked_params
+    from detent.sampling import processors as P
+    llm = tiny_llm(VOCAB)
+    eng = llm.llm_engine
+
+    def params() -> SamplingParams:
+        return SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, logprobs=2, ignore_eos=True, min_tokens=4,
+                              allowed_token_ids=list(range(2, 120)), stop_token_ids=list(range(100, VOCAB)),
+                              logit_bias={t: t % 7 - 3.0 for t in range(VOCAB)}, bad_words_token_ids=[[5], [6, 7]])
+    served = pickle.loads(pickle.dumps(checked_params(params(), VOCAB, eng.eos_token_ids)))
+    calls = []
+    real = {"build_mask_ids": P.build_mask_ids, "setdiff1d": np.setdiff1d, "union1d": np.union1d}
+    monkeypatch.setattr(P, "build_mask_ids", lambda *a: calls.append("build_mask_ids") or real["build_mask_ids"](*a))
+    for name in ("setdiff1d", "union1d"):  # check_some_token_left's set operations
+        monkeypatch.setattr(np, name, lambda *a, _n=name, **k: calls.append(_n) or real[_n](*a, **k))
+    eng.add_request("served", TARGET_PROMPT[:9], served)
+    assert calls == []
+    eng.add_request("other-eos", TARGET_PROMPT[:9], checked_params(params(), VOCAB, (0,)))
+    assert calls[0] == "build_mask_ids" and "setdiff1d" in calls, calls
+    eng.withdraw_requests(["served", "other-eos"])
+    got = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [served], use_tqdm=False)[0]
+    want = llm.generate([{"prompt_token_ids": TARGET_PROMPT[:9]}], [params()], use_tqdm=False)[0]
+    assert all(same(result_of(got, i), result_of(want, i)) for i in range(2))
+    assert all(set(c.token_ids) <= set(range(2, 120)) - {5} for c in got.outputs)
+    with pytest.raises(ValueError, match="min_tokens=1 bans EOS and stop_token_ids"):
+        checked_params(SamplingParams(min_tokens=1, allowed_token_ids=[9], stop_token_ids=[9]), VOCAB, eng.eos_token_ids)
+
+
+def test_a_requests_grammar_key_is_made_once_and_a_served_ones_on_the_servers_pool(monkeypatch):
+    """The grammar cache finds a compiled spec by its canonical JSON (`StructuredOutputs.key`), which
+    admission made for every sample, on detent-serve's step thread: 0.5 ms for a legal 64 KB schema,
+    69 ms for n = 128. A server's worker makes it (`checked_params`) and it travels with the params;
+    offline params' is made once for all their samples. Both find the one compiled grammar."""
+    import pickle
+
+    from detent.engine import checked_params
+    keys, real = [], StructuredOutputs.key
+    monkeypatch.setattr(StructuredOutputs, "key", lambda self: keys.append(1) or real(self))
+    eng = tiny_llm(VOCAB).llm_engine
+
+    def params() -> SamplingParams:
+        return SamplingParams(n=3, max_tokens=3, structured_outputs=StructuredOutputs(json={"type": "object"}))
+    served = pickle.loads(pickle.dumps(checked_params(params(), VOCAB)))
+    assert len(keys) == 1  # on the caller's thread
+    keys.clear()
+    eng.add_request("served", [3, 4], served)
+    assert keys == []
+    eng.add_request("offline", [3, 4], params())
+    assert len(keys) == 1
+    assert (eng._grammars.misses, eng._grammars.hits) == (1, 5)  # one compile for the six samples
+    eng.withdraw_requests(["served", "offline"])
+
+
+def test_a_requests_samples_hash_its_prompt_once(monkeypatch):
+    """Each of a request's n samples hashed the whole prompt for the prefix cache, on detent-serve's
+    step thread: a 32k-token prompt took 6.5 ms a sample, 0.85 s for n = 128, a pause of every running
+    request. The first sample hashes it, the others take its hashes (and its prompt list); each keeps
+    its own hashes as its outputs grow. Tokens and logprobs are those of samples that each hash it."""
+    from detent.scheduler import request as R
+    calls, real = [], R.hash_blocks
+    monkeypatch.setattr(R, "hash_blocks", lambda ids, *a, **k: calls.append(len(ids)) or real(ids, *a, **k))
+    llm = tiny_llm(VOCAB)
+    eng = llm.llm_engine
+    eng.add_request("n4", TARGET_PROMPT, target_params(n=4, max_tokens=8))
+    eng.step()
+    samples = eng.outputs.children("n4")
+    assert calls == [len(TARGET_PROMPT)]
+    assert all(s.block_hashes == real(TARGET_PROMPT, s.block_size) for s in samples)
+    assert samples[1].prompt_token_ids is samples[0].prompt_token_ids
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert all(s.block_hashes == real(s.all_token_ids, s.block_size) for s in samples)
+    monkeypatch.setattr(R.Request, "__init__", _unshared(R.Request.__init__))
+    alone = llm.generate([{"prompt_token_ids": TARGET_PROMPT}], target_params(n=4, max_tokens=8), use_tqdm=False)[0]
+    assert all(same(result_of(done["n4"], i), result_of(alone, i)) for i in range(4))
+
+
+def _unshared(init):
+    """Request.__init__ that takes nothing from a sibling: each sample hashes its prompt, as before."""
+    def made_alone(self, *a, sibling=None, **k):
+        init(self, *a, **k)
+    return made_alone

@@ -73,8 +73,33 @@ def test_a_served_requests_bad_words_are_indexed_on_the_servers_pool_with_the_sa
     r = client.post("/v1/completions", headers=AUTH, json={**body, "bad_words": words})
     assert r.status_code == 200, r.text
     assert seen["__init__"] and STEP_THREAD not in seen["__init__"], seen
-    monkeypatch.setattr(params, "checked_params", lambda p, vocab_size: p.verify_vocab(vocab_size))
+    monkeypatch.setattr(params, "checked_params", lambda p, vocab_size, *eos: p.verify_vocab(vocab_size))
     at_admission = client.post("/v1/completions", headers=AUTH, json={**body, "bad_words": words}).json()
     assert seen["__init__"][-1] == STEP_THREAD  # built by the engine, as before
     got, want = r.json()["choices"][0], at_admission["choices"][0]
     assert got["logprobs"] == want["logprobs"] and got["text"] == want["text"] != plain["text"]
+
+
+def test_a_served_requests_mask_tables_and_grammar_key_are_made_on_the_servers_pool(client, monkeypatch):
+    """The engine's step thread built a request's mask tables (a vocabulary's allowed ids, bias and
+    stop ids: 14 ms with the check that they leave some token) and its spec's grammar-cache key once
+    a sample (a legal 64 KB schema's: 69 ms for n = 128), a pause of every running request. The
+    server's pool makes both, with the engine's EOS ids (EngineLimits.eos_token_ids), and refuses
+    there a request whose bans leave no token, naming the field."""
+    from detent.sampling import processors
+    from detent.sampling.params import StructuredOutputs
+    seen: dict[str, list[str]] = {}
+    _thread_spy(monkeypatch, processors, "build_mask_ids", seen)
+    _thread_spy(monkeypatch, StructuredOutputs, "key", seen)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 1, "n": 2, "min_tokens": 1,
+            "logit_bias": {"5": 1.0}, "allowed_token_ids": list(range(100, 4000)), "stop_token_ids": [7, 8],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}}
+    r = client.post("/v1/chat/completions", headers=AUTH, json=body)
+    assert r.status_code == 200, r.text
+    assert seen["build_mask_ids"] and seen["key"], seen
+    assert not any(STEP_THREAD in where for where in seen.values()), seen
+    seen.clear()
+    r = client.post("/v1/chat/completions", headers=AUTH, json={**body, "allowed_token_ids": [7]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    assert "no token can be sampled" in r.json()["error"]["message"]
+    assert not any(STEP_THREAD in where for where in seen.values()), seen
