@@ -472,8 +472,8 @@ def test_a_log_replay_waiting_on_a_grammar_compile_does_not_spin(monkeypatch):
     eng = llm.llm_engine
     cache = eng._grammar_cache()
     new_state = cache.new_state
-    monkeypatch.setattr(cache, "new_state", lambda spec, checked=False: _HeldCompile(new_state(spec, checked),
-                                                                                   time.monotonic() + 0.3))
+    monkeypatch.setattr(cache, "new_state", lambda spec, **kw: _HeldCompile(new_state(spec, **kw),
+                                                                          time.monotonic() + 0.3))
     step, steps = eng.step, []
     monkeypatch.setattr(eng, "step", lambda: steps.append(1) or step())
     # a request record as parse_record reads it
