@@ -8,7 +8,9 @@ default per workload, each Detent arm against vLLM's), the same numbers as JSON
   arm's p50, p90 and p99 TPOT over stock's.
 - fig8.png: the tuple-drift matrix. Rows: the tuple tuned on each workload;
   columns: the loads; cells: the row's p50 TPOT over the p50 TPOT of the
-  column's own workload tuple. Outlined: a tuple on its own workload.
+  column's own workload tuple. Outlined: a tuple on its own workload. Drawn
+  once a tuple was served off its own workload (the diagonal alone is 1.000),
+  with or without stock in the folder.
 
 "pinned-tuned" at a load is the tuple tuned on that load's workload.
 """
@@ -67,6 +69,22 @@ def drift(res: dict, loads: list[str]) -> dict[str, dict[str, float]]:
             own = res["arms"].get(f"tuned-{wl[ld]}", {}).get(ld)
             if ld in row and own and own["tpot_p50_ms"] > 0:
                 out[w][ld] = row[ld]["tpot_p50_ms"] / own["tpot_p50_ms"]
+    return out
+
+
+def drift_paired(res: dict, loads: list[str]) -> dict[str, dict[str, dict]]:
+    """Off the diagonal of the drift matrix: per tuple and load of another workload, the paired
+    per-request TPOT difference, that tuple - the load's own workload tuple, in ms (`paired`)."""
+    wl = workload_of(res)
+    out: dict[str, dict[str, dict]] = {}
+    for w in res.get("tuples", {}):
+        row = res["arms"].get(f"tuned-{w}", {})
+        for ld in loads:
+            own = res["arms"].get(f"tuned-{wl[ld]}", {}).get(ld)
+            if wl[ld] != w and ld in row and own and "per_request" in row[ld] and "per_request" in own:
+                p = paired(row[ld]["per_request"]["tpot_ms"], own["per_request"]["tpot_ms"])
+                if p:
+                    out.setdefault(w, {})[ld] = p
     return out
 
 
@@ -145,6 +163,13 @@ def markdown(res: dict, loads: list[str], table: dict, ratios: dict, mat: dict, 
                   "| tuple of | " + " | ".join(loads) + " |", "|---|" + "---:|" * len(loads)]
         for w, row in mat.items():
             lines.append(f"| {w} | " + " | ".join(f"{row[ld]:.3f}" if ld in row else "" for ld in loads) + " |")
+        off = drift_paired(res, loads)
+        if off:
+            lines += ["", "Off its own workload, per load the median paired per-request TPOT difference, the row's "
+                      "tuple - the load's own workload tuple (ms), and its 95% bootstrap interval over the "
+                      "requests:", ""]
+            lines += [f"- tuple of {w}: " + "; ".join(f"{ld} {p['median']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]"
+                                                       for ld, p in row.items()) for w, row in off.items()]
     if tvd and tvd["workloads"]:
         lines += ["", "Tuned against default, p50 TPOT: geometric mean over each workload's loads of tuned / default; "
                   "per load, the median paired per-request difference tuned - default (ms) and its 95% "
@@ -177,16 +202,26 @@ def figures(out_dir: str, res: dict, loads: list[str], table: dict, mat: dict) -
     try:
         import matplotlib
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot  # noqa: F401  (fig7, fig8)
     except ImportError:
         print("arms_report: matplotlib is not installed: no figures (pip install 'detent[bench]')")
         return []
-    if "stock" not in table:  # every figure is a ratio to stock's run
-        print("arms_report: no stock arm in this folder: no figures")
+    paths = fig7(out_dir, loads, table)
+    wl = workload_of(res)
+    if any(wl[ld] != w for w, row in mat.items() for ld in row):  # the diagonal alone is all 1.000
+        paths.append(fig8(out_dir, loads, mat, wl))
+    return paths
+
+
+def fig7(out_dir: str, loads: list[str], table: dict) -> list[str]:
+    """fig7.png (module docstring), when the folder holds stock and another arm."""
+    import matplotlib.pyplot as plt
+    if "stock" not in table:  # fig7 is ratios to stock's run
+        print("arms_report: no stock arm in this folder: no fig7")
         return []
     arms = [a for a in table if a != "stock"]
     if not arms:  # stock alone: nothing to set over it yet
-        print("arms_report: stock is the only arm in this folder: no figures")
+        print("arms_report: stock is the only arm in this folder: no fig7")
         return []
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4))
     width = 0.8 / max(len(arms), 1)
@@ -210,29 +245,33 @@ def figures(out_dir: str, res: dict, loads: list[str], table: dict, mat: dict) -
         bx.legend(fontsize=8)
     bx.set_title("(b) tuned: TPOT over stock at p50, p90, p99")
     fig.tight_layout()
-    paths = [os.path.join(out_dir, "fig7.png")]
-    fig.savefig(paths[0], dpi=110)
+    path = os.path.join(out_dir, "fig7.png")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    if mat:
-        rows = list(mat)
-        grid = [[mat[w].get(ld, float("nan")) for ld in loads] for w in rows]
-        fig, ax = plt.subplots(figsize=(1.1 * len(loads) + 2, 0.8 * len(rows) + 1.5))
-        im = ax.imshow(grid, cmap="Reds", vmin=1.0)
-        wl = workload_of(res)
-        for i, w in enumerate(rows):
-            for j, ld in enumerate(loads):
-                ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
-                if wl[ld] == w:
-                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2))
-        ax.set_xticks(range(len(loads)), loads)
-        ax.set_yticks(range(len(rows)), [f"tuple of {w}" for w in rows])
-        ax.set_title("p50 TPOT over the column's own workload tuple")
-        fig.colorbar(im, ax=ax)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "fig8.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
+    return [path]
+
+
+def fig8(out_dir: str, loads: list[str], mat: dict, wl: dict[str, str]) -> str:
+    """fig8.png (module docstring): the drift matrix, with a cell off its diagonal."""
+    import matplotlib.pyplot as plt
+    rows = list(mat)
+    grid = [[mat[w].get(ld, float("nan")) for ld in loads] for w in rows]
+    fig, ax = plt.subplots(figsize=(1.1 * len(loads) + 2, 0.8 * len(rows) + 1.5))
+    im = ax.imshow(grid, cmap="Reds", vmin=1.0)
+    for i, w in enumerate(rows):
+        for j, ld in enumerate(loads):
+            ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
+            if wl[ld] == w:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2))
+    ax.set_xticks(range(len(loads)), loads)
+    ax.set_yticks(range(len(rows)), [f"tuple of {w}" for w in rows])
+    ax.set_title("p50 TPOT over the column's own workload tuple")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "fig8.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def report(out_dir: str) -> dict:
@@ -246,7 +285,8 @@ def report(out_dir: str) -> dict:
     text = markdown(res, loads, table, ratios, mat, tvd, vs_vllm)
     with open(os.path.join(out_dir, "arms.md"), "w") as f:
         f.write(text)
-    summary = {"loads": loads, "geomean_ratio_to_stock": ratios, "drift": mat, "tuned_vs_default": tvd,
+    summary = {"loads": loads, "geomean_ratio_to_stock": ratios, "drift": mat,
+               "drift_paired": drift_paired(res, loads), "tuned_vs_default": tvd,
                "against_vllm": vs_vllm, "lambda_max": res["lambda_max"],
                "lambda_max_from": res.get("lambda_max_from", {})}
     with open(os.path.join(out_dir, "report.json"), "w") as f:

@@ -76,6 +76,26 @@ def test_a_folder_without_stock_still_compares_tuned_with_default(tmp_path):
     assert "No stock arm in this folder: no ratios to stock." in md and "ratio to stock:" not in md
 
 
+def test_the_drift_matrix_off_its_diagonal_with_paired_differences_and_its_figure(tmp_path):
+    # lease 35: both workloads' tuples served on both workloads, in a folder with no stock arm; the
+    # figure had needed stock, and the report gave only the p50 ratio, with no interval
+    res = {"lambda_max": {}, "tuples": {"W-A": "a.json", "W-B": "b.json"}, "arms": {
+        "tuned-W-A": {"A3": _load("W-A", 8.0, [8.0, 8.1, 8.2]), "B3": _load("W-B", 20.0, [20.0, 21.0, 22.0])},
+        "tuned-W-B": {"A3": _load("W-A", 8.0, [8.0, 8.1, 8.2]), "B3": _load("W-B", 16.0, [18.0, 18.5, 19.0])},
+    }}
+    (tmp_path / "arms.json").write_text(json.dumps(res))
+    rep = arms_report.report(str(tmp_path))
+    assert rep["drift"] == {"W-A": {"A3": 1.0, "B3": 1.25}, "W-B": {"A3": 1.0, "B3": 1.0}}
+    # off the diagonal only: W-A's tuple on B3 (paired differences 2.0, 2.5, 3.0), W-B's on A3 (0, 0, 0)
+    off = rep["drift_paired"]
+    assert set(off) == {"W-A", "W-B"} and set(off["W-A"]) == {"B3"} and set(off["W-B"]) == {"A3"}
+    assert math.isclose(off["W-A"]["B3"]["median"], 2.5) and off["W-A"]["B3"]["lo"] >= 2.0
+    assert off["W-B"]["A3"] == {**off["W-B"]["A3"], "median": 0.0, "lo": 0.0, "hi": 0.0}
+    md = (tmp_path / "arms.md").read_text()
+    assert "| W-A | 1.000 | 1.250 |" in md and "- tuple of W-A: B3 +2.500 [" in md
+    assert rep["figures"] == [str(tmp_path / "fig8.png")] and os.path.getsize(rep["figures"][0]) > 0
+
+
 def test_a_borrowed_lambda_max_is_named_in_the_report(tmp_path):
     # lease 30 served W-B's default and tuned arms at lease 29's stock rates (serve_arms.py run
     # --lambda-max-from): the report says whose stock run set them
