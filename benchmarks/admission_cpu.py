@@ -4,8 +4,9 @@ The core admits requests between two steps (engine/core_process.py), so this tim
 pause of every running request. Per case, a hostile-but-legal request (many bad words,
 a 64 KB JSON schema, a vocabulary's logit_bias, allowed ids or stop ids, many stop
 strings, a long prompt) is made as the server makes it: SamplingParams checked on its
-pool for the engine's vocabulary and EOS ids (`checked_params`, timed as "pool") and
-pickled as the pipe pickles it. Then, median of `--repeat` admissions: the message read
+pool for the engine's vocabulary and EOS ids (`checked_params`) and the prompt's blocks
+hashed there for its block size (`HashedPrompt`), timed as "pool", and pickled as the
+pipe pickles them. Then, median of `--repeat` admissions: the message read
 from a pipe as another process writes it ("pipe", as the core reads a server's), its
 unpickling, `add_request`, and the inbox's drain into the scheduler (the start of the
 next step), each and their sum.
@@ -154,7 +155,7 @@ def wait_for_grammar(eng, rid: str, timeout_s: float = 120.0) -> None:
 
 
 def measure(eng, server: Server, what, prompt, fields, repeat: int) -> dict:
-    from detent.engine import SamplingParams, checked_params
+    from detent.engine import HashedPrompt, SamplingParams, checked_params
     limits = eng.limits()  # what the server knows of its engine
     row: dict = {"what": what}
     pool, parts = [], {p: [] for p in PARTS}
@@ -163,9 +164,10 @@ def measure(eng, server: Server, what, prompt, fields, repeat: int) -> dict:
         params = SamplingParams(max_tokens=8, **fields(max(i, 0)))
         t = time.perf_counter()
         checked_params(params, limits.vocab_size, limits.eos_token_ids)
+        hashed = HashedPrompt.of(prompt, limits.block_size)  # as the server's pool does (Generation)
         pool.append(time.perf_counter() - t)
         rid = f"r{i}"
-        message = bytes(ForkingPickler.dumps(("add", rid, prompt, params)))
+        message = bytes(ForkingPickler.dumps(("add", rid, hashed, params)))
         if i < 0:
             _WAIT_FOR.add(rid)
         server.load(message)

@@ -56,6 +56,8 @@ _LAZY = {
     "check_limits": "detent.sampling.grammar_limits",
     # a server's worker makes admission's checks of a request's params, and its bad-words index
     "checked_params": "detent.sampling.processors",
+    # ... and hashes a prompt's blocks for the prefix cache (EngineLimits.block_size)
+    "HashedPrompt": "detent.scheduler.block_hash",
     # add_request's refusal when a grammar compile lane is full (the server answers 503)
     "CompileQueueFull": "detent.sampling.grammar_workers",
     "request_record": "detent.engine.log_record",

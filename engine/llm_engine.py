@@ -57,6 +57,7 @@ from detent.engine.step_stats import HOST_PARTS, KIND_HOST_PARTS, StepStats, ste
 from detent.sampling.grammar_limits import check_limits
 from detent.sampling.params import SamplingParams, tokenize_bad_words
 from detent.sampling.processors import RequestMaskIds, checked_for
+from detent.scheduler.block_hash import HashedPrompt
 from detent.scheduler.request import Request, RequestStatus
 from detent.scheduler.scheduler import Scheduler, SchedulerLimits
 
@@ -129,9 +130,11 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, prompt: str | None = None) -> None:
-        """Queue a request. Raises ValueError on bad input (naming the field)."""
+        """Queue a request. Raises ValueError on bad input (naming the field). A `HashedPrompt`
+        (detent-serve's) brings its blocks' hashes: its requests take them (Request's prompt_hashes)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids = self._validate(request_id, prompt_token_ids, params)
+        hashed = prompt_token_ids if isinstance(prompt_token_ids, HashedPrompt) else None
         masks = self._mask_ids(params)
         masks.check_some_token_left(self.model_config.vocab_size)
         # the grammar compile is submitted here, not when step() drains the inbox (as vLLM's
@@ -144,7 +147,7 @@ class LLMEngine:
                     raise ValueError(f"request_id {request_id!r} is already in use")
                 self._pending_ids.add(request_id)
                 seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-                self._inbox.append(("add", (request_id, ids, params, prompt, seed, grammars, masks)))
+                self._inbox.append(("add", (request_id, ids, params, prompt, seed, grammars, masks, hashed)))
         except BaseException:
             for g in grammars:
                 g.release()
@@ -254,14 +257,14 @@ class LLMEngine:
         aborted_outputs = []
         for kind, payload in items:
             if kind == "add":
-                rid, ids, params, prompt, seed, grammars, masks = payload
+                rid, ids, params, prompt, seed, grammars, masks, hashed = payload
                 n = params.n
                 children: list[Request] = []
-                for i in range(n):  # the first sample hashes the prompt's blocks, for every sample
+                for i in range(n):  # the first sample hashes the prompt's blocks (or takes them), for every sample
                     children.append(Request(rid if n == 1 else f"{rid}#{i}", ids, params, seed=seed,
                                             block_size=self.config.block_size, sample_index=i,
                                             eos_token_ids=self.eos_token_ids, mask_ids=masks,
-                                            sibling=children[0] if children else None))
+                                            sibling=children[0] if children else None, prompt_hashes=hashed))
                 for c, g in zip(children, grammars):  # compiling off the step loop since add_request
                     c.grammar = g
                 self.outputs.add(rid, prompt, children)

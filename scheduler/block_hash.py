@@ -36,3 +36,27 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple = (
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys)
         out.append(parent)
     return out
+
+
+class HashedPrompt(tuple):
+    """A prompt's token ids, immutable, with its full blocks' hashes under one block size and extra
+    keys, made off the engine's step thread (`HashedPrompt.of`: detent-serve's pool, for its engine's
+    block size, EngineLimits.block_size). It travels as the prompt itself (pickled with its hashes);
+    a `Request` takes them where they are its own prompt's, block size's and extra keys' (`hashes_for`),
+    else hashes as before: a 32k-token prompt's took 6.4 ms on the step thread."""
+    block_size: int
+    extra_keys: tuple
+    block_hashes: tuple[BlockHash, ...]
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()) -> "HashedPrompt":
+        p = cls(token_ids)
+        p.block_size, p.extra_keys = block_size, tuple(extra_keys)
+        p.block_hashes = tuple(hash_blocks(p, block_size, p.extra_keys))
+        return p
+
+    def hashes_for(self, token_ids: Sequence[int], block_size: int, extra_keys: tuple) -> list[BlockHash] | None:
+        """Its hashes, if they are those of `token_ids` under `block_size` and `extra_keys`; else None."""
+        if block_size != self.block_size or tuple(extra_keys) != self.extra_keys or tuple(token_ids) != self:
+            return None
+        return list(self.block_hashes)

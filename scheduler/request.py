@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from detent.scheduler.block_hash import NONE_HASH, BlockHash, hash_blocks
+from detent.scheduler.block_hash import NONE_HASH, BlockHash, HashedPrompt, hash_blocks
 from detent.sampling.params import SamplingParams
 from detent.sampling.processors import RequestMaskIds
 
@@ -39,7 +39,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  *, seed: int, block_size: int, sample_index: int = 0, extra_keys: tuple = (),
                  eos_token_ids: Sequence[int] = (), mask_ids: RequestMaskIds | None = None,
-                 sibling: Request | None = None):
+                 sibling: Request | None = None, prompt_hashes: HashedPrompt | None = None):
         self.request_id = request_id
         self.params = params
         self.seed = seed  # params.seed, or one drawn at admission (kept for replay)
@@ -65,9 +65,13 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet scheduled)
         self.num_preemptions = 0
         self.block_ids: list[int] = []
+        hashes = None
+        if sibling is not None:
+            hashes = sibling.block_hashes[:self.num_prompt_tokens // block_size]
+        elif prompt_hashes is not None:  # made on a server's pool; None unless this prompt's, size's and keys'
+            hashes = prompt_hashes.hashes_for(self.prompt_token_ids, block_size, self.extra_keys)
         self.block_hashes: list[BlockHash] = (
-            sibling.block_hashes[:self.num_prompt_tokens // block_size] if sibling is not None
-            else hash_blocks(self.all_token_ids, block_size, self.extra_keys))
+            hashes if hashes is not None else hash_blocks(self.all_token_ids, block_size, self.extra_keys))
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -117,7 +117,9 @@ class AsyncEngine:
         with self._lock:
             self._pending_adds += 1
         try:
-            self._submit(request_id, list(prompt_token_ids), params, admitted)
+            # a tuple (the pool's HashedPrompt: its blocks' hashes travel with it) cannot change: kept
+            ids = prompt_token_ids if isinstance(prompt_token_ids, tuple) else list(prompt_token_ids)
+            self._submit(request_id, ids, params, admitted)
             await admitted
         except BaseException:  # refused, or the caller was cancelled while waiting
             self._streams.pop(request_id, None)

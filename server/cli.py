@@ -212,6 +212,7 @@ def build_state(a: argparse.Namespace):
         engine=engine, tokenizer=tok, served_model_names=names,
         model_root=a.model or "embedded:SmolLM2-135M-Instruct",
         max_model_len=limits.max_model_len, vocab_size=limits.vocab_size, eos_token_ids=limits.eos_token_ids,
+        block_size=limits.block_size,
         tuple_hash=fp.tuple_hash, deployment_hash=fp.deployment_hash,
         selection=a.selection, api_key=a.api_key or None, limits=a.limits,
         allowed_weight_dirs=tuple(a.allowed_weight_dir), log_requests=a.enable_log_requests, max_log_len=a.max_log_len,

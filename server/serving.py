@@ -41,6 +41,7 @@ class ServerState:
     selection: str = "pinned"
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] | None = None  # the engine's (EngineLimits): requests' mask tables built on the pool
+    block_size: int | None = None  # the engine's (EngineLimits): prompts' block hashes made on the pool (Generation)
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     metrics: Metrics | None = None

@@ -3,7 +3,7 @@ import hashlib
 
 import pytest
 
-from detent.scheduler.block_hash import NONE_HASH, hash_block, hash_blocks
+from detent.scheduler.block_hash import NONE_HASH, HashedPrompt, hash_block, hash_blocks
 from detent.scheduler.block_manager import BlockManager
 from detent.sampling.params import SamplingParams
 from detent.scheduler.request import Request
@@ -42,6 +42,32 @@ def test_append_extends_hashes_when_a_block_fills():
     r.append_output_token(8)
     assert r.block_hashes == hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], BS)
     assert r.output_token_ids == [7, 8] and r.num_tokens == 8
+
+
+def test_a_hashed_prompts_hashes_are_taken_only_for_its_ids_block_size_and_extra_keys(monkeypatch):
+    """A prompt hashed elsewhere (a server's pool: `HashedPrompt`) brings its blocks' hashes, pickled
+    with it; a Request takes them only where they are its own prompt's, block size's and extra keys'
+    (a copy of the ids will do), and hashes as before otherwise. Bit-identical to its own hashing."""
+    import pickle
+
+    from detent.scheduler import request as R
+    ids = list(range(1, 11))
+    hp = pickle.loads(pickle.dumps(HashedPrompt.of(ids, BS)))
+    assert hp == tuple(ids) and list(hp.block_hashes) == hash_blocks(ids, BS) and hp.block_size == BS
+    calls = []
+    monkeypatch.setattr(R, "hash_blocks", lambda *a, **k: calls.append(a) or hash_blocks(*a, **k))
+    taken = Request("a", list(ids), SamplingParams(), seed=0, block_size=BS, prompt_hashes=hp)
+    assert calls == [] and taken.block_hashes == hash_blocks(ids, BS)
+    taken.append_output_token(11)
+    taken.append_output_token(12)
+    assert taken.block_hashes == hash_blocks(ids + [11, 12], BS)  # its own list, grown
+    assert list(hp.block_hashes) == hash_blocks(ids, BS)
+    for other in (dict(prompt_token_ids=ids[:-1] + [99]), dict(block_size=BS // 2), dict(extra_keys=("lora",))):
+        kw = dict(prompt_token_ids=ids, block_size=BS) | other
+        calls.clear()
+        r = Request("b", kw.pop("prompt_token_ids"), SamplingParams(), seed=0, prompt_hashes=hp, **kw)
+        assert len(calls) == 1, other
+        assert r.block_hashes == hash_blocks(r.prompt_token_ids, r.block_size, r.extra_keys)
 
 
 def test_allocation_ids_and_null_block():

@@ -444,3 +444,28 @@ def _unshared(init):
     def made_alone(self, *a, sibling=None, **k):
         init(self, *a, **k)
     return made_alone
+
+
+def test_a_prompt_hashed_on_a_servers_pool_is_not_hashed_again_unless_for_another_block_size(monkeypatch):
+    """A prompt a server's pool hashed for the engine's block size (`HashedPrompt`, pickled as the
+    core's pipe carries it) is not hashed again at admission: its samples take its hashes, the same
+    as the engine's own. One hashed for another block size, or a plain list (offline), is hashed there."""
+    import pickle
+
+    from detent.engine import HashedPrompt
+    from detent.scheduler import request as R
+    calls, real = [], R.hash_blocks
+    monkeypatch.setattr(R, "hash_blocks", lambda ids, *a, **k: calls.append(len(ids)) or real(ids, *a, **k))
+    eng = tiny_llm(VOCAB).llm_engine
+    bs = eng.limits().block_size
+    for rid, prompt, hashed in (("served", HashedPrompt.of(TARGET_PROMPT, bs), False),
+                                ("other size", HashedPrompt.of(TARGET_PROMPT, bs // 2), True),
+                                ("offline", TARGET_PROMPT, True)):
+        calls.clear()
+        eng.add_request(rid, pickle.loads(pickle.dumps(prompt)), target_params(n=3, max_tokens=2))
+        eng.step()
+        assert calls == ([len(TARGET_PROMPT)] if hashed else []), rid
+        samples = eng.outputs.children(rid)
+        assert all(s.block_hashes[:len(TARGET_PROMPT) // bs] == real(TARGET_PROMPT, bs) for s in samples), rid
+        assert samples[1].prompt_token_ids is samples[0].prompt_token_ids
+        eng.withdraw_requests([rid])
