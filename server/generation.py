@@ -109,8 +109,8 @@ class Generation:
                 for i, (ids, text) in enumerate(zip(self.prompts, self.texts)):
                     log.debug("request %s details: prompt: %r, prompt_token_ids: %s", self.rid(i),
                               text if text is None or cut is None else text[:cut], ids if cut is None else ids[:cut])
-        prompts = await self._engine_prompts()
         try:
+            prompts = await self._engine_prompts()
             for i, (ids, p) in enumerate(zip(prompts, self.params)):
                 self._streams.append(await self.state.engine.add(self.engine_id(i), ids, p))
         except BaseException:
