@@ -45,17 +45,16 @@ from typing import Any, Sequence
 
 import torch
 
+from detent.engine.admission import admitted_prompt
 from detent.engine.config import EngineConfig, EngineLimits
 from detent.engine.fingerprint import Fingerprint, fingerprint
-from detent.engine.inputs import token_id_list
 from detent.engine.isolation import find_culprits
 from detent.engine.output_processor import OutputProcessor
 from detent.engine.outputs import RequestOutput
 from detent.engine.profiler import StepProfiler
 from detent.engine.startup import build_runner, freeze_gc_heap
 from detent.engine.step_stats import HOST_PARTS, KIND_HOST_PARTS, StepStats, step_kind
-from detent.sampling.grammar_limits import check_limits
-from detent.sampling.params import SamplingParams, tokenize_bad_words
+from detent.sampling.params import SamplingParams
 from detent.sampling.processors import RequestMaskIds, checked_for
 from detent.scheduler.block_hash import HashedPrompt
 from detent.scheduler.request import Request, RequestStatus
@@ -133,7 +132,9 @@ class LLMEngine:
         """Queue a request. Raises ValueError on bad input (naming the field). A `HashedPrompt`
         (detent-serve's) brings its blocks' hashes: its requests take them (Request's prompt_hashes)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        ids = self._validate(request_id, prompt_token_ids, params)
+        ids = admitted_prompt(request_id, prompt_token_ids, params, vocab=self.model_config.vocab_size,
+                              max_model_len=self.state.max_model_len, max_logprobs=self.config.max_logprobs,
+                              rl=self.config.rl, tokenizer=self.tokenizer)
         hashed = prompt_token_ids if isinstance(prompt_token_ids, HashedPrompt) else None
         masks = self._mask_ids(params)
         masks.check_some_token_left(self.model_config.vocab_size)
@@ -213,43 +214,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self._inbox_lock:
             return bool(self._pending_ids or self._live_ids)
-
-    def _validate(self, request_id: str, prompt_token_ids: Sequence[int], p: SamplingParams) -> list[int]:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        ids = token_id_list("prompt_token_ids", prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(ids) > self.state.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.state.max_model_len}")
-        if getattr(p, "bad_words", None) and p.bad_words_token_ids is None:
-            if self.tokenizer is None:
-                raise ValueError("bad_words needs the model's tokenizer (the engine has none); "
-                                 "pass bad_words_token_ids")
-            # tokenized once, on the params (vLLM does the same at admission)
-            p.bad_words_token_ids = tokenize_bad_words(
-                p.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
-        # params a server's worker checked for this vocabulary are not walked again on the step thread
-        checked = checked_for(p, vocab)
-        if checked is None and hasattr(p, "verify_vocab"):
-            p.verify_vocab(vocab)
-        if self.config.rl:
-            from detent.engine.rl_contract import check_rl_params
-            check_rl_params(p)
-        if p.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer (the engine has none)")
-            if checked is None:  # a ValueError naming the limit, before anything compiles
-                check_limits(p.structured_outputs)
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, name)
-            if k is not None and k > self.config.max_logprobs:
-                raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
-        return ids
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._inbox_lock:

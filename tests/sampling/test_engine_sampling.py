@@ -294,12 +294,12 @@ def test_params_a_server_checked_are_admitted_without_being_walked_again(monkeyp
     import dataclasses
     import pickle
 
-    from detent.engine import checked_params, llm_engine
+    from detent.engine import admission, checked_params
     from detent.sampling import grammar
     calls = []
-    real_vocab, real_limits = SamplingParams.verify_vocab, llm_engine.check_limits
+    real_vocab, real_limits = SamplingParams.verify_vocab, admission.check_limits
     monkeypatch.setattr(SamplingParams, "verify_vocab", lambda self, V: calls.append("vocab") or real_vocab(self, V))
-    for module in (llm_engine, grammar):  # admission's check, and the grammar cache's
+    for module in (admission, grammar):  # admission's check, and the grammar cache's
         monkeypatch.setattr(module, "check_limits", lambda spec, *a: calls.append("limits") or real_limits(spec, *a))
     eng = tiny_llm(VOCAB).llm_engine
 

@@ -43,12 +43,12 @@ def test_a_served_requests_checks_run_on_the_servers_pool_not_the_engines_step_t
     cache's) again, on its step thread, after the server's pool had: a vocabulary's allowed ids,
     bias and stop ids took 9 ms, a legal 64 KB schema 12 ms a walk, a pause of every running
     request. The server's checks stand (`checked_params`): the step thread repeats neither."""
-    from detent.engine import llm_engine
+    from detent.engine import admission
     from detent.sampling import grammar, processors
     from detent.sampling.params import SamplingParams
     seen: dict[str, list[str]] = {}
     _thread_spy(monkeypatch, SamplingParams, "verify_vocab", seen)
-    for module in (llm_engine, grammar, processors):  # admission's, the grammar cache's, the server's
+    for module in (admission, grammar, processors):  # admission's, the grammar cache's, the server's
         _thread_spy(monkeypatch, module, "check_limits", seen)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 1,
             "logit_bias": {"5": 1.0}, "stop_token_ids": list(range(100, 4000)),
