@@ -38,13 +38,15 @@ MAX_N = 128  # detent-serve's --max-n default: samples of one request
 def schema(tag: str = "", max_bytes: int = 63 * 1024) -> dict:
     """A legal JSON schema of about `max_bytes`: 1,000 properties (the limit), long descriptions."""
     from detent.sampling.grammar_limits import check_spec_size, GrammarLimits
-    width = 1
+    last, width = None, 1
     while True:
         props = {f"p{i}": {"type": "string", "description": f"{tag}{i}-" + "d" * width} for i in range(1000)}
         s = {"type": "object", "properties": props, "required": ["p0"], "additionalProperties": False}
         try:
             check_spec_size("json", s, GrammarLimits(max_spec_bytes=max_bytes))
         except ValueError:
+            if last is None:
+                raise ValueError(f"1,000 properties do not fit {max_bytes} bytes") from None
             return last
         last, width = s, width + 4
 
@@ -221,6 +223,7 @@ def run(eng, a: argparse.Namespace) -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"repeat": a.repeat, "max_model_len": a.max_model_len, "cases": rows}, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

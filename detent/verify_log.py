@@ -166,8 +166,9 @@ def verify_remote(url: str, records: list[Any], tuples: dict[str, dict], api_key
     (each call carries the log's tuples, so refusals name pins); lines that did not parse
     stay errors here. If the connection fails, or the server refuses a call (a 503 when it is
     overloaded), after it answered one, the batches answered keep their results and the other
-    records are errors saying why (a failure at the first call raises: nothing was verified); Ctrl-C raises Interrupted with the batches
-    answered so far (the server aborts the call it was answering when the connection closes)."""
+    records are errors saying why (a failure at the first call raises: nothing was verified);
+    Ctrl-C raises Interrupted with the batches answered so far (the server aborts the call it
+    was answering when the connection closes)."""
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     servers = [{"type": "server", "tuple_hash": h, "tuple": t} for h, t in tuples.items()]
